@@ -1,0 +1,185 @@
+//! Finding the cross-entropy the number loss attaches to, in each form exporters produce.
+//!
+//! Every form is reduced to one description, [`CeSite`]: the scores tensor whose axis 1 is the
+//! class axis, the labels, and where the scalar loss leaves the node. `LogSoftmax` +
+//! `NegativeLogLikelihoodLoss` is read as a cross-entropy on the log-probabilities: softmax is
+//! idempotent on log-probabilities (`softmax(log_softmax(x)) = softmax(x)`), so
+//! `SoftmaxCrossEntropyLoss(log_probs)` equals the NLL and ORT can differentiate it.
+
+use crate::graph::GraphIndex;
+use crate::onnx::{attr_i, attr_s, NodeProto};
+
+/// The exporter pattern a cross-entropy was found in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CePattern {
+    /// `SoftmaxCrossEntropyLoss` (TorchScript exporter, dynamo `cross_entropy`).
+    SoftmaxCrossEntropy,
+    /// `NegativeLogLikelihoodLoss` on `LogSoftmax` output (dynamo `log_softmax` + `nll_loss`).
+    LogSoftmaxNll,
+}
+
+impl CePattern {
+    pub fn describe(self) -> &'static str {
+        match self {
+            CePattern::SoftmaxCrossEntropy => "SoftmaxCrossEntropyLoss",
+            CePattern::LogSoftmaxNll => "LogSoftmax + NegativeLogLikelihoodLoss",
+        }
+    }
+}
+
+/// Everything the rewrite needs to know about one cross-entropy.
+#[derive(Debug, Clone)]
+pub struct CeSite {
+    pub pattern: CePattern,
+    /// Index of the loss node in `graph.node`.
+    pub node_index: usize,
+    pub node_name: String,
+    /// Scores fed to the loss node, class axis 1 (`[N, C]` or `[N, C, d1, ...]`).
+    pub scores: String,
+    /// The tensor whose last axis carries the classes and that the scores are a layout view of
+    /// (`scores` itself for rank 2; the input of the exporter's Transpose for `[B, V, T]`).
+    pub logits: String,
+    /// When `logits` differs from `scores`: `logits` is `[B, T, V]`-like, scores `[B, V, T]`.
+    pub logits_class_last: bool,
+    pub labels: String,
+    pub weights: Option<String>,
+    pub ignore_index: Option<i64>,
+    pub reduction: String,
+    /// The loss output (a scalar for reduction `mean`/`sum`).
+    pub loss_output: String,
+    /// The second output (`log_prob`) when the node declares one.
+    pub log_prob_output: Option<String>,
+    /// Rank of the scores when the graph tells it.
+    pub scores_rank: Option<usize>,
+}
+
+/// All cross-entropy nodes of the main graph, in node order.
+pub fn find_ce_sites(index: &GraphIndex) -> Vec<CeSite> {
+    index
+        .graph
+        .node
+        .iter()
+        .enumerate()
+        .filter_map(|(i, node)| match (node.domain(), node.op_type()) {
+            ("" | "ai.onnx", "SoftmaxCrossEntropyLoss") => {
+                Some(site(index, i, node, CePattern::SoftmaxCrossEntropy))
+            }
+            ("" | "ai.onnx", "NegativeLogLikelihoodLoss") if feeds_from_log_softmax(index, node) => {
+                Some(site(index, i, node, CePattern::LogSoftmaxNll))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// Cross-entropy-like nodes inside subgraphs (If/Loop/Scan bodies), which are not patched.
+pub fn nested_ce_nodes(index: &GraphIndex) -> Vec<String> {
+    fn walk(graph: &crate::onnx::GraphProto, path: &str, found: &mut Vec<String>) {
+        for node in &graph.node {
+            for a in &node.attribute {
+                for g in a.g.iter().chain(a.graphs.iter()) {
+                    let here = format!("{path}{}/{}", node.name(), a.name());
+                    for n in &g.node {
+                        if is_ce_op(n) {
+                            found.push(format!("{here}/{}", n.name()));
+                        }
+                    }
+                    walk(g, &format!("{here}/"), found);
+                }
+            }
+        }
+    }
+    let mut found = Vec::new();
+    walk(index.graph, "", &mut found);
+    found
+}
+
+fn is_ce_op(node: &NodeProto) -> bool {
+    matches!(
+        node.op_type(),
+        "SoftmaxCrossEntropyLoss" | "NegativeLogLikelihoodLoss"
+    )
+}
+
+fn feeds_from_log_softmax(index: &GraphIndex, nll: &NodeProto) -> bool {
+    let mut tensor = nll.input.first().map(String::as_str).unwrap_or("");
+    // Layout ops between LogSoftmax and the loss keep the values log-probabilities.
+    for _ in 0..8 {
+        match index.producer(tensor) {
+            Some((_, n)) if n.op_type() == "LogSoftmax" => return true,
+            Some((_, n)) if is_layout_op(n) => tensor = n.input[0].as_str(),
+            _ => return false,
+        }
+    }
+    false
+}
+
+fn is_layout_op(node: &NodeProto) -> bool {
+    matches!(
+        node.op_type(),
+        "Reshape" | "Transpose" | "Identity" | "Squeeze" | "Unsqueeze" | "Flatten"
+    )
+}
+
+fn site(index: &GraphIndex, i: usize, node: &NodeProto, pattern: CePattern) -> CeSite {
+    let scores = node.input[0].clone();
+    let (logits, logits_class_last) = class_last_source(index, &scores);
+    let scores_rank = index.declared_shape(&scores).map(|(_, d)| d.len()).or_else(|| {
+        // A Transpose producer tells the rank through its permutation.
+        index
+            .producer(&scores)
+            .filter(|(_, n)| n.op_type() == "Transpose")
+            .and_then(|(_, n)| crate::onnx::attr_ints(n, "perm"))
+            .map(|p| p.len())
+    });
+    CeSite {
+        pattern,
+        node_index: i,
+        node_name: node.name().to_string(),
+        scores,
+        logits,
+        logits_class_last,
+        labels: node.input.get(1).cloned().unwrap_or_default(),
+        weights: node.input.get(2).filter(|w| !w.is_empty()).cloned(),
+        ignore_index: attr_i(node, "ignore_index"),
+        reduction: attr_s(node, "reduction").unwrap_or_else(|| "mean".into()),
+        loss_output: node.output[0].clone(),
+        log_prob_output: node.output.get(1).filter(|o| !o.is_empty()).cloned(),
+        scores_rank,
+    }
+}
+
+/// If the scores are `Transpose(x)` moving x's last axis to axis 1 (a `[B, T, V]` tensor
+/// presented as `[B, V, T]`), the number loss reads x directly rather than transposing back.
+fn class_last_source(index: &GraphIndex, scores: &str) -> (String, bool) {
+    if let Some((_, node)) = index.producer(scores) {
+        if node.op_type() == "Transpose" {
+            if let Some(perm) = crate::onnx::attr_ints(node, "perm") {
+                let r = perm.len() as i64;
+                let mut expected = vec![0, r - 1];
+                expected.extend(1..r - 1);
+                if r >= 3 && perm == expected {
+                    return (node.input[0].clone(), true);
+                }
+            }
+        }
+    }
+    (scores.to_string(), false)
+}
+
+/// One line per site, for error messages and `inspect`.
+pub fn describe_sites(sites: &[CeSite]) -> String {
+    sites
+        .iter()
+        .map(|s| {
+            format!(
+                "'{}' ({}, scores '{}', labels '{}')",
+                s.node_name,
+                s.pattern.describe(),
+                s.scores,
+                s.labels
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}

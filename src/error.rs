@@ -1,0 +1,75 @@
+//! Errors a user can act on: each message is one line naming the problem and the fix.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("cannot read '{path}': {source}; check the path")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("'{path}' is not an ONNX model ({reason}); pass the .onnx file your exporter wrote")]
+    NotOnnx { path: PathBuf, reason: String },
+    #[error("'{path}' has no graph; pass an exported ONNX model")]
+    NoGraph { path: PathBuf },
+    #[error("no cross-entropy found (looked for SoftmaxCrossEntropyLoss and LogSoftmax + NegativeLogLikelihoodLoss{nested}); export the model with its loss, e.g. torch.onnx.export of a module returning F.cross_entropy(...)")]
+    NoCrossEntropy { nested: String },
+    #[error("{count} cross-entropy nodes found: {found}; choose one with --ce-node NAME")]
+    SeveralCrossEntropies { count: usize, found: String },
+    #[error("--ce-node '{wanted}' matches no cross-entropy; found: {found}")]
+    CeNodeNotFound { wanted: String, found: String },
+    #[error("'{path}' is already patched by ntl-patch ({evidence}); patch the original export instead")]
+    AlreadyPatched { path: PathBuf, evidence: String },
+    #[error("the model's default-domain opset is {found}; ntl-patch needs opset >= {min}: re-export with opset_version={min} or newer")]
+    OpsetTooOld { found: i64, min: i64 },
+    #[error("the model imports no default-domain opset; re-export it with a standard ONNX opset")]
+    NoOpset,
+    #[error("the cross-entropy uses reduction '{0}'; ntl-patch adds a scalar loss and supports 'mean' and 'sum': export the loss with reduction='mean'")]
+    UnsupportedReduction(String),
+    #[error("cannot tell the rank of the scores tensor '{tensor}' from the graph; export with static rank (e.g. keep shape information) or flatten the logits to [N, V] before the loss")]
+    UnknownRank { tensor: String },
+    #[error("cannot read the logits width (vocabulary size) of '{tensor}' from the graph; pass --vocab-size V")]
+    UnknownWidth { tensor: String },
+    #[error("--vocab-size {given} disagrees with the logits width {found} in the graph; drop --vocab-size or pass the right value")]
+    WidthMismatch { given: usize, found: usize },
+    #[error("the graph already has a tensor named '{0}'; rename it in the export, ntl-patch adds that output")]
+    OutputNameTaken(String),
+    #[error("logits '{tensor}' have element type {elem_type}, not a float type; the number loss needs float logits")]
+    NonFloatLogits { tensor: String, elem_type: i32 },
+    #[error("the output path '{0}' is the input model; write elsewhere with -o OUT.onnx (inputs are never overwritten)")]
+    OutputIsInput(PathBuf),
+    #[error("no tokenizer given and none found at '{0}'; pass --tokenizer PATH (tokenizer.json or a one-token-per-line vocab file)")]
+    TokenizerMissing(PathBuf),
+    #[error("{0}")]
+    Table(#[from] crate::number_table::TableError),
+    #[error("external data location '{location}' of tensor '{tensor}' {problem}; keep external data files inside the model's folder")]
+    UnsafeExternalData {
+        tensor: String,
+        location: String,
+        problem: String,
+    },
+    #[error("the model has external data and the output folder differs from the input's; write the output beside the model (the default) so its data files stay valid")]
+    ExternalDataElsewhere,
+    #[error("cannot write '{path}': {source}; check the folder exists and is writable")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("internal error, the patched graph is inconsistent: {0}; please report this")]
+    Inconsistent(String),
+    #[error("{0}")]
+    Validation(String),
+    #[error("{0}")]
+    Usage(String),
+}
+
+impl Error {
+    /// Exit code: 1 for input and usage errors, 2 for internal ones.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Error::Inconsistent(_) => 2,
+            _ => 1,
+        }
+    }
+}

@@ -1,0 +1,208 @@
+//! Read-only questions about a graph: who produces and consumes a tensor, which names are
+//! taken, and what static shape a tensor has where the graph says so.
+
+use std::collections::{BTreeSet, HashMap};
+
+use crate::onnx::{value_info_shape, GraphProto, NodeProto};
+
+pub struct GraphIndex<'g> {
+    pub graph: &'g GraphProto,
+    producer: HashMap<&'g str, usize>,
+    consumers: HashMap<&'g str, Vec<usize>>,
+}
+
+impl<'g> GraphIndex<'g> {
+    pub fn new(graph: &'g GraphProto) -> Self {
+        let mut producer = HashMap::new();
+        let mut consumers: HashMap<&str, Vec<usize>> = HashMap::new();
+        for (i, node) in graph.node.iter().enumerate() {
+            for out in node.output.iter().filter(|o| !o.is_empty()) {
+                producer.insert(out.as_str(), i);
+            }
+            for inp in node.input.iter().filter(|i| !i.is_empty()) {
+                consumers.entry(inp.as_str()).or_default().push(i);
+            }
+        }
+        GraphIndex {
+            graph,
+            producer,
+            consumers,
+        }
+    }
+
+    pub fn producer(&self, tensor: &str) -> Option<(usize, &'g NodeProto)> {
+        self.producer
+            .get(tensor)
+            .map(|&i| (i, &self.graph.node[i]))
+    }
+
+    pub fn consumers(&self, tensor: &str) -> &[usize] {
+        self.consumers.get(tensor).map_or(&[], |v| v.as_slice())
+    }
+
+    pub fn is_graph_output(&self, tensor: &str) -> bool {
+        self.graph.output.iter().any(|o| o.name() == tensor)
+    }
+
+    pub fn is_graph_input(&self, tensor: &str) -> bool {
+        self.graph.input.iter().any(|o| o.name() == tensor)
+    }
+
+    /// Every name in use: node names, tensor names (inputs, outputs, initializers, value infos,
+    /// node outputs). New names must avoid all of them.
+    pub fn taken_names(&self) -> BTreeSet<String> {
+        let g = self.graph;
+        let mut names = BTreeSet::new();
+        for n in &g.node {
+            names.insert(n.name().to_string());
+            names.extend(n.output.iter().cloned());
+            names.extend(n.input.iter().cloned());
+        }
+        names.extend(g.input.iter().map(|v| v.name().to_string()));
+        names.extend(g.output.iter().map(|v| v.name().to_string()));
+        names.extend(g.value_info.iter().map(|v| v.name().to_string()));
+        names.extend(g.initializer.iter().map(|t| t.name().to_string()));
+        names.remove("");
+        names
+    }
+
+    /// Declared element type and dims of a tensor (value_info, inputs, outputs, initializers).
+    pub fn declared_shape(&self, tensor: &str) -> Option<(Option<i32>, Vec<Option<i64>>)> {
+        let g = self.graph;
+        if let Some(init) = g.initializer.iter().find(|t| t.name() == tensor) {
+            return Some((
+                Some(init.data_type()),
+                init.dims.iter().map(|&d| Some(d)).collect(),
+            ));
+        }
+        let vi = g
+            .value_info
+            .iter()
+            .chain(&g.input)
+            .chain(&g.output)
+            .find(|v| v.name() == tensor)?;
+        let (elem, dims) = value_info_shape(vi)?;
+        Some((Some(elem).filter(|&e| e != 0), dims?))
+    }
+
+    /// Element type of a tensor where the graph declares it, or where it follows from a
+    /// producer that keeps its input's type.
+    pub fn elem_type(&self, tensor: &str) -> Option<i32> {
+        if let Some((Some(t), _)) = self.declared_shape(tensor) {
+            return Some(t);
+        }
+        if let Some((_, node)) = self.producer(tensor) {
+            if let Some(t) = node.input.first().and_then(|i| self.elem_type(i)) {
+                let keeps_type = matches!(
+                    node.op_type(),
+                    "Reshape" | "Transpose" | "Add" | "MatMul" | "Gemm" | "LogSoftmax"
+                        | "Softmax" | "Identity" | "Squeeze" | "Unsqueeze" | "Flatten"
+                );
+                if keeps_type {
+                    return Some(t);
+                }
+            }
+        }
+        None
+    }
+
+    /// The size of the last axis of `tensor`, where the graph fixes it: declared shapes,
+    /// a constant Reshape target, or a weight matrix of the MatMul/Gemm that produced it.
+    pub fn static_last_dim(&self, tensor: &str) -> Option<i64> {
+        self.static_dim(tensor, -1, 0)
+    }
+
+    /// The size of axis `axis` (negative counts from the end) of `tensor`.
+    pub fn static_dim(&self, tensor: &str, axis: i64, depth: usize) -> Option<i64> {
+        if depth > 32 {
+            return None;
+        }
+        if let Some((_, dims)) = self.declared_shape(tensor) {
+            let i = normalize_axis(axis, dims.len())?;
+            if let Some(d) = dims[i] {
+                return Some(d);
+            }
+        }
+        let (_, node) = self.producer(tensor)?;
+        let input = |k: usize| node.input.get(k).map(String::as_str).filter(|s| !s.is_empty());
+        match node.op_type() {
+            "Identity" | "Cast" | "LogSoftmax" | "Softmax" | "Relu" | "Dropout" => {
+                self.static_dim(input(0)?, axis, depth + 1)
+            }
+            "Add" | "Sub" | "Mul" | "Div" if axis == -1 => input(0)
+                .and_then(|a| self.static_dim(a, -1, depth + 1).filter(|&d| d > 1))
+                .or_else(|| input(1).and_then(|b| self.static_dim(b, -1, depth + 1))),
+            "MatMul" if axis == -1 => self.static_dim(input(1)?, -1, depth + 1),
+            "Gemm" if axis == -1 => {
+                let trans_b = crate::onnx::attr_i(node, "transB").unwrap_or(0) != 0;
+                self.static_dim(input(1)?, if trans_b { 0 } else { 1 }, depth + 1)
+            }
+            "Transpose" => {
+                let perm = crate::onnx::attr_ints(node, "perm")?;
+                let i = normalize_axis(axis, perm.len())?;
+                self.static_dim(input(0)?, perm[i], depth + 1)
+            }
+            "Reshape" => {
+                let shape = self.constant_i64(input(1)?)?;
+                let i = normalize_axis(axis, shape.len())?;
+                Some(shape[i]).filter(|&d| d > 0)
+            }
+            _ => None,
+        }
+    }
+
+    /// The values of a constant int64 tensor (an initializer or a Constant node).
+    pub fn constant_i64(&self, tensor: &str) -> Option<Vec<i64>> {
+        let t = match self.graph.initializer.iter().find(|t| t.name() == tensor) {
+            Some(t) => t,
+            None => {
+                let (_, node) = self.producer(tensor)?;
+                if node.op_type() != "Constant" {
+                    return None;
+                }
+                crate::onnx::attr(node, "value")?.t.as_ref()?
+            }
+        };
+        if t.data_type() != crate::onnx::INT64 {
+            return None;
+        }
+        if !t.int64_data.is_empty() {
+            return Some(t.int64_data.clone());
+        }
+        let raw = t.raw_data.as_ref()?;
+        Some(
+            raw.chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect(),
+        )
+    }
+}
+
+pub fn normalize_axis(axis: i64, rank: usize) -> Option<usize> {
+    let r = rank as i64;
+    let a = if axis < 0 { axis + r } else { axis };
+    (0..r).contains(&a).then_some(a as usize)
+}
+
+/// The rank of a tensor where the graph fixes it.
+pub fn static_rank(index: &GraphIndex, tensor: &str) -> Option<usize> {
+    static_rank_at(index, tensor, 0)
+}
+
+fn static_rank_at(index: &GraphIndex, tensor: &str, depth: usize) -> Option<usize> {
+    if depth > 32 {
+        return None;
+    }
+    if let Some((_, dims)) = index.declared_shape(tensor) {
+        return Some(dims.len());
+    }
+    let (_, node) = index.producer(tensor)?;
+    match node.op_type() {
+        "Reshape" => index.constant_i64(node.input.get(1)?).map(|s| s.len()),
+        "Transpose" => crate::onnx::attr_ints(node, "perm").map(|p| p.len()),
+        "Identity" | "Cast" | "LogSoftmax" | "Softmax" | "Relu" | "Dropout" => {
+            static_rank_at(index, node.input.first()?, depth + 1)
+        }
+        _ => None,
+    }
+}

@@ -1,0 +1,83 @@
+//! `ntl-patch inspect`: what the patcher would see in a model.
+
+use std::path::Path;
+
+use crate::ce_site::{find_ce_sites, nested_ce_nodes};
+use crate::error::Error;
+use crate::graph::GraphIndex;
+use crate::model_io::{external_locations, load_model};
+use crate::onnx::default_opset;
+use crate::pipeline::{logits_width, site_label};
+
+pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
+    let model = load_model(path)?;
+    let graph = model.graph.as_ref().expect("checked on load");
+    let index = GraphIndex::new(graph);
+    let sites = find_ce_sites(&index);
+    let external = external_locations(graph);
+    let mut files: Vec<&str> = external.iter().map(|(_, l)| l.as_str()).collect();
+    files.sort();
+    files.dedup();
+    let patched = crate::pipeline::refuse_patched(&model, path).is_err();
+    let ir = model.ir_version();
+    let opset = default_opset(&model);
+
+    let site_rows: Vec<(String, String, String, String, String, Option<usize>)> = sites
+        .iter()
+        .map(|s| {
+            (
+                site_label(s),
+                s.pattern.describe().to_string(),
+                s.scores.clone(),
+                s.labels.clone(),
+                s.reduction.clone(),
+                logits_width(&index, s, None).ok(),
+            )
+        })
+        .collect();
+
+    if json {
+        let sites_json: Vec<serde_json::Value> = site_rows
+            .iter()
+            .map(|(n, p, sc, l, r, w)| {
+                serde_json::json!({"node": n, "pattern": p, "scores": sc, "labels": l, "reduction": r, "vocab_width": w})
+            })
+            .collect();
+        let v = serde_json::json!({
+            "model": path.display().to_string(),
+            "ir_version": ir,
+            "opset": opset,
+            "cross_entropy": sites_json,
+            "nested_cross_entropy": nested_ce_nodes(&index),
+            "external_data_tensors": external.len(),
+            "external_data_files": files,
+            "already_patched": patched,
+        });
+        return Ok(serde_json::to_string_pretty(&v).expect("json"));
+    }
+    let mut out = format!(
+        "model: {}\nIR version: {ir}\ndefault opset: {}\n",
+        path.display(),
+        opset.map_or("none".into(), |o| o.to_string())
+    );
+    if site_rows.is_empty() {
+        out.push_str("cross-entropy: none found\n");
+    }
+    for (n, p, sc, l, r, w) in &site_rows {
+        out.push_str(&format!(
+            "cross-entropy: {n} ({p})\n  scores: {sc}\n  labels: {l}\n  reduction: {r}\n  vocab width: {}\n",
+            w.map_or("symbolic (pass --vocab-size)".into(), |w| w.to_string())
+        ));
+    }
+    for n in nested_ce_nodes(&index) {
+        out.push_str(&format!("cross-entropy inside a subgraph (not patched): {n}\n"));
+    }
+    out.push_str(&format!(
+        "external data: {} tensor(s) in {} file(s){}\n",
+        external.len(),
+        files.len(),
+        if files.is_empty() { String::new() } else { format!(": {}", files.join(", ")) }
+    ));
+    out.push_str(&format!("already patched by ntl-patch: {}\n", if patched { "yes" } else { "no" }));
+    Ok(out)
+}

@@ -1,0 +1,19 @@
+//! ntl-patch: splice number-aware losses (NTL) into exported ONNX training graphs.
+//! See ARCHITECTURE.md for the code map and the invariants.
+
+pub mod ce_site;
+pub mod error;
+pub mod graph;
+pub mod inspect;
+pub mod model_io;
+pub mod number_table;
+pub mod onnx;
+pub mod ops;
+pub mod patch;
+pub mod pipeline;
+mod python_float;
+pub mod rewrite;
+mod unicode_digits;
+pub mod validate;
+
+pub use error::Error;

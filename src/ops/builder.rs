@@ -1,0 +1,133 @@
+//! A small node emitter: every node and tensor it creates gets a unique, readable name under
+//! one prefix, and ops are written in the form the model's opset expects.
+
+use std::collections::BTreeSet;
+
+use crate::onnx::{f32_tensor, i64_tensor, int_attr, ints_attr, AttributeProto, NodeProto, TensorProto};
+
+/// The lowest default-domain opset the emitted subgraphs support (ReduceSum and Unsqueeze
+/// take their axes as inputs from 13 on).
+pub const MIN_OPSET: i64 = 13;
+
+pub struct Builder {
+    prefix: String,
+    taken: BTreeSet<String>,
+    pub nodes: Vec<NodeProto>,
+    pub initializers: Vec<TensorProto>,
+}
+
+impl Builder {
+    /// `taken` holds every name already in the graph; new names never collide with them.
+    pub fn new(prefix: &str, taken: BTreeSet<String>) -> Self {
+        Builder {
+            prefix: prefix.to_string(),
+            taken,
+            nodes: Vec::new(),
+            initializers: Vec::new(),
+        }
+    }
+
+    /// A fresh name `prefix/hint`, suffixed `_2`, `_3`... if taken. Deterministic.
+    pub fn fresh(&mut self, hint: &str) -> String {
+        let base = format!("{}/{}", self.prefix, hint);
+        let mut name = base.clone();
+        let mut k = 2;
+        while self.taken.contains(&name) {
+            name = format!("{base}_{k}");
+            k += 1;
+        }
+        self.taken.insert(name.clone());
+        name
+    }
+
+    /// Claims an exact name (a user-visible output such as `ce_loss`); false if it is taken.
+    pub fn claim(&mut self, name: &str) -> bool {
+        self.taken.insert(name.to_string())
+    }
+
+    /// Emits `op(inputs) -> outputs`; the node is named after its first output.
+    pub fn node_to(&mut self, op: &str, inputs: &[&str], outputs: &[&str], attrs: Vec<AttributeProto>) {
+        let name = self.fresh(&format!("{op}"));
+        self.nodes.push(NodeProto {
+            name: Some(name),
+            op_type: Some(op.to_string()),
+            input: inputs.iter().map(|s| s.to_string()).collect(),
+            output: outputs.iter().map(|s| s.to_string()).collect(),
+            attribute: attrs,
+            ..Default::default()
+        });
+    }
+
+    /// Emits a single-output node and returns its fresh output name `prefix/hint`.
+    pub fn node(&mut self, op: &str, inputs: &[&str], hint: &str, attrs: Vec<AttributeProto>) -> String {
+        let out = self.fresh(hint);
+        self.node_to(op, inputs, &[&out], attrs);
+        out
+    }
+
+    pub fn const_f32(&mut self, hint: &str, dims: &[i64], data: &[f32]) -> String {
+        let name = self.fresh(hint);
+        self.initializers.push(f32_tensor(&name, dims, data));
+        name
+    }
+
+    pub fn const_i64(&mut self, hint: &str, dims: &[i64], data: &[i64]) -> String {
+        let name = self.fresh(hint);
+        self.initializers.push(i64_tensor(&name, dims, data));
+        name
+    }
+
+    pub fn scalar_f32(&mut self, hint: &str, value: f32) -> String {
+        self.const_f32(hint, &[], &[value])
+    }
+
+    // ---- op helpers (opset >= 13 forms) ----
+
+    pub fn binary(&mut self, op: &str, a: &str, b: &str, hint: &str) -> String {
+        self.node(op, &[a, b], hint, vec![])
+    }
+
+    pub fn unary(&mut self, op: &str, x: &str, hint: &str) -> String {
+        self.node(op, &[x], hint, vec![])
+    }
+
+    /// ReduceSum over `axes` (all axes when empty).
+    pub fn reduce_sum(&mut self, x: &str, axes: &[i64], keepdims: bool, hint: &str) -> String {
+        let attrs = vec![int_attr("keepdims", keepdims as i64)];
+        if axes.is_empty() {
+            return self.node("ReduceSum", &[x], hint, attrs);
+        }
+        let axes = self.const_i64(&format!("{hint}_axes"), &[axes.len() as i64], axes);
+        self.node("ReduceSum", &[x, &axes], hint, attrs)
+    }
+
+    pub fn unsqueeze(&mut self, x: &str, axes: &[i64], hint: &str) -> String {
+        let axes = self.const_i64(&format!("{hint}_axes"), &[axes.len() as i64], axes);
+        self.node("Unsqueeze", &[x, &axes], hint, vec![])
+    }
+
+    pub fn reshape(&mut self, x: &str, shape: &[i64], hint: &str) -> String {
+        let shape = self.const_i64(&format!("{hint}_shape"), &[shape.len() as i64], shape);
+        self.node("Reshape", &[x, &shape], hint, vec![])
+    }
+
+    pub fn cast(&mut self, x: &str, to: i32, hint: &str) -> String {
+        self.node("Cast", &[x], hint, vec![int_attr("to", to as i64)])
+    }
+
+    pub fn gather(&mut self, x: &str, indices: &str, axis: i64, hint: &str) -> String {
+        self.node("Gather", &[x, indices], hint, vec![int_attr("axis", axis)])
+    }
+
+    pub fn softmax(&mut self, x: &str, axis: i64, hint: &str) -> String {
+        self.node("Softmax", &[x], hint, vec![int_attr("axis", axis)])
+    }
+
+    pub fn transpose(&mut self, x: &str, perm: &[i64], hint: &str) -> String {
+        self.node("Transpose", &[x], hint, vec![ints_attr("perm", perm)])
+    }
+
+    pub fn where_(&mut self, cond: &str, a: &str, b: &str, hint: &str) -> String {
+        self.node("Where", &[cond, a, b], hint, vec![])
+    }
+}

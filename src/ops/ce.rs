@@ -1,0 +1,85 @@
+//! The cross-entropy half of a patch: a `SoftmaxCrossEntropyLoss` that ORT Training can
+//! differentiate, and the `[M, V]` / `[M]` views of its logits and labels the number loss reads.
+
+use crate::ce_site::CeSite;
+use crate::error::Error;
+use crate::graph::GraphIndex;
+use crate::onnx::{int_attr, string_attr, NodeProto, FLOAT, INT64};
+use crate::ops::{Builder, FlatInputs};
+
+/// The replacement loss node: `SoftmaxCrossEntropyLoss(scores, labels[, weights])` with the
+/// original attributes and BOTH outputs declared (ORT's gradient builder needs `log_prob`).
+/// Its first output is renamed to `ce_loss`.
+pub fn cross_entropy_node(b: &mut Builder, site: &CeSite, ce_loss: &str) -> NodeProto {
+    let log_prob = site
+        .log_prob_output
+        .clone()
+        .unwrap_or_else(|| b.fresh("log_prob"));
+    let mut inputs = vec![site.scores.clone(), site.labels.clone()];
+    inputs.extend(site.weights.clone());
+    let mut attribute = vec![string_attr("reduction", &site.reduction)];
+    if let Some(ignore) = site.ignore_index {
+        attribute.push(int_attr("ignore_index", ignore));
+    }
+    let name = if site.node_name.is_empty() {
+        b.fresh("SoftmaxCrossEntropyLoss")
+    } else {
+        site.node_name.clone()
+    };
+    NodeProto {
+        name: Some(name),
+        op_type: Some("SoftmaxCrossEntropyLoss".into()),
+        input: inputs,
+        output: vec![ce_loss.to_string(), log_prob],
+        attribute,
+        ..Default::default()
+    }
+}
+
+/// Emits the flattened float32 logits `[M, V]` and int64 labels `[M]` of a site.
+pub fn flatten_inputs(
+    b: &mut Builder,
+    index: &GraphIndex,
+    site: &CeSite,
+    width: usize,
+) -> Result<FlatInputs, Error> {
+    let v = width as i64;
+    let rank = crate::graph::static_rank(index, &site.scores);
+    let mut logits = site.logits.clone();
+    if !site.logits_class_last {
+        match rank {
+            Some(2) => {}
+            Some(r) if r > 2 => {
+                // [N, V, d1, ..] -> [N, d1, .., V]
+                let mut perm = vec![0];
+                perm.extend(2..r as i64);
+                perm.push(1);
+                logits = b.transpose(&logits, &perm, "logits_class_last");
+            }
+            _ => {
+                return Err(Error::UnknownRank {
+                    tensor: site.scores.clone(),
+                })
+            }
+        }
+    }
+    if site.logits_class_last || rank != Some(2) {
+        logits = b.reshape(&logits, &[-1, v], "logits_2d");
+    }
+    match index.elem_type(&site.logits) {
+        Some(FLOAT) | None => {}
+        Some(_) => logits = b.cast(&logits, FLOAT, "logits_f32"),
+    }
+    let mut labels = site.labels.clone();
+    if crate::graph::static_rank(index, &labels) != Some(1) {
+        labels = b.reshape(&labels, &[-1], "labels_1d");
+    }
+    if index.elem_type(&site.labels).is_some_and(|t| t != INT64) {
+        labels = b.cast(&labels, INT64, "labels_i64");
+    }
+    Ok(FlatInputs {
+        logits,
+        labels,
+        ignore_index: site.ignore_index,
+    })
+}

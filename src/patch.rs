@@ -1,0 +1,76 @@
+//! A patch is a value: the nodes, initializers and outputs a loss adds, and the one node it
+//! replaces. Applying it is the only place the model is changed, and every application ends
+//! with a consistency check of the whole graph.
+
+use std::collections::BTreeSet;
+
+use crate::error::Error;
+use crate::onnx::{ModelProto, NodeProto, StringStringEntryProto, TensorProto, ValueInfoProto};
+
+/// Metadata key that marks a model as patched (and records the options).
+pub const METADATA_KEY: &str = "ntl_patch";
+
+#[derive(Debug, Default)]
+pub struct Patch {
+    /// Index of the loss node the patch replaces; the new nodes take its place.
+    pub replace_node: usize,
+    pub nodes: Vec<NodeProto>,
+    pub initializers: Vec<TensorProto>,
+    /// Graph outputs appended after the existing ones.
+    pub outputs: Vec<ValueInfoProto>,
+    pub metadata: Vec<(String, String)>,
+}
+
+pub fn apply(model: &mut ModelProto, patch: Patch) -> Result<(), Error> {
+    let graph = model.graph.as_mut().expect("loaded models have a graph");
+    let at = patch.replace_node;
+    // The new nodes read only tensors the replaced node could read and write the tensors it
+    // wrote, so putting them in its place keeps the node list in topological order.
+    graph.node.splice(at..=at, patch.nodes);
+    graph.initializer.extend(patch.initializers);
+    graph.output.extend(patch.outputs);
+    model
+        .metadata_props
+        .extend(patch.metadata.into_iter().map(|(k, v)| StringStringEntryProto {
+            key: Some(k),
+            value: Some(v),
+        }));
+    check_consistency(model)
+}
+
+/// Every node input is defined before use, every tensor is produced once, every graph output
+/// is defined.
+pub fn check_consistency(model: &ModelProto) -> Result<(), Error> {
+    let graph = model.graph.as_ref().expect("loaded models have a graph");
+    let mut defined: BTreeSet<&str> = graph
+        .input
+        .iter()
+        .map(|v| v.name())
+        .chain(graph.initializer.iter().map(|t| t.name()))
+        .chain(graph.sparse_initializer.iter().filter_map(|s| s.values.as_ref().map(|v| v.name())))
+        .collect();
+    let mut produced: BTreeSet<&str> = BTreeSet::new();
+    for node in &graph.node {
+        for input in node.input.iter().filter(|i| !i.is_empty()) {
+            if !defined.contains(input.as_str()) {
+                return Err(Error::Inconsistent(format!(
+                    "node '{}' reads '{}' before it is defined",
+                    node.name(),
+                    input
+                )));
+            }
+        }
+        for out in node.output.iter().filter(|o| !o.is_empty()) {
+            if !produced.insert(out.as_str()) {
+                return Err(Error::Inconsistent(format!("tensor '{out}' is produced twice")));
+            }
+            defined.insert(out.as_str());
+        }
+    }
+    for out in &graph.output {
+        if !defined.contains(out.name()) {
+            return Err(Error::Inconsistent(format!("graph output '{}' is never produced", out.name())));
+        }
+    }
+    Ok(())
+}

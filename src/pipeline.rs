@@ -1,0 +1,174 @@
+//! The main job, end to end: load → find the cross-entropy → number table → patch → save.
+
+use std::path::{Path, PathBuf};
+
+use crate::ce_site::{describe_sites, find_ce_sites, nested_ce_nodes, CeSite};
+use crate::error::Error;
+use crate::graph::GraphIndex;
+use crate::model_io::{check_external_data, external_locations, load_model, model_dir, same_file, save_model_atomic};
+use crate::number_table::{NumberTable, Vocab};
+use crate::onnx::{default_opset, ModelProto};
+use crate::ops::builder::MIN_OPSET;
+use crate::ops::LossOptions;
+use crate::patch::{apply, METADATA_KEY};
+use crate::rewrite::{build_patch, PREFIX};
+
+pub struct PatchRequest {
+    pub model: PathBuf,
+    pub output: Option<PathBuf>,
+    pub tokenizer: Option<PathBuf>,
+    pub vocab_size: Option<usize>,
+    pub ce_node: Option<String>,
+    pub loss: LossOptions,
+}
+
+pub struct PatchSummary {
+    pub output: PathBuf,
+    pub ce_node: String,
+    pub pattern: &'static str,
+    pub logits_width: usize,
+    pub number_tokens: usize,
+    pub tokenizer: PathBuf,
+}
+
+/// `model.onnx` → `model.ntl.onnx` beside it.
+pub fn default_output(model: &Path) -> PathBuf {
+    let stem = model.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+    model_dir(model).join(format!("{stem}.ntl.onnx"))
+}
+
+/// `tokenizer.json` beside the model.
+pub fn default_tokenizer(model: &Path) -> PathBuf {
+    model_dir(model).join("tokenizer.json")
+}
+
+pub fn run_patch(req: &PatchRequest) -> Result<PatchSummary, Error> {
+    let output = req.output.clone().unwrap_or_else(|| default_output(&req.model));
+    if same_file(&req.model, &output) {
+        return Err(Error::OutputIsInput(output));
+    }
+    let mut model = load_model(&req.model)?;
+    refuse_patched(&model, &req.model)?;
+    check_opset(&model)?;
+    let graph = model.graph.as_ref().expect("checked on load");
+    check_external_data(graph, &model_dir(&req.model))?;
+    if !external_locations(graph).is_empty() && !same_dir(&req.model, &output) {
+        return Err(Error::ExternalDataElsewhere);
+    }
+
+    let index = GraphIndex::new(graph);
+    let site = select_site(&index, req.ce_node.as_deref())?;
+    let width = logits_width(&index, &site, req.vocab_size)?;
+    let tokenizer = req.tokenizer.clone().unwrap_or_else(|| default_tokenizer(&req.model));
+    if !tokenizer.exists() {
+        return Err(Error::TokenizerMissing(tokenizer));
+    }
+    let vocab = Vocab::from_file(&tokenizer)?;
+    let table = NumberTable::build(&vocab, req.loss.number_set, width)?;
+
+    let patch = build_patch(&index, &site, &table, &req.loss)?;
+    apply(&mut model, patch)?;
+    save_model_atomic(&model, &output)?;
+    Ok(PatchSummary {
+        output,
+        ce_node: site_label(&site),
+        pattern: site.pattern.describe(),
+        logits_width: width,
+        number_tokens: table.len(),
+        tokenizer,
+    })
+}
+
+fn same_dir(a: &Path, b: &Path) -> bool {
+    let canon = |p: &Path| model_dir(p).canonicalize().ok();
+    canon(a).is_some() && canon(a) == canon(b)
+}
+
+pub fn site_label(site: &CeSite) -> String {
+    if site.node_name.is_empty() {
+        format!("<unnamed, output '{}'>", site.loss_output)
+    } else {
+        site.node_name.clone()
+    }
+}
+
+/// Refuses a model ntl-patch already patched (its metadata mark or its node names).
+pub fn refuse_patched(model: &ModelProto, path: &Path) -> Result<(), Error> {
+    let evidence = if model.metadata_props.iter().any(|p| p.key() == METADATA_KEY) {
+        Some(format!("metadata '{METADATA_KEY}'"))
+    } else {
+        let prefix = format!("{PREFIX}/");
+        model
+            .graph
+            .iter()
+            .flat_map(|g| g.node.iter())
+            .find(|n| n.name().starts_with(&prefix))
+            .map(|n| format!("node '{}'", n.name()))
+    };
+    match evidence {
+        Some(evidence) => Err(Error::AlreadyPatched {
+            path: path.to_path_buf(),
+            evidence,
+        }),
+        None => Ok(()),
+    }
+}
+
+fn check_opset(model: &ModelProto) -> Result<(), Error> {
+    match default_opset(model) {
+        None => Err(Error::NoOpset),
+        Some(v) if v < MIN_OPSET => Err(Error::OpsetTooOld { found: v, min: MIN_OPSET }),
+        Some(_) => Ok(()),
+    }
+}
+
+/// The one cross-entropy to patch: the only one, or the one `--ce-node` names (by node name
+/// or loss output name).
+pub fn select_site(index: &GraphIndex, wanted: Option<&str>) -> Result<CeSite, Error> {
+    let mut sites = find_ce_sites(index);
+    if let Some(wanted) = wanted {
+        let found = describe_sites(&sites);
+        return sites
+            .into_iter()
+            .find(|s| s.node_name == wanted || s.loss_output == wanted)
+            .ok_or_else(|| Error::CeNodeNotFound {
+                wanted: wanted.into(),
+                found: if found.is_empty() { "none".into() } else { found },
+            });
+    }
+    match sites.len() {
+        0 => {
+            let nested = nested_ce_nodes(index);
+            Err(Error::NoCrossEntropy {
+                nested: if nested.is_empty() {
+                    String::new()
+                } else {
+                    format!("; found only inside subgraphs, which are not patched: {}", nested.join(", "))
+                },
+            })
+        }
+        1 => Ok(sites.remove(0)),
+        n => Err(Error::SeveralCrossEntropies {
+            count: n,
+            found: describe_sites(&sites),
+        }),
+    }
+}
+
+/// The logits width V: from the graph, checked against `--vocab-size`, or `--vocab-size` alone
+/// where the graph leaves it symbolic.
+pub fn logits_width(index: &GraphIndex, site: &CeSite, given: Option<usize>) -> Result<usize, Error> {
+    let found = if site.logits_class_last {
+        index.static_last_dim(&site.logits)
+    } else {
+        index.static_dim(&site.scores, 1, 0)
+    };
+    match (found, given) {
+        (Some(f), Some(g)) if f as usize != g => Err(Error::WidthMismatch { given: g, found: f as usize }),
+        (Some(f), _) => Ok(f as usize),
+        (None, Some(g)) => Ok(g),
+        (None, None) => Err(Error::UnknownWidth {
+            tensor: site.scores.clone(),
+        }),
+    }
+}
