@@ -105,9 +105,9 @@ pub enum TableError {
     },
 
     #[error(
-        "{tokenizer}: every one of the {width} logits ids is a number token with the {set}, \
-         but NTL needs at least one non-number id (as ntloss does); use the digit-level set \
-         or a larger --vocab-size"
+        "{tokenizer}: all {width} logits ids are number tokens with the {set}, but NTL \
+         needs at least one non-number id (as ntloss does); {}",
+        all_numbers_fix(*.set)
     )]
     AllTokensAreNumbers {
         tokenizer: String,
@@ -130,6 +130,13 @@ fn no_number_fix(set: NumberSet, all_numbers_found: usize) -> String {
              or space-prefixed), so try --all-numbers"
         ),
         _ => "NTL needs number tokens; pass the model's own tokenizer".to_string(),
+    }
+}
+
+fn all_numbers_fix(set: NumberSet) -> &'static str {
+    match set {
+        NumberSet::AllNumbers => "use the digit-level set (drop --all-numbers)",
+        NumberSet::DigitLevel => "check --vocab-size and the tokenizer",
     }
 }
 

@@ -12,9 +12,9 @@ pub const METADATA_KEY: &str = "ntl_patch";
 
 #[derive(Debug, Default)]
 pub struct Patch {
-    /// Index of the loss node the patch replaces; the new nodes take its place.
-    pub replace_node: usize,
-    pub nodes: Vec<NodeProto>,
+    /// `(index, nodes)`: the node at `index` is replaced by `nodes`, which read only tensors
+    /// defined before it and write the tensors it wrote, so node order stays topological.
+    pub replacements: Vec<(usize, Vec<NodeProto>)>,
     pub initializers: Vec<TensorProto>,
     /// Graph outputs appended after the existing ones.
     pub outputs: Vec<ValueInfoProto>,
@@ -23,10 +23,12 @@ pub struct Patch {
 
 pub fn apply(model: &mut ModelProto, patch: Patch) -> Result<(), Error> {
     let graph = model.graph.as_mut().expect("loaded models have a graph");
-    let at = patch.replace_node;
-    // The new nodes read only tensors the replaced node could read and write the tensors it
-    // wrote, so putting them in its place keeps the node list in topological order.
-    graph.node.splice(at..=at, patch.nodes);
+    let mut replacements = patch.replacements;
+    // From the last index back, so earlier indices stay valid.
+    replacements.sort_by_key(|(at, _)| std::cmp::Reverse(*at));
+    for (at, nodes) in replacements {
+        graph.node.splice(at..=at, nodes);
+    }
     graph.initializer.extend(patch.initializers);
     graph.output.extend(patch.outputs);
     model

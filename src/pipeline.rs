@@ -66,7 +66,11 @@ pub fn run_patch(req: &PatchRequest) -> Result<PatchSummary, Error> {
     let vocab = Vocab::from_file(&tokenizer)?;
     let table = NumberTable::build(&vocab, req.loss.number_set, width)?;
 
-    let patch = build_patch(&index, &site, &table, &req.loss)?;
+    let others: Vec<CeSite> = find_ce_sites(&index)
+        .into_iter()
+        .filter(|s| s.node_index != site.node_index)
+        .collect();
+    let patch = build_patch(&index, &site, &others, &table, &req.loss)?;
     apply(&mut model, patch)?;
     save_model_atomic(&model, &output)?;
     Ok(PatchSummary {

@@ -15,9 +15,12 @@ pub const NUMBER_OUTPUT: &str = "number_loss";
 /// Prefix of every node and tensor ntl-patch creates.
 pub const PREFIX: &str = "ntl";
 
+/// `others` are the graph's other cross-entropies: they are rewritten into trainable
+/// `SoftmaxCrossEntropyLoss` nodes too (both outputs declared), their values unchanged.
 pub fn build_patch(
     index: &GraphIndex,
     site: &CeSite,
+    others: &[CeSite],
     table: &NumberTable,
     opts: &LossOptions,
 ) -> Result<Patch, Error> {
@@ -47,9 +50,13 @@ pub fn build_patch(
 
     let mut nodes = vec![ce_node];
     nodes.append(&mut b.nodes);
+    let mut replacements = vec![(site.node_index, nodes)];
+    for other in others {
+        let node = ce::cross_entropy_node(&mut b, other, &other.loss_output);
+        replacements.push((other.node_index, vec![node]));
+    }
     Ok(Patch {
-        replace_node: site.node_index,
-        nodes,
+        replacements,
         initializers: b.initializers,
         outputs: vec![
             scalar_value_info(CE_OUTPUT, loss_type),

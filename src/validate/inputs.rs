@@ -1,0 +1,192 @@
+//! The inputs a validation run feeds: which graph inputs need values, which of them carries
+//! the labels, and deterministic values for them (from a seed), so every branch of the loss is
+//! exercised: number labels, other labels and the ignore index.
+
+use std::collections::{BTreeSet, HashSet};
+
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::error::Error;
+use crate::graph::GraphIndex;
+use crate::number_table::NumberTable;
+use crate::onnx::proto::tensor_proto::DataType;
+use crate::onnx::{value_info_shape, GraphProto};
+use crate::validate::tensor::{Data, HostTensor};
+
+/// A graph input that needs a value (not backed by an initializer).
+#[derive(Debug, Clone)]
+pub struct InputSpec {
+    pub name: String,
+    pub elem_type: i32,
+    /// Declared dims; None where symbolic.
+    pub dims: Vec<Option<i64>>,
+}
+
+pub fn feedable_inputs(graph: &GraphProto) -> Result<Vec<InputSpec>, Error> {
+    let initialized: HashSet<&str> = graph.initializer.iter().map(|t| t.name()).collect();
+    graph
+        .input
+        .iter()
+        .filter(|vi| !initialized.contains(vi.name()))
+        .map(|vi| {
+            let no_type = || {
+                Error::Validation(format!(
+                    "graph input '{}' declares no tensor type and rank; pass its values with --reference DIR",
+                    vi.name()
+                ))
+            };
+            let (elem_type, dims) = value_info_shape(vi).ok_or_else(no_type)?;
+            Ok(InputSpec {
+                name: vi.name().to_string(),
+                elem_type,
+                dims: dims.ok_or_else(no_type)?,
+            })
+        })
+        .collect()
+}
+
+/// The graph input the cross-entropy's labels are computed from (e.g. through Reshape): walks
+/// producers back from `labels`, breadth first, and takes the first integer graph input.
+pub fn labels_source(graph: &GraphProto, labels: &str) -> Option<String> {
+    let index = GraphIndex::new(graph);
+    let initialized: HashSet<&str> = graph.initializer.iter().map(|t| t.name()).collect();
+    let mut queue = std::collections::VecDeque::from([labels.to_string()]);
+    let mut seen = BTreeSet::new();
+    while let Some(t) = queue.pop_front() {
+        if !seen.insert(t.clone()) || initialized.contains(t.as_str()) {
+            continue;
+        }
+        if let Some(vi) = graph.input.iter().find(|vi| vi.name() == t) {
+            if value_info_shape(vi).is_some_and(|(e, _)| is_int(e)) {
+                return Some(t);
+            }
+            continue;
+        }
+        if let Some((_, node)) = index.producer(&t) {
+            queue.extend(node.input.iter().filter(|i| !i.is_empty()).cloned());
+        }
+    }
+    None
+}
+
+/// What the generator needs to know about the labels.
+pub struct LabelPlan<'a> {
+    pub input: &'a str,
+    pub table: &'a NumberTable,
+    pub ignore_index: Option<i64>,
+}
+
+pub struct Shape {
+    pub batch: usize,
+    pub seq: usize,
+}
+
+/// Values for every input, deterministic in `seed`: symbolic dims become `batch` (first axis)
+/// or `seq` (others); integer inputs are token ids in `[0, width)`, the labels a mix of
+/// number ids, other ids and the ignore index; floats uniform in [-1, 1).
+pub fn generate(
+    specs: &[InputSpec],
+    labels: Option<&LabelPlan>,
+    width: usize,
+    shape: &Shape,
+    seed: u64,
+) -> Result<Vec<HostTensor>, Error> {
+    specs
+        .iter()
+        .enumerate()
+        .map(|(k, spec)| {
+            // one ChaCha stream per input: adding an input does not change the others' values
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            rng.set_stream(k as u64);
+            let dims: Vec<usize> = spec
+                .dims
+                .iter()
+                .enumerate()
+                .map(|(axis, d)| match d {
+                    Some(v) => *v as usize,
+                    None if axis == 0 => shape.batch,
+                    None => shape.seq,
+                })
+                .collect();
+            let n: usize = dims.iter().product();
+            let lname = spec.name.to_ascii_lowercase();
+            let data = match DataType::try_from(spec.elem_type).unwrap_or(DataType::Undefined) {
+                _ if labels.is_some_and(|l| l.input == spec.name) => {
+                    let ids = label_values(&mut rng, n, width, labels.expect("checked"));
+                    int_data(spec.elem_type, ids)
+                }
+                DataType::Int64 | DataType::Int32 if lname.contains("mask") => int_data(spec.elem_type, vec![1; n]),
+                DataType::Int64 | DataType::Int32 if lname.contains("position") => {
+                    let last = dims.last().copied().unwrap_or(1).max(1);
+                    int_data(spec.elem_type, (0..n).map(|i| (i % last) as i64).collect())
+                }
+                DataType::Int64 | DataType::Int32 => {
+                    int_data(spec.elem_type, (0..n).map(|_| rng.gen_range(0..width as i64)).collect())
+                }
+                DataType::Float => Data::F32((0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect()),
+                DataType::Double => Data::F64((0..n).map(|_| rng.gen_range(-1.0f64..1.0)).collect()),
+                DataType::Bool => Data::Bool(vec![true; n]),
+                other => {
+                    return Err(Error::Validation(format!(
+                        "graph input '{}' has element type {}, which validate cannot generate; pass its values with --reference DIR",
+                        spec.name,
+                        other.as_str_name()
+                    )))
+                }
+            };
+            Ok(HostTensor {
+                name: spec.name.clone(),
+                shape: dims,
+                data,
+            })
+        })
+        .collect()
+}
+
+/// About 40% number ids, 40% other ids, 20% ignore index; with three or more positions each
+/// kind occurs at least once.
+fn label_values(rng: &mut ChaCha8Rng, n: usize, width: usize, plan: &LabelPlan) -> Vec<i64> {
+    let numbers = plan.table.ids();
+    let others: Vec<i64> = (0..width as i64)
+        .filter(|&id| plan.table.value_of(id).is_none() && Some(id) != plan.ignore_index)
+        .collect();
+    let pick = |rng: &mut ChaCha8Rng, kind: u32| -> i64 {
+        match (kind, plan.ignore_index) {
+            (0, Some(ignore)) => ignore,
+            (0 | 1, _) if !others.is_empty() => *others.choose(rng).expect("non-empty"),
+            _ => *numbers.choose(rng).expect("a number table is never empty"),
+        }
+    };
+    let mut ids: Vec<i64> = (0..n)
+        .map(|_| {
+            let r = rng.gen_range(0..10u32);
+            let kind = match r {
+                0 | 1 => 0,
+                2..=5 => 1,
+                _ => 2,
+            };
+            pick(rng, kind)
+        })
+        .collect();
+    if n >= 3 {
+        for (slot, kind) in [0u32, 1, 2].into_iter().enumerate() {
+            ids[slot] = pick(rng, kind);
+        }
+        ids.shuffle(rng);
+    }
+    ids
+}
+
+fn int_data(elem_type: i32, v: Vec<i64>) -> Data {
+    if elem_type == DataType::Int32 as i32 {
+        Data::I32(v.into_iter().map(|x| x as i32).collect())
+    } else {
+        Data::I64(v)
+    }
+}
+
+fn is_int(elem_type: i32) -> bool {
+    [DataType::Int64, DataType::Int32].iter().any(|t| *t as i32 == elem_type)
+}
