@@ -62,6 +62,10 @@ pub enum Error {
     Validation(String),
     #[error("{0}")]
     Usage(String),
+    #[error("cannot find the [B, T] labels that '{labels}' was flattened from; per-sequence losses (ntil, emd, number-level) need the sequence grouping: export labels as [B, T] and flatten them in the graph")]
+    NoSequenceShape { labels: String },
+    #[error("--float-level needs a \".\" token in the tokenizer and it has none; drop --float-level or pass the model's tokenizer")]
+    NoDotToken,
 }
 
 impl Error {

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use ntl_patch::number_table::NumberSet;
-use ntl_patch::ops::{LossKind, LossOptions};
+use ntl_patch::ops::{Combine, LossKind, LossOptions, NtilOptions};
 use ntl_patch::pipeline::{run_patch, PatchRequest};
 use ntl_patch::validate::{self, Runtime, ValidateRequest};
 
@@ -59,6 +59,30 @@ struct PatchArgs {
     /// Number tokens are all tokens Python's float() parses to a finite value.
     #[arg(long)]
     all_numbers: bool,
+    /// How the loss joins CE [default: scaled for ntil/emd (the NTIL reference), add otherwise].
+    #[arg(long, value_enum)]
+    combine: Option<CombineArg>,
+    /// NTIL/EMD: weight base for digit places, w = digit_exp^r [default: 1.2 ntil, 1.0 emd].
+    #[arg(long)]
+    digit_exp: Option<f64>,
+    /// NTIL: weight of the relative absolute-difference term.
+    #[arg(long, default_value_t = 0.2)]
+    abs_alpha: f64,
+    /// NTIL: weight of the order-of-magnitude term.
+    #[arg(long, default_value_t = 0.2)]
+    mag_alpha: f64,
+    /// NTIL: weight of the digit EMD term.
+    #[arg(long, default_value_t = 1.0)]
+    digit_alpha: f64,
+    /// NTIL: Gumbel-softmax temperature.
+    #[arg(long, default_value_t = 0.1)]
+    gumbel_tau: f64,
+    /// NTIL: Gumbel noise scale (0: deterministic, forward = argmax digits).
+    #[arg(long, default_value_t = 0.01)]
+    gumbel_noise: f64,
+    /// number-level: a "." between digits joins one number ("12.34" -> 1234).
+    #[arg(long)]
+    float_level: bool,
     /// Logits width, where the graph leaves it symbolic.
     #[arg(long, value_name = "V")]
     vocab_size: Option<usize>,
@@ -115,13 +139,28 @@ enum LossArg {
     L1,
     /// NTL-Huber (δ = 1) on Σ p_j v_j − y (same paper).
     Huber,
+    /// NTIL: place-weighted digit EMD + whole-number abs/magnitude terms (Fei et al., "Advancing Sequential Numerical Prediction in Autoregressive Models", ACL 2025).
+    Ntil,
+    /// NTIL's token-level EMD alone (the reference's EMD class).
+    Emd,
+    /// ntloss NumberLevelLoss: relative error of whole numbers built from expected digits.
+    NumberLevel,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum CombineArg {
+    /// CE + λ·L.
+    Add,
+    /// CE + stopgrad(CE/(L+1e-10))·λ·L: the NTIL reference's combination (value (1+λ)·CE).
+    Scaled,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
 enum RuntimeArg {
     /// tract, embedded (pure Rust).
     Tract,
-    /// ONNX Runtime via libonnxruntime.so (ORT_DYLIB_PATH or the PyPI onnxruntime wheel).
+    /// ONNX Runtime, loaded at run time: ORT_DYLIB_PATH=.../libonnxruntime.so.<ver>, or
+    /// NTL_PATCH_ORT_SITE=a site-packages folder holding the PyPI onnxruntime wheel.
     Ort,
 }
 
@@ -136,7 +175,8 @@ fn main() -> ExitCode {
     };
     let result = match cli.command {
         Some(Command::Inspect { model, json }) => ntl_patch::inspect::inspect(&model, json),
-        Some(Command::Validate(args)) => run_validate(args),
+        // validate prints its report itself: on stdout, passed or not (exit 1 when not)
+        Some(Command::Validate(args)) => return run_validate(args),
         None => run_patch_cli(cli.patch),
     };
     match result {
@@ -157,7 +197,38 @@ fn run_patch_cli(args: PatchArgs) -> Result<String, ntl_patch::Error> {
         LossArg::Mse => LossKind::Mse,
         LossArg::L1 => LossKind::L1,
         LossArg::Huber => LossKind::Huber,
+        LossArg::Ntil => LossKind::Ntil,
+        LossArg::Emd => LossKind::Emd,
+        LossArg::NumberLevel => LossKind::NumberLevel,
     };
+    let combine = match (args.combine, kind) {
+        (Some(CombineArg::Add), _) => Combine::Add,
+        (Some(CombineArg::Scaled), _) => Combine::Scaled,
+        (None, LossKind::Ntil | LossKind::Emd) => Combine::Scaled,
+        (None, _) => Combine::Add,
+    };
+    let ntil = NtilOptions {
+        digit_exp: args.digit_exp.unwrap_or(if kind == LossKind::Emd { 1.0 } else { 1.2 }),
+        abs_alpha: args.abs_alpha,
+        mag_alpha: args.mag_alpha,
+        digit_alpha: args.digit_alpha,
+        gumbel_tau: args.gumbel_tau,
+        gumbel_noise: args.gumbel_noise,
+    };
+    if !(ntil.gumbel_tau > 0.0) || !(ntil.gumbel_noise >= 0.0) || !(ntil.digit_exp > 0.0) {
+        return Err(ntl_patch::Error::Usage(
+            "--gumbel-tau and --digit-exp must be > 0 and --gumbel-noise >= 0".into(),
+        ));
+    }
+    if args.float_level && kind != LossKind::NumberLevel {
+        return Err(ntl_patch::Error::Usage("--float-level applies to --loss number-level only".into()));
+    }
+    if args.all_numbers && kind.is_sequence_level() {
+        return Err(ntl_patch::Error::Usage(format!(
+            "--all-numbers does not apply to --loss {}: it works on the digits 0-9",
+            kind.name()
+        )));
+    }
     if let Some(s) = args.squash {
         if !(s > 1.0) || kind != LossKind::Wasserstein {
             return Err(ntl_patch::Error::Usage(
@@ -180,6 +251,9 @@ fn run_patch_cli(args: PatchArgs) -> Result<String, ntl_patch::Error> {
             reweigh: args.reweigh,
             squash: args.squash,
             number_set: if args.all_numbers { NumberSet::AllNumbers } else { NumberSet::DigitLevel },
+            combine,
+            ntil,
+            float_level: args.float_level,
         },
     };
     let s = run_patch(&req)?;
@@ -209,7 +283,7 @@ fn run_patch_cli(args: PatchArgs) -> Result<String, ntl_patch::Error> {
     })
 }
 
-fn run_validate(args: ValidateArgs) -> Result<String, ntl_patch::Error> {
+fn run_validate(args: ValidateArgs) -> ExitCode {
     let req = ValidateRequest {
         model: args.model,
         runtime: match args.runtime {
@@ -224,11 +298,17 @@ fn run_validate(args: ValidateArgs) -> Result<String, ntl_patch::Error> {
         seq: args.seq,
         seed: args.seed,
     };
-    let report = validate::run(&req)?;
-    if args.json {
-        Ok(report.to_json())
+    let report = match validate::run(&req) {
+        Ok(report) => report,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(e.exit_code() as u8);
+        }
+    };
+    println!("{}", if args.json { report.to_json() } else { report.to_text() });
+    if report.passed() {
+        ExitCode::SUCCESS
     } else {
-        Ok(report.to_text())
+        ExitCode::from(1)
     }
-    .and_then(|text| if report.passed() { Ok(text) } else { Err(ntl_patch::Error::Validation(text)) })
 }

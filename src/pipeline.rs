@@ -6,10 +6,10 @@ use crate::ce_site::{describe_sites, find_ce_sites, nested_ce_nodes, CeSite};
 use crate::error::Error;
 use crate::graph::GraphIndex;
 use crate::model_io::{check_external_data, external_locations, load_model, model_dir, same_file, save_model_atomic};
-use crate::number_table::{NumberTable, Vocab};
+use crate::number_table::{NumberSet, NumberTable, Vocab};
 use crate::onnx::{default_opset, ModelProto};
 use crate::ops::builder::MIN_OPSET;
-use crate::ops::LossOptions;
+use crate::ops::{LossOptions, NumberTokens};
 use crate::patch::{apply, METADATA_KEY};
 use crate::rewrite::{build_patch, PREFIX};
 
@@ -64,13 +64,14 @@ pub fn run_patch(req: &PatchRequest) -> Result<PatchSummary, Error> {
         return Err(Error::TokenizerMissing(tokenizer));
     }
     let vocab = Vocab::from_file(&tokenizer)?;
-    let table = NumberTable::build(&vocab, req.loss.number_set, width)?;
+    let tokens = number_tokens(&vocab, &req.loss, width)?;
 
     let others: Vec<CeSite> = find_ce_sites(&index)
         .into_iter()
         .filter(|s| s.node_index != site.node_index)
         .collect();
-    let patch = build_patch(&index, &site, &others, &table, &req.loss)?;
+    let opset = default_opset(&model).expect("checked above");
+    let patch = build_patch(&index, opset, &site, &others, &tokens, &req.loss)?;
     apply(&mut model, patch)?;
     save_model_atomic(&model, &output)?;
     Ok(PatchSummary {
@@ -78,8 +79,31 @@ pub fn run_patch(req: &PatchRequest) -> Result<PatchSummary, Error> {
         ce_node: site_label(&site),
         pattern: site.pattern.describe(),
         logits_width: width,
-        number_tokens: table.len(),
+        number_tokens: tokens.table.len(),
         tokenizer,
+    })
+}
+
+/// The token ids the chosen loss reads. Per-sequence losses work on the digits "0".."9"
+/// (ntloss forces digit level for its number-level loss, NTIL uses exactly those ids).
+pub fn number_tokens(vocab: &Vocab, opts: &LossOptions, width: usize) -> Result<NumberTokens, Error> {
+    if !opts.kind.is_sequence_level() {
+        return Ok(NumberTokens {
+            table: NumberTable::build(vocab, opts.number_set, width)?,
+            digits: None,
+            dot: None,
+        });
+    }
+    let digits = NumberTable::digit_ids(vocab, width)?;
+    let dot = if opts.float_level {
+        Some(vocab.id_of(".").ok_or(Error::NoDotToken)?)
+    } else {
+        None
+    };
+    Ok(NumberTokens {
+        table: NumberTable::build(vocab, NumberSet::DigitLevel, width)?,
+        digits: Some(digits),
+        dot,
     })
 }
 

@@ -4,9 +4,8 @@
 use crate::ce_site::CeSite;
 use crate::error::Error;
 use crate::graph::GraphIndex;
-use crate::number_table::NumberTable;
 use crate::onnx::{scalar_value_info, FLOAT};
-use crate::ops::{ce, ntl, Builder, FlatInputs, LossOptions};
+use crate::ops::{ce, ntil, ntl, number_level, Builder, Combine, FlatInputs, LossKind, LossOptions, NumberTokens};
 use crate::patch::{Patch, METADATA_KEY};
 
 /// Names of the outputs every patched graph adds.
@@ -19,15 +18,16 @@ pub const PREFIX: &str = "ntl";
 /// `SoftmaxCrossEntropyLoss` nodes too (both outputs declared), their values unchanged.
 pub fn build_patch(
     index: &GraphIndex,
+    opset: i64,
     site: &CeSite,
     others: &[CeSite],
-    table: &NumberTable,
+    tokens: &NumberTokens,
     opts: &LossOptions,
 ) -> Result<Patch, Error> {
     if !matches!(site.reduction.as_str(), "mean" | "sum") {
         return Err(Error::UnsupportedReduction(site.reduction.clone()));
     }
-    let mut b = Builder::new(PREFIX, index.taken_names());
+    let mut b = Builder::new(PREFIX, opset, index.taken_names());
     for name in [CE_OUTPUT, NUMBER_OUTPUT] {
         if !b.claim(name) {
             return Err(Error::OutputNameTaken(name.into()));
@@ -35,18 +35,23 @@ pub fn build_patch(
     }
 
     let ce_node = ce::cross_entropy_node(&mut b, site, CE_OUTPUT);
-    let flat = ce::flatten_inputs(&mut b, index, site, table.width())?;
-    let number = ntl::build(&mut b, &flat, table, opts);
+    let flat = ce::flatten_inputs(&mut b, index, site, tokens.table.width())?;
+    let number = match opts.kind {
+        LossKind::Wasserstein | LossKind::Mse | LossKind::L1 | LossKind::Huber => {
+            ntl::build(&mut b, &flat, &tokens.table, opts)
+        }
+        LossKind::Ntil | LossKind::Emd => {
+            let seq = ce::sequence_inputs(&mut b, index, site, &flat)?;
+            ntil::build(&mut b, &seq, tokens, opts)
+        }
+        LossKind::NumberLevel => {
+            let seq = ce::sequence_inputs(&mut b, index, site, &flat)?;
+            number_level::build(&mut b, &seq, tokens, opts)
+        }
+    };
     b.node_to("Identity", &[&number], &[NUMBER_OUTPUT], vec![]);
-
-    // total = CE + λ·number_loss, in the CE's own element type, under the original loss name.
-    let weight = b.scalar_f32("weight", opts.weight as f32);
-    let mut weighted = b.binary("Mul", NUMBER_OUTPUT, &weight, "weighted_number_loss");
     let loss_type = index.elem_type(&site.logits).unwrap_or(FLOAT);
-    if loss_type != FLOAT {
-        weighted = b.cast(&weighted, loss_type, "weighted_number_loss_cast");
-    }
-    b.node_to("Add", &[CE_OUTPUT, &weighted], &[&site.loss_output], vec![]);
+    combine(&mut b, opts, loss_type, &site.loss_output);
 
     let mut nodes = vec![ce_node];
     nodes.append(&mut b.nodes);
@@ -62,13 +67,46 @@ pub fn build_patch(
             scalar_value_info(CE_OUTPUT, loss_type),
             scalar_value_info(NUMBER_OUTPUT, FLOAT),
         ],
-        metadata: vec![(METADATA_KEY.into(), metadata(site, &flat, table, opts))],
+        metadata: vec![(METADATA_KEY.into(), metadata(site, &flat, tokens, opts))],
     })
+}
+
+/// Writes the total under the original loss name, in the CE's element type:
+/// `add`: `CE + λ·L`; `scaled`: `CE + stopgrad(CE / (L + 1e-10))·λ·L` (the NTIL reference).
+///
+/// The scaled form's stop-gradient is `Clip(0, r, r)`: its value is r, and ORT's gradient
+/// builder treats Clip's min and max as stop-gradient edges (`STOP_GRADIENT_EDGES`), so no
+/// gradient reaches r. This is ORT behaviour, not ONNX semantics; the ORT Training tests
+/// compare the resulting gradient with the reference's `.detach()`.
+fn combine(b: &mut Builder, opts: &LossOptions, loss_type: i32, total: &str) {
+    let weight = b.scalar_f32("weight", opts.weight as f32);
+    let mut ce = CE_OUTPUT.to_string();
+    if loss_type != FLOAT {
+        ce = b.cast(&ce, FLOAT, "ce_loss_f32");
+    }
+    let weighted = match opts.combine {
+        Combine::Add => b.binary("Mul", NUMBER_OUTPUT, &weight, "weighted_number_loss"),
+        Combine::Scaled => {
+            let eps = b.scalar_f32("scale_eps", 1e-10);
+            let denom = b.binary("Add", NUMBER_OUTPUT, &eps, "number_loss_eps");
+            let ratio = b.binary("Div", &ce, &denom, "ce_over_number");
+            let zero = b.scalar_f32("scale_zero", 0.0);
+            let frozen = b.node("Clip", &[&zero, &ratio, &ratio], "ce_over_number_frozen", vec![]);
+            let scale = b.binary("Mul", &frozen, &weight, "number_scale");
+            b.binary("Mul", &scale, NUMBER_OUTPUT, "scaled_number_loss")
+        }
+    };
+    let sum = b.binary("Add", &weighted, &ce, "total_f32");
+    if loss_type != FLOAT {
+        b.node_to("Cast", &[&sum], &[total], vec![crate::onnx::int_attr("to", loss_type as i64)]);
+    } else {
+        b.node_to("Identity", &[&sum], &[total], vec![]);
+    }
 }
 
 /// What `validate` needs to check a patched graph on its own: the options and the tensors the
 /// number loss reads. serde_json sorts keys, so the text is deterministic.
-fn metadata(site: &CeSite, flat: &FlatInputs, table: &NumberTable, opts: &LossOptions) -> String {
+fn metadata(site: &CeSite, flat: &FlatInputs, tokens: &NumberTokens, opts: &LossOptions) -> String {
     let mut v = opts.to_json();
     let extra = serde_json::json!({
         "version": env!("CARGO_PKG_VERSION"),
@@ -78,7 +116,7 @@ fn metadata(site: &CeSite, flat: &FlatInputs, table: &NumberTable, opts: &LossOp
         "ignore_index": site.ignore_index,
         "flat_logits": flat.logits,
         "flat_labels": flat.labels,
-        "vocab_width": table.width(),
+        "vocab_width": tokens.table.width(),
     });
     for (k, x) in extra.as_object().expect("object") {
         v[k] = x.clone();

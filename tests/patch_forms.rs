@@ -11,8 +11,17 @@ use ntl_patch::onnx::{default_opset, ModelProto};
 const DIFFERENTIABLE: &[&str] = &[
     "Gather", "Softmax", "LogSoftmax", "Sub", "Abs", "Mul", "Add", "Div", "Pow", "Where",
     "ReduceSum", "Max", "Identity", "Reshape", "Transpose", "Cast", "Unsqueeze",
-    "SoftmaxCrossEntropyLoss",
+    "SoftmaxCrossEntropyLoss", "MatMul", "Squeeze", "Min", "Log", "ReduceMean", "Clip",
 ];
+
+/// Ops whose outputs carry no gradient in ORT (booleans, indices, integer casts).
+fn stops_gradient(node: &ntl_patch::onnx::NodeProto) -> bool {
+    match node.op_type() {
+        "Less" | "Equal" | "Greater" | "Not" | "ArgMax" => true,
+        "Cast" => ntl_patch::onnx::attr_i(node, "to") != Some(ntl_patch::onnx::FLOAT as i64),
+        _ => false,
+    }
+}
 
 fn check_patched(original: &ModelProto, patched: &ModelProto) {
     assert_eq!(patched.ir_version, original.ir_version, "IR version kept");
@@ -34,9 +43,7 @@ fn check_patched(original: &ModelProto, patched: &ModelProto) {
     let meta: serde_json::Value = serde_json::from_str(meta.value()).unwrap();
     let mut live: BTreeSet<String> = BTreeSet::from([meta["flat_logits"].as_str().unwrap().to_string()]);
     for node in &g.node {
-        // Comparisons yield booleans: no gradient flows through them, none is needed.
-        let stops_gradient = matches!(node.op_type(), "Less" | "Equal" | "Greater" | "Not");
-        if node.input.iter().any(|i| live.contains(i)) && !stops_gradient {
+        if node.input.iter().any(|i| live.contains(i)) && !stops_gradient(node) {
             if node.name().starts_with("ntl/") {
                 assert!(
                     DIFFERENTIABLE.contains(&node.op_type()),
@@ -64,7 +71,7 @@ fn check_patched(original: &ModelProto, patched: &ModelProto) {
 fn every_form_and_loss_patches() {
     let dir = tempfile::tempdir().unwrap();
     for name in MODELS {
-        for loss in ["wasserstein", "mse", "l1", "huber"] {
+        for loss in ["wasserstein", "mse", "l1", "huber", "ntil", "emd", "number-level"] {
             let out = patch(&model(name), dir.path(), &["--loss", loss]);
             check_patched(&read_model(&model(name)), &read_model(&out));
         }
@@ -79,6 +86,11 @@ fn options_patch() {
         &["--squash", "3"],
         &["--all-numbers"],
         &["--loss", "mse", "--reweigh", "--all-numbers", "--weight", "0.5"],
+        &["--loss", "ntil", "--combine", "add", "--gumbel-noise", "0"],
+        &["--loss", "ntil", "--combine", "scaled", "--digit-exp", "1.5"],
+        &["--loss", "emd", "--combine", "add"],
+        &["--loss", "number-level", "--float-level", "--reweigh"],
+        &["--loss", "wasserstein", "--combine", "scaled"],
     ] {
         let out = patch(&model("lm_flat"), dir.path(), args);
         check_patched(&read_model(&model("lm_flat")), &read_model(&out));

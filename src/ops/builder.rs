@@ -11,6 +11,8 @@ pub const MIN_OPSET: i64 = 13;
 
 pub struct Builder {
     prefix: String,
+    /// The model's default-domain opset: some ops moved attributes to inputs over time.
+    opset: i64,
     taken: BTreeSet<String>,
     pub nodes: Vec<NodeProto>,
     pub initializers: Vec<TensorProto>,
@@ -18,9 +20,10 @@ pub struct Builder {
 
 impl Builder {
     /// `taken` holds every name already in the graph; new names never collide with them.
-    pub fn new(prefix: &str, taken: BTreeSet<String>) -> Self {
+    pub fn new(prefix: &str, opset: i64, taken: BTreeSet<String>) -> Self {
         Builder {
             prefix: prefix.to_string(),
+            opset,
             taken,
             nodes: Vec::new(),
             initializers: Vec::new(),
@@ -47,7 +50,7 @@ impl Builder {
 
     /// Emits `op(inputs) -> outputs`; the node is named after its first output.
     pub fn node_to(&mut self, op: &str, inputs: &[&str], outputs: &[&str], attrs: Vec<AttributeProto>) {
-        let name = self.fresh(&format!("{op}"));
+        let name = self.fresh(op);
         self.nodes.push(NodeProto {
             name: Some(name),
             op_type: Some(op.to_string()),
@@ -99,6 +102,37 @@ impl Builder {
         }
         let axes = self.const_i64(&format!("{hint}_axes"), &[axes.len() as i64], axes);
         self.node("ReduceSum", &[x, &axes], hint, attrs)
+    }
+
+    /// ReduceMax / ReduceMean over `axes` (all when empty): axes became an input in opset 18.
+    pub fn reduce(&mut self, op: &str, x: &str, axes: &[i64], keepdims: bool, hint: &str) -> String {
+        let mut attrs = vec![int_attr("keepdims", keepdims as i64)];
+        if axes.is_empty() {
+            return self.node(op, &[x], hint, attrs);
+        }
+        if self.opset < 18 {
+            attrs.push(ints_attr("axes", axes));
+            return self.node(op, &[x], hint, attrs);
+        }
+        let axes = self.const_i64(&format!("{hint}_axes"), &[axes.len() as i64], axes);
+        self.node(op, &[x, &axes], hint, attrs)
+    }
+
+    pub fn squeeze(&mut self, x: &str, axes: &[i64], hint: &str) -> String {
+        let axes = self.const_i64(&format!("{hint}_axes"), &[axes.len() as i64], axes);
+        self.node("Squeeze", &[x, &axes], hint, vec![])
+    }
+
+    pub fn concat(&mut self, xs: &[&str], axis: i64, hint: &str) -> String {
+        self.node("Concat", xs, hint, vec![int_attr("axis", axis)])
+    }
+
+    /// `x[..., start:end]` along `axis`, with `end` a constant.
+    pub fn slice(&mut self, x: &str, start: i64, end: i64, axis: i64, hint: &str) -> String {
+        let s = self.const_i64(&format!("{hint}_start"), &[1], &[start]);
+        let e = self.const_i64(&format!("{hint}_end"), &[1], &[end]);
+        let a = self.const_i64(&format!("{hint}_axis"), &[1], &[axis]);
+        self.node("Slice", &[x, &s, &e, &a], hint, vec![])
     }
 
     pub fn unsqueeze(&mut self, x: &str, axes: &[i64], hint: &str) -> String {

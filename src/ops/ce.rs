@@ -5,7 +5,7 @@ use crate::ce_site::CeSite;
 use crate::error::Error;
 use crate::graph::GraphIndex;
 use crate::onnx::{int_attr, string_attr, NodeProto, FLOAT, INT64};
-use crate::ops::{Builder, FlatInputs};
+use crate::ops::{Builder, FlatInputs, SeqInputs};
 
 /// The replacement loss node: `SoftmaxCrossEntropyLoss(scores, labels[, weights])` with the
 /// original attributes and BOTH outputs declared (ORT's gradient builder needs `log_prob`).
@@ -82,4 +82,45 @@ pub fn flatten_inputs(
         labels,
         ignore_index: site.ignore_index,
     })
+}
+
+/// Regroups the flat inputs by sequence for the per-sequence losses: finds the labels tensor
+/// of rank >= 2 the CE labels were flattened from (`[B, T]`) and reads B from its shape at
+/// run time, so symbolic batch and sequence dims work.
+pub fn sequence_inputs(
+    b: &mut Builder,
+    index: &GraphIndex,
+    site: &CeSite,
+    flat: &FlatInputs,
+) -> Result<SeqInputs, Error> {
+    let grouped = sequence_labels(index, &site.labels).ok_or_else(|| Error::NoSequenceShape {
+        labels: site.labels.clone(),
+    })?;
+    let shape = b.node("Shape", &[&grouped], "labels_seq_shape", vec![]);
+    let batch = b.slice(&shape, 0, 1, 0, "batch_size");
+    let minus_one = b.const_i64("seq_minus_one", &[1], &[-1]);
+    let bt = b.concat(&[&batch, &minus_one], 0, "labels_bt_shape");
+    let labels = b.node("Reshape", &[&flat.labels, &bt], "labels_bt", vec![]);
+    Ok(SeqInputs {
+        logits: flat.logits.clone(),
+        labels,
+        batch,
+    })
+}
+
+/// The labels as they were before flattening: walk back through layout ops to a tensor of
+/// known rank >= 2.
+fn sequence_labels(index: &GraphIndex, labels: &str) -> Option<String> {
+    let mut tensor = labels.to_string();
+    for _ in 0..16 {
+        if crate::graph::static_rank(index, &tensor).is_some_and(|r| r >= 2) {
+            return Some(tensor);
+        }
+        let (_, node) = index.producer(&tensor)?;
+        if !matches!(node.op_type(), "Reshape" | "Flatten" | "Identity" | "Cast" | "Squeeze") {
+            return None;
+        }
+        tensor = node.input.first()?.clone();
+    }
+    None
 }

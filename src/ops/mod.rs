@@ -4,7 +4,10 @@
 
 pub mod builder;
 pub mod ce;
+pub mod ntil;
 pub mod ntl;
+pub mod number_level;
+pub mod runs;
 
 pub use builder::Builder;
 
@@ -21,6 +24,12 @@ pub enum LossKind {
     L1,
     /// NTL-Huber (δ = 1) on `Σ_j p_j v_j − y`.
     Huber,
+    /// NTIL (Fei et al., ACL 2025): place-weighted digit EMD + whole-number abs/mag terms.
+    Ntil,
+    /// The token-level part of NTIL alone (the reference's `EMD` class).
+    Emd,
+    /// ntloss `NumberLevelLoss`: symmetric relative error of whole numbers built from digits.
+    NumberLevel,
 }
 
 impl LossKind {
@@ -30,6 +39,48 @@ impl LossKind {
             LossKind::Mse => "mse",
             LossKind::L1 => "l1",
             LossKind::Huber => "huber",
+            LossKind::Ntil => "ntil",
+            LossKind::Emd => "emd",
+            LossKind::NumberLevel => "number-level",
+        }
+    }
+
+    /// Losses that read digits per sequence (need the `[B, T]` grouping and the digit ids).
+    pub fn is_sequence_level(self) -> bool {
+        matches!(self, LossKind::Ntil | LossKind::Emd | LossKind::NumberLevel)
+    }
+}
+
+/// How the number loss joins the cross-entropy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Combine {
+    /// `CE + λ·L`.
+    Add,
+    /// The NTIL reference: `CE + stopgrad(CE / (L + 1e-10))·λ·L` — the value is `(1+λ)·CE`,
+    /// the number loss only reshapes the gradient.
+    Scaled,
+}
+
+/// NTIL's knobs, with the reference's defaults.
+#[derive(Debug, Clone)]
+pub struct NtilOptions {
+    pub digit_exp: f64,
+    pub abs_alpha: f64,
+    pub mag_alpha: f64,
+    pub digit_alpha: f64,
+    pub gumbel_tau: f64,
+    pub gumbel_noise: f64,
+}
+
+impl Default for NtilOptions {
+    fn default() -> Self {
+        NtilOptions {
+            digit_exp: 1.2,
+            abs_alpha: 0.2,
+            mag_alpha: 0.2,
+            digit_alpha: 1.0,
+            gumbel_tau: 0.1,
+            gumbel_noise: 0.01,
         }
     }
 }
@@ -45,12 +96,16 @@ pub struct LossOptions {
     /// ntloss `squash_factor` (Wasserstein only), > 1.
     pub squash: Option<f64>,
     pub number_set: NumberSet,
+    pub combine: Combine,
+    pub ntil: NtilOptions,
+    /// ntloss `NumberLevelLoss(float_level=True)`: a `"."` between digits joins one number.
+    pub float_level: bool,
 }
 
 impl LossOptions {
     /// The options as JSON, recorded in the patched model's metadata.
     pub fn to_json(&self) -> serde_json::Value {
-        serde_json::json!({
+        let mut v = serde_json::json!({
             "loss": self.kind.name(),
             "weight": self.weight,
             "reweigh": self.reweigh,
@@ -59,7 +114,22 @@ impl LossOptions {
                 NumberSet::DigitLevel => "digit-level",
                 NumberSet::AllNumbers => "all-numbers",
             },
-        })
+            "combine": match self.combine {
+                Combine::Add => "add",
+                Combine::Scaled => "scaled",
+            },
+        });
+        if matches!(self.kind, LossKind::Ntil | LossKind::Emd) {
+            let n = &self.ntil;
+            v["ntil"] = serde_json::json!({
+                "digit_exp": n.digit_exp, "abs_alpha": n.abs_alpha, "mag_alpha": n.mag_alpha,
+                "digit_alpha": n.digit_alpha, "gumbel_tau": n.gumbel_tau, "gumbel_noise": n.gumbel_noise,
+            });
+        }
+        if self.kind == LossKind::NumberLevel {
+            v["float_level"] = self.float_level.into();
+        }
+        v
     }
 }
 
@@ -68,4 +138,24 @@ pub struct FlatInputs {
     pub logits: String,
     pub labels: String,
     pub ignore_index: Option<i64>,
+}
+
+/// Sequence-grouped inputs of the per-sequence losses.
+pub struct SeqInputs {
+    /// Float32 logits `[M, V]`, M = B·T.
+    pub logits: String,
+    /// Int64 labels `[B, T]`.
+    pub labels: String,
+    /// Int64 `[1]`: B, read at run time from the graph's labels.
+    pub batch: String,
+}
+
+/// The token ids a loss needs, resolved from the tokenizer.
+pub struct NumberTokens {
+    /// The NTL number table (ids by id order, values).
+    pub table: crate::number_table::NumberTable,
+    /// Ids of `"0"`..`"9"`, by digit value (NTIL, number-level).
+    pub digits: Option<[i64; 10]>,
+    /// Id of `"."` (number-level `--float-level`).
+    pub dot: Option<i64>,
 }

@@ -1,14 +1,57 @@
 //! `ntl-patch validate`: run a patched graph and compare its losses with an independent
 //! implementation (and, optionally, recorded reference outputs).
+//!
+//! One pass: load → read the patch metadata → validation copy (extra outputs; primitive CE for
+//! tract) → inputs (generated, or from `--reference`) → run → independent losses from the
+//! runtime's own flat logits and labels → report. Modules, one job each:
+//! - `meta`: the `ntl_patch` metadata; `copy` (+ `emit`, `primitive_ce`): the graph that runs;
+//! - `inputs`, `testdata`, `tensor`: the values fed and read back;
+//! - `tract_run`, `ort_run` (+ `ort_lib`): the runtimes;
+//! - `reference`: the independent f64 losses; `report`: the checks and their rendering.
 
-use std::path::PathBuf;
+mod copy;
+mod emit;
+pub mod inputs;
+pub mod meta;
+mod ort_lib;
+mod ort_run;
+mod primitive_ce;
+pub mod reference;
+pub mod report;
+pub mod tensor;
+pub mod testdata;
+mod tract_run;
+
+use std::path::{Path, PathBuf};
 
 use crate::error::Error;
+use crate::model_io::{load_model, model_dir};
+use crate::number_table::{NumberTable, Vocab};
+use crate::onnx::ModelProto;
+use crate::pipeline::default_tokenizer;
+use crate::rewrite::{CE_OUTPUT, NUMBER_OUTPUT};
 
-#[derive(Debug, Clone, Copy)]
+pub use ort_lib::HOW_TO_INSTALL as ORT_HOW_TO_INSTALL;
+pub use report::{Against, Check, Report};
+
+use inputs::{LabelPlan, Shape};
+use meta::PatchMeta;
+use reference::{Batch, CeReduction};
+use tensor::HostTensor;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Runtime {
     Tract,
     Ort,
+}
+
+impl Runtime {
+    pub fn name(self) -> &'static str {
+        match self {
+            Runtime::Tract => "tract",
+            Runtime::Ort => "onnxruntime",
+        }
+    }
 }
 
 pub struct ValidateRequest {
@@ -23,20 +66,158 @@ pub struct ValidateRequest {
     pub seed: u64,
 }
 
-pub struct Report {}
+pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
+    if req.batch == 0 || req.seq == 0 {
+        return Err(Error::Usage("--batch and --seq must be at least 1".into()));
+    }
+    if !(req.rtol >= 0.0 && req.atol >= 0.0) {
+        return Err(Error::Usage("--rtol and --atol must be non-negative numbers".into()));
+    }
+    let model = load_model(&req.model)?;
+    let meta = PatchMeta::from_model(&model)?;
+    let table = number_table(req, &meta)?;
+    let loss_name = total_loss_output(&model)?;
+    let copy = copy::build(&model, &meta, req.runtime == Runtime::Tract)?;
+    let graph = copy.model.graph.as_ref().expect("checked on load");
+    let specs = inputs::feedable_inputs(graph)?;
 
-impl Report {
-    pub fn passed(&self) -> bool {
-        false
+    let (feeds, recorded, inputs_desc) = match &req.reference {
+        Some(dir) => {
+            let data = testdata::read_dir(dir)?;
+            let feeds = order_inputs(&specs, data.inputs, dir)?;
+            (feeds, data.outputs, format!("recorded in {}", dir.display()))
+        }
+        None => {
+            let label_input = inputs::labels_source(graph, &copy.ce_labels);
+            let plan = label_input.as_deref().map(|input| LabelPlan {
+                input,
+                table: &table,
+                ignore_index: meta.ignore_index,
+            });
+            let shape = Shape {
+                batch: req.batch,
+                seq: req.seq,
+            };
+            let feeds = inputs::generate(&specs, plan.as_ref(), meta.vocab_width, &shape, req.seed)?;
+            let desc = format!("generated (batch {}, seq {}, seed {})", req.batch, req.seq, req.seed);
+            (feeds, Vec::new(), desc)
+        }
+    };
+
+    let dir = model_dir(&req.model);
+    let outputs = match req.runtime {
+        Runtime::Tract => tract_run::run(&copy.model, &dir, &feeds)?,
+        Runtime::Ort => ort_run::run(&copy.model, &dir, &feeds)?,
+    };
+    let get = |name: &str| -> Result<&HostTensor, Error> {
+        outputs
+            .iter()
+            .find(|t| t.name == name)
+            .ok_or_else(|| Error::Validation(format!("the runtime returned no output '{name}'")))
+    };
+
+    // The independent losses, from the very logits and labels the runtime's loss used.
+    let logits = get(&copy.flat_logits)?.to_f64();
+    let labels = get(&copy.flat_labels)?
+        .to_i64()
+        .ok_or_else(|| Error::Validation("the flat labels are not integers".into()))?;
+    let batch = Batch::new(&logits, &labels, meta.vocab_width).map_err(flat_mismatch)?;
+    let weights = match &copy.class_weights {
+        Some(w) => Some(get(w)?.to_f64()),
+        None => None,
+    };
+    let reduction = match meta.reduction.as_str() {
+        "sum" => CeReduction::Sum,
+        _ => CeReduction::Mean,
+    };
+    let ce = reference::cross_entropy(&batch, meta.ignore_index, reduction, weights.as_deref())
+        .map_err(flat_mismatch)?;
+    let ntl = reference::number_token_loss(&batch, &table, &meta.ntl, meta.ignore_index).map_err(flat_mismatch)?;
+    let total = ce + meta.weight * ntl.value;
+
+    let mut checks = Vec::new();
+    for (name, expected) in [(loss_name.as_str(), total), (CE_OUTPUT, ce), (NUMBER_OUTPUT, ntl.value)] {
+        let got = get(name)?.to_f64();
+        checks.push(Check::compare(name, Against::Independent, &got, &[expected], req.rtol, req.atol));
     }
-    pub fn to_text(&self) -> String {
-        String::new()
+    let original_outputs: Vec<&str> = model.graph.as_ref().expect("checked").output.iter().map(|o| o.name()).collect();
+    for (k, rec) in recorded.iter().enumerate() {
+        // unnamed recordings follow the graph's output order
+        let name = if rec.name.is_empty() { original_outputs.get(k).copied().unwrap_or("") } else { rec.name.as_str() };
+        checks.push(match outputs.iter().find(|t| t.name == name) {
+            Some(t) => Check::compare(name, Against::Recorded, &t.to_f64(), &rec.to_f64(), req.rtol, req.atol),
+            None => Check::missing(name, Against::Recorded, "the graph has no such output".into()),
+        });
     }
-    pub fn to_json(&self) -> String {
-        String::new()
-    }
+
+    Ok(Report {
+        model: req.model.clone(),
+        runtime: req.runtime.name(),
+        settings: format!("{}; CE reduction {}", meta.describe(), meta.reduction),
+        inputs: inputs_desc,
+        positions: labels.len(),
+        number_positions: ntl.positions,
+        ignored_positions: labels.iter().filter(|&&l| Some(l) == meta.ignore_index).count(),
+        rtol: req.rtol,
+        atol: req.atol,
+        checks,
+    })
 }
 
-pub fn run(_req: &ValidateRequest) -> Result<Report, Error> {
-    Err(Error::Validation("not implemented".into()))
+/// The number table, rebuilt from the tokenizer (not read from the graph), so the check does
+/// not trust what the patch wrote.
+fn number_table(req: &ValidateRequest, meta: &PatchMeta) -> Result<NumberTable, Error> {
+    let path = req.tokenizer.clone().unwrap_or_else(|| default_tokenizer(&req.model));
+    if !path.exists() {
+        return Err(Error::TokenizerMissing(path));
+    }
+    let vocab = Vocab::from_file(&path)?;
+    Ok(NumberTable::build(&vocab, meta.numbers, meta.vocab_width)?)
+}
+
+/// The graph output holding `CE + λ·NTL`: what the `Add` reading `ce_loss` writes (the
+/// original loss output's name).
+fn total_loss_output(model: &ModelProto) -> Result<String, Error> {
+    let graph = model.graph.as_ref().expect("checked on load");
+    graph
+        .node
+        .iter()
+        .filter(|n| n.op_type() == "Add" && n.input.iter().any(|i| i == CE_OUTPUT))
+        .filter_map(|n| n.output.first())
+        .find(|o| graph.output.iter().any(|g| g.name() == o.as_str()))
+        .cloned()
+        .ok_or_else(|| {
+            Error::Validation(format!(
+                "no graph output adds '{CE_OUTPUT}' and the number loss; re-patch the original model"
+            ))
+        })
+}
+
+/// Recorded inputs in the order the runtimes take them (the graph's), matched by name.
+fn order_inputs(specs: &[inputs::InputSpec], recorded: Vec<HostTensor>, dir: &Path) -> Result<Vec<HostTensor>, Error> {
+    let unnamed = recorded.iter().all(|t| t.name.is_empty());
+    specs
+        .iter()
+        .enumerate()
+        .map(|(k, spec)| {
+            let found = if unnamed {
+                recorded.get(k)
+            } else {
+                recorded.iter().find(|t| t.name == spec.name)
+            };
+            let mut t = found.cloned().ok_or_else(|| {
+                Error::Validation(format!(
+                    "--reference '{}' has no value for graph input '{}'",
+                    dir.display(),
+                    spec.name
+                ))
+            })?;
+            t.name = spec.name.clone();
+            Ok(t)
+        })
+        .collect()
+}
+
+fn flat_mismatch(why: String) -> Error {
+    Error::Validation(format!("the runtime's flat logits and labels do not fit the metadata: {why}"))
 }
