@@ -64,7 +64,9 @@ pub fn find_ce_sites(index: &GraphIndex) -> Vec<CeSite> {
             ("" | "ai.onnx", "SoftmaxCrossEntropyLoss") => {
                 Some(site(index, i, node, CePattern::SoftmaxCrossEntropy))
             }
-            ("" | "ai.onnx", "NegativeLogLikelihoodLoss") if feeds_from_log_softmax(index, node) => {
+            ("" | "ai.onnx", "NegativeLogLikelihoodLoss")
+                if feeds_from_log_softmax(index, node) =>
+            {
                 Some(site(index, i, node, CePattern::LogSoftmaxNll))
             }
             _ => None,
@@ -124,14 +126,17 @@ fn is_layout_op(node: &NodeProto) -> bool {
 fn site(index: &GraphIndex, i: usize, node: &NodeProto, pattern: CePattern) -> CeSite {
     let scores = node.input[0].clone();
     let (logits, logits_class_last) = class_last_source(index, &scores);
-    let scores_rank = index.declared_shape(&scores).map(|(_, d)| d.len()).or_else(|| {
-        // A Transpose producer tells the rank through its permutation.
-        index
-            .producer(&scores)
-            .filter(|(_, n)| n.op_type() == "Transpose")
-            .and_then(|(_, n)| crate::onnx::attr_ints(n, "perm"))
-            .map(|p| p.len())
-    });
+    let scores_rank = index
+        .declared_shape(&scores)
+        .map(|(_, d)| d.len())
+        .or_else(|| {
+            // A Transpose producer tells the rank through its permutation.
+            index
+                .producer(&scores)
+                .filter(|(_, n)| n.op_type() == "Transpose")
+                .and_then(|(_, n)| crate::onnx::attr_ints(n, "perm"))
+                .map(|p| p.len())
+        });
     CeSite {
         pattern,
         node_index: i,

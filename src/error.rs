@@ -19,7 +19,9 @@ pub enum Error {
     SeveralCrossEntropies { count: usize, found: String },
     #[error("--ce-node '{wanted}' matches no cross-entropy; found: {found}")]
     CeNodeNotFound { wanted: String, found: String },
-    #[error("'{path}' is already patched by ntl-patch ({evidence}); patch the original export instead")]
+    #[error(
+        "'{path}' is already patched by ntl-patch ({evidence}); patch the original export instead"
+    )]
     AlreadyPatched { path: PathBuf, evidence: String },
     #[error("the model's default-domain opset is {found}; ntl-patch needs opset >= {min}: re-export with opset_version={min} or newer")]
     OpsetTooOld { found: i64, min: i64 },
@@ -56,6 +58,8 @@ pub enum Error {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("the input graph is malformed: {0}; re-export the model (ONNX requires each tensor produced once, in topological order)")]
+    MalformedGraph(String),
     #[error("internal error, the patched graph is inconsistent: {0}; please report this")]
     Inconsistent(String),
     #[error("{0}")]

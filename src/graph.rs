@@ -31,9 +31,7 @@ impl<'g> GraphIndex<'g> {
     }
 
     pub fn producer(&self, tensor: &str) -> Option<(usize, &'g NodeProto)> {
-        self.producer
-            .get(tensor)
-            .map(|&i| (i, &self.graph.node[i]))
+        self.producer.get(tensor).map(|&i| (i, &self.graph.node[i]))
     }
 
     pub fn consumers(&self, tensor: &str) -> &[usize] {
@@ -95,8 +93,17 @@ impl<'g> GraphIndex<'g> {
             if let Some(t) = node.input.first().and_then(|i| self.elem_type(i)) {
                 let keeps_type = matches!(
                     node.op_type(),
-                    "Reshape" | "Transpose" | "Add" | "MatMul" | "Gemm" | "LogSoftmax"
-                        | "Softmax" | "Identity" | "Squeeze" | "Unsqueeze" | "Flatten"
+                    "Reshape"
+                        | "Transpose"
+                        | "Add"
+                        | "MatMul"
+                        | "Gemm"
+                        | "LogSoftmax"
+                        | "Softmax"
+                        | "Identity"
+                        | "Squeeze"
+                        | "Unsqueeze"
+                        | "Flatten"
                 );
                 if keeps_type {
                     return Some(t);
@@ -124,7 +131,12 @@ impl<'g> GraphIndex<'g> {
             }
         }
         let (_, node) = self.producer(tensor)?;
-        let input = |k: usize| node.input.get(k).map(String::as_str).filter(|s| !s.is_empty());
+        let input = |k: usize| {
+            node.input
+                .get(k)
+                .map(String::as_str)
+                .filter(|s| !s.is_empty())
+        };
         match node.op_type() {
             "Identity" | "Cast" | "LogSoftmax" | "Softmax" | "Relu" | "Dropout" => {
                 self.static_dim(input(0)?, axis, depth + 1)

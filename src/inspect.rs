@@ -70,14 +70,23 @@ pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
         ));
     }
     for n in nested_ce_nodes(&index) {
-        out.push_str(&format!("cross-entropy inside a subgraph (not patched): {n}\n"));
+        out.push_str(&format!(
+            "cross-entropy inside a subgraph (not patched): {n}\n"
+        ));
     }
     out.push_str(&format!(
         "external data: {} tensor(s) in {} file(s){}\n",
         external.len(),
         files.len(),
-        if files.is_empty() { String::new() } else { format!(": {}", files.join(", ")) }
+        if files.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", files.join(", "))
+        }
     ));
-    out.push_str(&format!("already patched by ntl-patch: {}\n", if patched { "yes" } else { "no" }));
+    out.push_str(&format!(
+        "already patched by ntl-patch: {}\n",
+        if patched { "yes" } else { "no" }
+    ));
     Ok(out)
 }

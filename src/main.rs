@@ -12,7 +12,12 @@ use ntl_patch::validate::{self, Runtime, ValidateRequest};
 /// Splice a number-aware loss into the cross-entropy of an exported ONNX training graph, so
 /// ONNX Runtime Training trains it with CE + λ·NTL.
 #[derive(Parser)]
-#[command(name = "ntl-patch", version, args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+#[command(
+    name = "ntl-patch",
+    version,
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -208,7 +213,9 @@ fn run_patch_cli(args: PatchArgs) -> Result<String, ntl_patch::Error> {
         (None, _) => Combine::Add,
     };
     let ntil = NtilOptions {
-        digit_exp: args.digit_exp.unwrap_or(if kind == LossKind::Emd { 1.0 } else { 1.2 }),
+        digit_exp: args
+            .digit_exp
+            .unwrap_or(if kind == LossKind::Emd { 1.0 } else { 1.2 }),
         abs_alpha: args.abs_alpha,
         mag_alpha: args.mag_alpha,
         digit_alpha: args.digit_alpha,
@@ -221,7 +228,9 @@ fn run_patch_cli(args: PatchArgs) -> Result<String, ntl_patch::Error> {
         ));
     }
     if args.float_level && kind != LossKind::NumberLevel {
-        return Err(ntl_patch::Error::Usage("--float-level applies to --loss number-level only".into()));
+        return Err(ntl_patch::Error::Usage(
+            "--float-level applies to --loss number-level only".into(),
+        ));
     }
     if args.all_numbers && kind.is_sequence_level() {
         return Err(ntl_patch::Error::Usage(format!(
@@ -237,7 +246,9 @@ fn run_patch_cli(args: PatchArgs) -> Result<String, ntl_patch::Error> {
         }
     }
     if !args.weight.is_finite() {
-        return Err(ntl_patch::Error::Usage("--weight must be a finite number".into()));
+        return Err(ntl_patch::Error::Usage(
+            "--weight must be a finite number".into(),
+        ));
     }
     let req = PatchRequest {
         model: args.model.expect("clap requires MODEL"),
@@ -250,7 +261,11 @@ fn run_patch_cli(args: PatchArgs) -> Result<String, ntl_patch::Error> {
             weight: args.weight,
             reweigh: args.reweigh,
             squash: args.squash,
-            number_set: if args.all_numbers { NumberSet::AllNumbers } else { NumberSet::DigitLevel },
+            number_set: if args.all_numbers {
+                NumberSet::AllNumbers
+            } else {
+                NumberSet::DigitLevel
+            },
             combine,
             ntil,
             float_level: args.float_level,
@@ -305,7 +320,14 @@ fn run_validate(args: ValidateArgs) -> ExitCode {
             return ExitCode::from(e.exit_code() as u8);
         }
     };
-    println!("{}", if args.json { report.to_json() } else { report.to_text() });
+    println!(
+        "{}",
+        if args.json {
+            report.to_json()
+        } else {
+            report.to_text()
+        }
+    );
     if report.passed() {
         ExitCode::SUCCESS
     } else {

@@ -81,12 +81,20 @@ pub fn check_external_data(graph: &GraphProto, dir: &Path) -> Result<(), Error> 
         if location.is_empty() {
             return Err(unsafe_loc("is empty"));
         }
-        if rel.is_absolute() || rel.components().any(|c| !matches!(c, Component::Normal(_) | Component::CurDir)) {
+        if rel.is_absolute()
+            || rel
+                .components()
+                .any(|c| !matches!(c, Component::Normal(_) | Component::CurDir))
+        {
             return Err(unsafe_loc("is absolute or climbs out of the model folder"));
         }
         match dir.join(rel).canonicalize() {
             Ok(real) if real.starts_with(&base) => {}
-            Ok(_) => return Err(unsafe_loc("resolves (through a symlink) outside the model folder")),
+            Ok(_) => {
+                return Err(unsafe_loc(
+                    "resolves (through a symlink) outside the model folder",
+                ))
+            }
             Err(_) => return Err(unsafe_loc("names a file that does not exist")),
         }
     }
@@ -131,7 +139,9 @@ pub fn same_file(a: &Path, b: &Path) -> bool {
         Some(dir.join(p.file_name()?))
     };
     match (canon(a), canon(b)) {
-        (Some(x), Some(y)) => x == y || x.canonicalize().ok() == Some(y.clone()) || y.canonicalize().ok() == Some(x),
+        (Some(x), Some(y)) => {
+            x == y || x.canonicalize().ok() == Some(y.clone()) || y.canonicalize().ok() == Some(x)
+        }
         _ => false,
     }
 }

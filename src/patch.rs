@@ -31,47 +31,55 @@ pub fn apply(model: &mut ModelProto, patch: Patch) -> Result<(), Error> {
     }
     graph.initializer.extend(patch.initializers);
     graph.output.extend(patch.outputs);
-    model
-        .metadata_props
-        .extend(patch.metadata.into_iter().map(|(k, v)| StringStringEntryProto {
-            key: Some(k),
-            value: Some(v),
-        }));
-    check_consistency(model)
+    model.metadata_props.extend(
+        patch
+            .metadata
+            .into_iter()
+            .map(|(k, v)| StringStringEntryProto {
+                key: Some(k),
+                value: Some(v),
+            }),
+    );
+    check_consistency(model).map_err(Error::Inconsistent)
 }
 
 /// Every node input is defined before use, every tensor is produced once, every graph output
 /// is defined.
-pub fn check_consistency(model: &ModelProto) -> Result<(), Error> {
+pub fn check_consistency(model: &ModelProto) -> Result<(), String> {
     let graph = model.graph.as_ref().expect("loaded models have a graph");
     let mut defined: BTreeSet<&str> = graph
         .input
         .iter()
         .map(|v| v.name())
         .chain(graph.initializer.iter().map(|t| t.name()))
-        .chain(graph.sparse_initializer.iter().filter_map(|s| s.values.as_ref().map(|v| v.name())))
+        .chain(
+            graph
+                .sparse_initializer
+                .iter()
+                .filter_map(|s| s.values.as_ref().map(|v| v.name())),
+        )
         .collect();
     let mut produced: BTreeSet<&str> = BTreeSet::new();
     for node in &graph.node {
         for input in node.input.iter().filter(|i| !i.is_empty()) {
             if !defined.contains(input.as_str()) {
-                return Err(Error::Inconsistent(format!(
+                return Err(format!(
                     "node '{}' reads '{}' before it is defined",
                     node.name(),
                     input
-                )));
+                ));
             }
         }
         for out in node.output.iter().filter(|o| !o.is_empty()) {
             if !produced.insert(out.as_str()) {
-                return Err(Error::Inconsistent(format!("tensor '{out}' is produced twice")));
+                return Err(format!("tensor '{out}' is produced twice"));
             }
             defined.insert(out.as_str());
         }
     }
     for out in &graph.output {
         if !defined.contains(out.name()) {
-            return Err(Error::Inconsistent(format!("graph output '{}' is never produced", out.name())));
+            return Err(format!("graph output '{}' is never produced", out.name()));
         }
     }
     Ok(())

@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 use crate::ce_site::{describe_sites, find_ce_sites, nested_ce_nodes, CeSite};
 use crate::error::Error;
 use crate::graph::GraphIndex;
-use crate::model_io::{check_external_data, external_locations, load_model, model_dir, same_file, save_model_atomic};
+use crate::model_io::{
+    check_external_data, external_locations, load_model, model_dir, same_file, save_model_atomic,
+};
 use crate::number_table::{NumberSet, NumberTable, Vocab};
 use crate::onnx::{default_opset, ModelProto};
 use crate::ops::builder::MIN_OPSET;
@@ -33,7 +35,10 @@ pub struct PatchSummary {
 
 /// `model.onnx` → `model.ntl.onnx` beside it.
 pub fn default_output(model: &Path) -> PathBuf {
-    let stem = model.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+    let stem = model
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
     model_dir(model).join(format!("{stem}.ntl.onnx"))
 }
 
@@ -43,13 +48,17 @@ pub fn default_tokenizer(model: &Path) -> PathBuf {
 }
 
 pub fn run_patch(req: &PatchRequest) -> Result<PatchSummary, Error> {
-    let output = req.output.clone().unwrap_or_else(|| default_output(&req.model));
+    let output = req
+        .output
+        .clone()
+        .unwrap_or_else(|| default_output(&req.model));
     if same_file(&req.model, &output) {
         return Err(Error::OutputIsInput(output));
     }
     let mut model = load_model(&req.model)?;
     refuse_patched(&model, &req.model)?;
     check_opset(&model)?;
+    crate::patch::check_consistency(&model).map_err(Error::MalformedGraph)?;
     let graph = model.graph.as_ref().expect("checked on load");
     check_external_data(graph, &model_dir(&req.model))?;
     if !external_locations(graph).is_empty() && !same_dir(&req.model, &output) {
@@ -59,7 +68,10 @@ pub fn run_patch(req: &PatchRequest) -> Result<PatchSummary, Error> {
     let index = GraphIndex::new(graph);
     let site = select_site(&index, req.ce_node.as_deref())?;
     let width = logits_width(&index, &site, req.vocab_size)?;
-    let tokenizer = req.tokenizer.clone().unwrap_or_else(|| default_tokenizer(&req.model));
+    let tokenizer = req
+        .tokenizer
+        .clone()
+        .unwrap_or_else(|| default_tokenizer(&req.model));
     if !tokenizer.exists() {
         return Err(Error::TokenizerMissing(tokenizer));
     }
@@ -86,7 +98,11 @@ pub fn run_patch(req: &PatchRequest) -> Result<PatchSummary, Error> {
 
 /// The token ids the chosen loss reads. Per-sequence losses work on the digits "0".."9"
 /// (ntloss forces digit level for its number-level loss, NTIL uses exactly those ids).
-pub fn number_tokens(vocab: &Vocab, opts: &LossOptions, width: usize) -> Result<NumberTokens, Error> {
+pub fn number_tokens(
+    vocab: &Vocab,
+    opts: &LossOptions,
+    width: usize,
+) -> Result<NumberTokens, Error> {
     if !opts.kind.is_sequence_level() {
         return Ok(NumberTokens {
             table: NumberTable::build(vocab, opts.number_set, width)?,
@@ -145,7 +161,10 @@ pub fn refuse_patched(model: &ModelProto, path: &Path) -> Result<(), Error> {
 fn check_opset(model: &ModelProto) -> Result<(), Error> {
     match default_opset(model) {
         None => Err(Error::NoOpset),
-        Some(v) if v < MIN_OPSET => Err(Error::OpsetTooOld { found: v, min: MIN_OPSET }),
+        Some(v) if v < MIN_OPSET => Err(Error::OpsetTooOld {
+            found: v,
+            min: MIN_OPSET,
+        }),
         Some(_) => Ok(()),
     }
 }
@@ -161,7 +180,11 @@ pub fn select_site(index: &GraphIndex, wanted: Option<&str>) -> Result<CeSite, E
             .find(|s| s.node_name == wanted || s.loss_output == wanted)
             .ok_or_else(|| Error::CeNodeNotFound {
                 wanted: wanted.into(),
-                found: if found.is_empty() { "none".into() } else { found },
+                found: if found.is_empty() {
+                    "none".into()
+                } else {
+                    found
+                },
             });
     }
     match sites.len() {
@@ -171,7 +194,10 @@ pub fn select_site(index: &GraphIndex, wanted: Option<&str>) -> Result<CeSite, E
                 nested: if nested.is_empty() {
                     String::new()
                 } else {
-                    format!("; found only inside subgraphs, which are not patched: {}", nested.join(", "))
+                    format!(
+                        "; found only inside subgraphs, which are not patched: {}",
+                        nested.join(", ")
+                    )
                 },
             })
         }
@@ -185,14 +211,21 @@ pub fn select_site(index: &GraphIndex, wanted: Option<&str>) -> Result<CeSite, E
 
 /// The logits width V: from the graph, checked against `--vocab-size`, or `--vocab-size` alone
 /// where the graph leaves it symbolic.
-pub fn logits_width(index: &GraphIndex, site: &CeSite, given: Option<usize>) -> Result<usize, Error> {
+pub fn logits_width(
+    index: &GraphIndex,
+    site: &CeSite,
+    given: Option<usize>,
+) -> Result<usize, Error> {
     let found = if site.logits_class_last {
         index.static_last_dim(&site.logits)
     } else {
         index.static_dim(&site.scores, 1, 0)
     };
     match (found, given) {
-        (Some(f), Some(g)) if f as usize != g => Err(Error::WidthMismatch { given: g, found: f as usize }),
+        (Some(f), Some(g)) if f as usize != g => Err(Error::WidthMismatch {
+            given: g,
+            found: f as usize,
+        }),
         (Some(f), _) => Ok(f as usize),
         (None, Some(g)) => Ok(g),
         (None, None) => Err(Error::UnknownWidth {

@@ -5,7 +5,9 @@ use crate::ce_site::CeSite;
 use crate::error::Error;
 use crate::graph::GraphIndex;
 use crate::onnx::{scalar_value_info, FLOAT};
-use crate::ops::{ce, ntil, ntl, number_level, Builder, Combine, FlatInputs, LossKind, LossOptions, NumberTokens};
+use crate::ops::{
+    ce, ntil, ntl, number_level, Builder, Combine, FlatInputs, LossKind, LossOptions, NumberTokens,
+};
 use crate::patch::{Patch, METADATA_KEY};
 
 /// Names of the outputs every patched graph adds.
@@ -91,14 +93,24 @@ fn combine(b: &mut Builder, opts: &LossOptions, loss_type: i32, total: &str) {
             let denom = b.binary("Add", NUMBER_OUTPUT, &eps, "number_loss_eps");
             let ratio = b.binary("Div", &ce, &denom, "ce_over_number");
             let zero = b.scalar_f32("scale_zero", 0.0);
-            let frozen = b.node("Clip", &[&zero, &ratio, &ratio], "ce_over_number_frozen", vec![]);
+            let frozen = b.node(
+                "Clip",
+                &[&zero, &ratio, &ratio],
+                "ce_over_number_frozen",
+                vec![],
+            );
             let scale = b.binary("Mul", &frozen, &weight, "number_scale");
             b.binary("Mul", &scale, NUMBER_OUTPUT, "scaled_number_loss")
         }
     };
     let sum = b.binary("Add", &weighted, &ce, "total_f32");
     if loss_type != FLOAT {
-        b.node_to("Cast", &[&sum], &[total], vec![crate::onnx::int_attr("to", loss_type as i64)]);
+        b.node_to(
+            "Cast",
+            &[&sum],
+            &[total],
+            vec![crate::onnx::int_attr("to", loss_type as i64)],
+        );
     } else {
         b.node_to("Identity", &[&sum], &[total], vec![]);
     }

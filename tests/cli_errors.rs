@@ -38,8 +38,16 @@ impl Case {
         assert_eq!(stderr.trim_end().lines().count(), 1, "one line: {stderr}");
         assert!(stderr.starts_with("error: "), "{stderr}");
         assert!(stderr.contains(needle), "expected '{needle}' in: {stderr}");
-        assert_eq!(std::fs::read(&self.model).unwrap(), before, "input untouched");
-        assert_eq!(listing(self.dir.path()), files_before, "no output, no temp file left");
+        assert_eq!(
+            std::fs::read(&self.model).unwrap(),
+            before,
+            "input untouched"
+        );
+        assert_eq!(
+            listing(self.dir.path()),
+            files_before,
+            "no output, no temp file left"
+        );
     }
 }
 
@@ -93,7 +101,15 @@ fn tokenizer_without_numbers() {
 #[test]
 fn tokenizer_wider_than_logits() {
     let case = Case::new(&model("lm_flat"));
-    let vocab: String = (0..60).map(|i| if i < 10 { format!("{i}\n") } else { format!("w{i}\n") }).collect();
+    let vocab: String = (0..60)
+        .map(|i| {
+            if i < 10 {
+                format!("{i}\n")
+            } else {
+                format!("w{i}\n")
+            }
+        })
+        .collect();
     std::fs::write(case.dir.path().join("tokenizer.json"), vocab).unwrap();
     case.fails(&[], "48");
 }
@@ -116,7 +132,12 @@ fn output_equal_to_input() {
 fn already_patched() {
     let case = Case::new(&model("lm_flat"));
     let patched = case.dir.path().join("patched.onnx");
-    bin().arg(&case.model).arg("-o").arg(&patched).assert().success();
+    bin()
+        .arg(&case.model)
+        .arg("-o")
+        .arg(&patched)
+        .assert()
+        .success();
     let again = Case::new(&patched);
     again.fails(&[], "already patched");
 }

@@ -3,7 +3,9 @@
 
 use std::collections::BTreeSet;
 
-use crate::onnx::{f32_tensor, i64_tensor, int_attr, ints_attr, AttributeProto, NodeProto, TensorProto};
+use crate::onnx::{
+    f32_tensor, i64_tensor, int_attr, ints_attr, AttributeProto, NodeProto, TensorProto,
+};
 
 /// The lowest default-domain opset the emitted subgraphs support (ReduceSum and Unsqueeze
 /// take their axes as inputs from 13 on).
@@ -49,7 +51,13 @@ impl Builder {
     }
 
     /// Emits `op(inputs) -> outputs`; the node is named after its first output.
-    pub fn node_to(&mut self, op: &str, inputs: &[&str], outputs: &[&str], attrs: Vec<AttributeProto>) {
+    pub fn node_to(
+        &mut self,
+        op: &str,
+        inputs: &[&str],
+        outputs: &[&str],
+        attrs: Vec<AttributeProto>,
+    ) {
         let name = self.fresh(op);
         self.nodes.push(NodeProto {
             name: Some(name),
@@ -62,7 +70,13 @@ impl Builder {
     }
 
     /// Emits a single-output node and returns its fresh output name `prefix/hint`.
-    pub fn node(&mut self, op: &str, inputs: &[&str], hint: &str, attrs: Vec<AttributeProto>) -> String {
+    pub fn node(
+        &mut self,
+        op: &str,
+        inputs: &[&str],
+        hint: &str,
+        attrs: Vec<AttributeProto>,
+    ) -> String {
         let out = self.fresh(hint);
         self.node_to(op, inputs, &[&out], attrs);
         out
@@ -105,7 +119,14 @@ impl Builder {
     }
 
     /// ReduceMax / ReduceMean over `axes` (all when empty): axes became an input in opset 18.
-    pub fn reduce(&mut self, op: &str, x: &str, axes: &[i64], keepdims: bool, hint: &str) -> String {
+    pub fn reduce(
+        &mut self,
+        op: &str,
+        x: &str,
+        axes: &[i64],
+        keepdims: bool,
+        hint: &str,
+    ) -> String {
         let mut attrs = vec![int_attr("keepdims", keepdims as i64)];
         if axes.is_empty() {
             return self.node(op, &[x], hint, attrs);

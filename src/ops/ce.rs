@@ -117,7 +117,10 @@ fn sequence_labels(index: &GraphIndex, labels: &str) -> Option<String> {
             return Some(tensor);
         }
         let (_, node) = index.producer(&tensor)?;
-        if !matches!(node.op_type(), "Reshape" | "Flatten" | "Identity" | "Cast" | "Squeeze") {
+        if !matches!(
+            node.op_type(),
+            "Reshape" | "Flatten" | "Identity" | "Cast" | "Squeeze"
+        ) {
             return None;
         }
         tensor = node.input.first()?.clone();

@@ -23,13 +23,23 @@ use crate::ops::{Builder, LossKind, LossOptions, NumberTokens, SeqInputs};
 /// finite in float32 (max 3.4e38); numbers of more than 31 digits lose their leading places.
 pub const MAX_PLACE_EXPONENT: i64 = 30;
 
-pub fn build(b: &mut Builder, seq: &SeqInputs, tokens: &NumberTokens, opts: &LossOptions) -> String {
+pub fn build(
+    b: &mut Builder,
+    seq: &SeqInputs,
+    tokens: &NumberTokens,
+    opts: &LossOptions,
+) -> String {
     let digit_ids = tokens.digits.expect("digit ids resolved for NTIL");
     let n = &opts.ntil;
     let ids = b.const_i64("ntil_digit_ids", &[10], &digit_ids);
     let digit_logits = b.gather(&seq.logits, &ids, 1, "digit_logits");
     let shape = digit_shape(b, seq);
-    let z = b.node("Reshape", &[&digit_logits, &shape], "digit_logits_btk", vec![]);
+    let z = b.node(
+        "Reshape",
+        &[&digit_logits, &shape],
+        "digit_logits_btk",
+        vec![],
+    );
 
     let digits = runs::digits(b, seq, &digit_ids);
     let runs = runs::runs(b, seq, &digits, None);
@@ -41,9 +51,27 @@ pub fn build(b: &mut Builder, seq: &SeqInputs, tokens: &NumberTokens, opts: &Los
         let place = b.binary("Mul", &place, &digits.is_digit, "digit_place");
         let target = number_targets(b, &runs, &digits, &place);
         // The reference draws fresh Gumbel noise for each of the two terms.
-        let abs_estimate = number_estimate(b, &z, &digits, &runs, &place, n.gumbel_tau, n.gumbel_noise, "abs");
+        let abs_estimate = number_estimate(
+            b,
+            &z,
+            &digits,
+            &runs,
+            &place,
+            n.gumbel_tau,
+            n.gumbel_noise,
+            "abs",
+        );
         let mag_estimate = if n.gumbel_noise > 0.0 {
-            number_estimate(b, &z, &digits, &runs, &place, n.gumbel_tau, n.gumbel_noise, "mag")
+            number_estimate(
+                b,
+                &z,
+                &digits,
+                &runs,
+                &place,
+                n.gumbel_tau,
+                n.gumbel_noise,
+                "mag",
+            )
         } else {
             abs_estimate.clone()
         };
@@ -71,7 +99,13 @@ fn scale(b: &mut Builder, x: &str, factor: f64, hint: &str) -> String {
 }
 
 /// `[B]`: per sequence, the plain mean over digit positions of `digit_exp^r · EMD_t`.
-fn token_level(b: &mut Builder, z: &str, digits: &Digits, digits_after: &str, digit_exp: f64) -> String {
+fn token_level(
+    b: &mut Builder,
+    z: &str,
+    digits: &Digits,
+    digits_after: &str,
+    digit_exp: f64,
+) -> String {
     let q = b.softmax(z, -1, "digit_probs");
     let y = b.unsqueeze(&digits.value, &[2], "label_digit_col");
     let delta = b.binary("Sub", &digits.arange, &y, "digit_delta");
@@ -112,7 +146,12 @@ fn number_estimate(
     let noisy = if noise > 0.0 {
         // Gumbel(0,1) = −log(−log U); RandomUniformLike on a label-side tensor (ORT cannot
         // differentiate it on a trainable one). U is floored away from 0 so logs stay finite.
-        let u = b.node("RandomUniformLike", &[&digits.onehot], &format!("{hint}_uniform"), vec![int_attr("dtype", FLOAT as i64)]);
+        let u = b.node(
+            "RandomUniformLike",
+            &[&digits.onehot],
+            &format!("{hint}_uniform"),
+            vec![int_attr("dtype", FLOAT as i64)],
+        );
         let tiny = b.scalar_f32(&format!("{hint}_uniform_floor"), 1e-30);
         let u = b.binary("Max", &u, &tiny, &format!("{hint}_uniform_safe"));
         let e = b.unary("Log", &u, &format!("{hint}_log_u"));
@@ -127,18 +166,38 @@ fn number_estimate(
     let tau = b.scalar_f32(&format!("{hint}_tau"), tau as f32);
     let tempered = b.binary("Div", &noisy, &tau, &format!("{hint}_tempered"));
     let soft = b.softmax(&tempered, -1, &format!("{hint}_soft_digits"));
-    let index = b.node("ArgMax", &[&soft], &format!("{hint}_argmax"), vec![int_attr("axis", -1), int_attr("keepdims", 0)]);
+    let index = b.node(
+        "ArgMax",
+        &[&soft],
+        &format!("{hint}_argmax"),
+        vec![int_attr("axis", -1), int_attr("keepdims", 0)],
+    );
     let depth = b.const_i64(&format!("{hint}_depth"), &[], &[10]);
     let onoff = b.const_f32(&format!("{hint}_onoff"), &[2], &[0.0, 1.0]);
-    let hard = b.node("OneHot", &[&index, &depth, &onoff], &format!("{hint}_hard_digits"), vec![int_attr("axis", -1)]);
+    let hard = b.node(
+        "OneHot",
+        &[&index, &depth, &onoff],
+        &format!("{hint}_hard_digits"),
+        vec![int_attr("axis", -1)],
+    );
     let frozen = stop_gradient_unit(b, &soft, &format!("{hint}_soft_frozen"));
     let st = b.binary("Sub", &hard, &frozen, &format!("{hint}_st_delta"));
     let st = b.binary("Add", &st, &soft, &format!("{hint}_st_digits"));
-    let value = b.binary("Mul", &st, &digits.arange, &format!("{hint}_digit_value_parts"));
+    let value = b.binary(
+        "Mul",
+        &st,
+        &digits.arange,
+        &format!("{hint}_digit_value_parts"),
+    );
     let value = b.reduce_sum(&value, &[2], false, &format!("{hint}_digit_value"));
     let contrib = b.binary("Mul", &value, place, &format!("{hint}_number_parts"));
     let contrib = b.unsqueeze(&contrib, &[2], &format!("{hint}_number_parts_col"));
-    let number = b.binary("MatMul", &runs.membership, &contrib, &format!("{hint}_number_col"));
+    let number = b.binary(
+        "MatMul",
+        &runs.membership,
+        &contrib,
+        &format!("{hint}_number_col"),
+    );
     b.squeeze(&number, &[2], &format!("{hint}_number"))
 }
 

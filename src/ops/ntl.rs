@@ -46,7 +46,9 @@ pub fn build(b: &mut Builder, inp: &FlatInputs, table: &NumberTable, opts: &Loss
             };
             b.reduce_sum(&err, &[1], false, "position_loss")
         }
-        LossKind::Ntil | LossKind::Emd | LossKind::NumberLevel => unreachable!("built in their own modules"),
+        LossKind::Ntil | LossKind::Emd | LossKind::NumberLevel => {
+            unreachable!("built in their own modules")
+        }
     };
 
     let per_position = if opts.reweigh {

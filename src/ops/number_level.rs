@@ -11,7 +11,12 @@ use crate::ops::{Builder, LossOptions, NumberTokens, SeqInputs};
 
 const MAX_EXPONENT: i64 = 19;
 
-pub fn build(b: &mut Builder, seq: &SeqInputs, tokens: &NumberTokens, opts: &LossOptions) -> String {
+pub fn build(
+    b: &mut Builder,
+    seq: &SeqInputs,
+    tokens: &NumberTokens,
+    opts: &LossOptions,
+) -> String {
     let digit_ids = tokens.digits.expect("digit ids resolved for number-level");
     let ids = b.const_i64("nl_digit_ids", &[10], &digit_ids);
     let digit_logits = b.gather(&seq.logits, &ids, 1, "digit_logits");
@@ -63,8 +68,18 @@ fn group(b: &mut Builder, membership: &str, x: &str, place: &str, hint: &str) ->
 }
 
 /// ntloss `reweigh` with `max_dist = 1`: the mass on number tokens at each number's first digit.
-fn reweigh(b: &mut Builder, seq: &SeqInputs, tokens: &NumberTokens, runs: &runs::Runs, loss: &str) -> String {
-    let ids = b.const_i64("nl_number_ids", &[tokens.table.len() as i64], tokens.table.ids());
+fn reweigh(
+    b: &mut Builder,
+    seq: &SeqInputs,
+    tokens: &NumberTokens,
+    runs: &runs::Runs,
+    loss: &str,
+) -> String {
+    let ids = b.const_i64(
+        "nl_number_ids",
+        &[tokens.table.len() as i64],
+        tokens.table.ids(),
+    );
     let probs = b.softmax(&seq.logits, 1, "vocab_probs");
     let number_probs = b.gather(&probs, &ids, 1, "vocab_number_probs");
     let mass = b.reduce_sum(&number_probs, &[1], false, "number_mass");

@@ -38,7 +38,11 @@ pub fn find_ce_node(model: &ModelProto) -> Result<(usize, &NodeProto), Error> {
         })
 }
 
-pub fn build(model: &ModelProto, meta: &PatchMeta, primitive_ce: bool) -> Result<ValidationCopy, Error> {
+pub fn build(
+    model: &ModelProto,
+    meta: &PatchMeta,
+    primitive_ce: bool,
+) -> Result<ValidationCopy, Error> {
     let (ce_index, ce_node) = find_ce_node(model)?;
     let ce_node = ce_node.clone();
     let graph = model.graph.as_ref().expect("checked on load");
@@ -50,10 +54,9 @@ pub fn build(model: &ModelProto, meta: &PatchMeta, primitive_ce: bool) -> Result
             )));
         }
     }
-    let log_prob_used = ce_node
-        .output
-        .get(1)
-        .is_some_and(|o| !o.is_empty() && (!index.consumers(o).is_empty() || index.is_graph_output(o)));
+    let log_prob_used = ce_node.output.get(1).is_some_and(|o| {
+        !o.is_empty() && (!index.consumers(o).is_empty() || index.is_graph_output(o))
+    });
     let loss_type = graph
         .output
         .iter()
@@ -65,8 +68,18 @@ pub fn build(model: &ModelProto, meta: &PatchMeta, primitive_ce: bool) -> Result
 
     let mut e = Emitter::new(index.taken_names());
     // Identity outputs: a graph output may not be an initializer or an input in every runtime.
-    let flat_logits = e.node("Identity", &[&meta.flat_logits], vec![], Out::Fresh("flat_logits"));
-    let flat_labels = e.node("Identity", &[&meta.flat_labels], vec![], Out::Fresh("flat_labels"));
+    let flat_logits = e.node(
+        "Identity",
+        &[&meta.flat_logits],
+        vec![],
+        Out::Fresh("flat_logits"),
+    );
+    let flat_labels = e.node(
+        "Identity",
+        &[&meta.flat_labels],
+        vec![],
+        Out::Fresh("flat_labels"),
+    );
     let class_weights = ce_node
         .input
         .get(2)
@@ -98,14 +111,22 @@ pub fn build(model: &ModelProto, meta: &PatchMeta, primitive_ce: bool) -> Result
     // The replacement reads the flat tensors, which the patch computes after the CE node, so
     // it cannot simply take the node's place: restore a topological order instead.
     topological_sort(graph);
-    for name in [Some(&flat_logits), Some(&flat_labels), class_weights.as_ref()].into_iter().flatten() {
+    for name in [
+        Some(&flat_logits),
+        Some(&flat_labels),
+        class_weights.as_ref(),
+    ]
+    .into_iter()
+    .flatten()
+    {
         graph.output.push(ValueInfoProto {
             name: Some(name.clone()),
             ..Default::default()
         });
     }
-    crate::patch::check_consistency(&model)
-        .map_err(|e| Error::Validation(format!("internal error building the validation copy: {e}")))?;
+    crate::patch::check_consistency(&model).map_err(|e| {
+        Error::Validation(format!("internal error building the validation copy: {e}"))
+    })?;
     Ok(ValidationCopy {
         model,
         flat_logits,
@@ -129,7 +150,11 @@ fn topological_sort(graph: &mut GraphProto) {
         let before = pending.len();
         let mut waiting = Vec::new();
         for node in pending {
-            if node.input.iter().all(|i| i.is_empty() || defined.contains(i)) {
+            if node
+                .input
+                .iter()
+                .all(|i| i.is_empty() || defined.contains(i))
+            {
                 defined.extend(node.output.iter().cloned());
                 graph.node.push(node);
             } else {

@@ -34,7 +34,13 @@ impl Emitter {
     }
 
     /// `op(inputs)` with one output named `out` (or a fresh name from `hint`); returns it.
-    pub fn node(&mut self, op: &str, inputs: &[&str], attrs: Vec<AttributeProto>, out: Out) -> String {
+    pub fn node(
+        &mut self,
+        op: &str,
+        inputs: &[&str],
+        attrs: Vec<AttributeProto>,
+        out: Out,
+    ) -> String {
         let output = match out {
             Out::Named(n) => n.to_string(),
             Out::Fresh(hint) => self.fresh(hint),

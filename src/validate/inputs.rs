@@ -188,5 +188,7 @@ fn int_data(elem_type: i32, v: Vec<i64>) -> Data {
 }
 
 fn is_int(elem_type: i32) -> bool {
-    [DataType::Int64, DataType::Int32].iter().any(|t| *t as i32 == elem_type)
+    [DataType::Int64, DataType::Int32]
+        .iter()
+        .any(|t| *t as i32 == elem_type)
 }

@@ -13,6 +13,8 @@ pub struct PatchMeta {
     pub ntl: NtlSettings,
     /// λ in `CE + λ·NTL`.
     pub weight: f64,
+    /// How the number loss joins the CE in the total.
+    pub combine: Combine,
     pub numbers: NumberSet,
     pub ignore_index: Option<i64>,
     /// The cross-entropy's reduction: "mean" or "sum".
@@ -23,6 +25,13 @@ pub struct PatchMeta {
     pub flat_labels: String,
     pub vocab_width: usize,
     pub ce_node: String,
+}
+
+/// `add`: `CE + λ·L`; `scaled`: `CE + stopgrad(CE / (L + 1e-10))·λ·L` (value `(1+λ)·CE`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Combine {
+    Add,
+    Scaled,
 }
 
 impl PatchMeta {
@@ -46,19 +55,25 @@ impl PatchMeta {
         };
         let v: serde_json::Value = serde_json::from_str(text).map_err(|_| bad("not JSON"))?;
         let s = |k: &str| v[k].as_str().map(str::to_string).ok_or_else(|| bad(k));
-        let kind = match s("loss")?.as_str() {
-            "wasserstein" => NtlKind::Wasserstein,
-            "mse" => NtlKind::Mse,
-            "l1" => NtlKind::L1,
-            "huber" => NtlKind::Huber,
-            _ => return Err(bad("unknown loss")),
+        let loss = s("loss")?;
+        let kind = NtlKind::parse(&loss).ok_or_else(|| {
+            Error::Validation(format!(
+                "validate checks the NTL losses (wasserstein, mse, l1, huber); this graph's loss '{loss}' has no independent reference here yet"
+            ))
+        })?;
+        let combine = match v["combine"].as_str().unwrap_or("add") {
+            "add" => Combine::Add,
+            "scaled" => Combine::Scaled,
+            _ => return Err(bad("combine")),
         };
         let numbers = match s("numbers")?.as_str() {
             "digit-level" => NumberSet::DigitLevel,
             "all-numbers" => NumberSet::AllNumbers,
             _ => return Err(bad("numbers")),
         };
-        let vocab_width = v["vocab_width"].as_u64().ok_or_else(|| bad("vocab_width"))? as usize;
+        let vocab_width = v["vocab_width"]
+            .as_u64()
+            .ok_or_else(|| bad("vocab_width"))? as usize;
         Ok(PatchMeta {
             ntl: NtlSettings {
                 kind,
@@ -66,6 +81,7 @@ impl PatchMeta {
                 squash: v["squash"].as_f64(),
             },
             weight: v["weight"].as_f64().ok_or_else(|| bad("weight"))?,
+            combine,
             numbers,
             ignore_index: v["ignore_index"].as_i64(),
             reduction: s("reduction")?,
@@ -74,6 +90,15 @@ impl PatchMeta {
             vocab_width,
             ce_node: v["ce_node"].as_str().unwrap_or_default().to_string(),
         })
+    }
+
+    /// The total the graph should output, from independent CE and number-loss values.
+    pub fn total(&self, ce: f64, number_loss: f64) -> f64 {
+        match self.combine {
+            Combine::Add => ce + self.weight * number_loss,
+            // the stop-gradient changes no value: CE + (CE / (L + 1e-10))·λ·L
+            Combine::Scaled => ce + ce / (number_loss + 1e-10) * self.weight * number_loss,
+        }
     }
 
     /// A short description for the report.
@@ -93,6 +118,9 @@ impl PatchMeta {
             .into(),
         );
         parts.push(format!("λ = {}", self.weight));
+        if self.combine == Combine::Scaled {
+            parts.push("combine scaled".into());
+        }
         parts.join(", ")
     }
 }

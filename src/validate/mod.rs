@@ -25,6 +25,7 @@ mod tract_run;
 use std::path::{Path, PathBuf};
 
 use crate::error::Error;
+use crate::graph::GraphIndex;
 use crate::model_io::{load_model, model_dir};
 use crate::number_table::{NumberTable, Vocab};
 use crate::onnx::ModelProto;
@@ -71,7 +72,9 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
         return Err(Error::Usage("--batch and --seq must be at least 1".into()));
     }
     if !(req.rtol >= 0.0 && req.atol >= 0.0) {
-        return Err(Error::Usage("--rtol and --atol must be non-negative numbers".into()));
+        return Err(Error::Usage(
+            "--rtol and --atol must be non-negative numbers".into(),
+        ));
     }
     let model = load_model(&req.model)?;
     let meta = PatchMeta::from_model(&model)?;
@@ -85,7 +88,11 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
         Some(dir) => {
             let data = testdata::read_dir(dir)?;
             let feeds = order_inputs(&specs, data.inputs, dir)?;
-            (feeds, data.outputs, format!("recorded in {}", dir.display()))
+            (
+                feeds,
+                data.outputs,
+                format!("recorded in {}", dir.display()),
+            )
         }
         None => {
             let label_input = inputs::labels_source(graph, &copy.ce_labels);
@@ -98,8 +105,12 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
                 batch: req.batch,
                 seq: req.seq,
             };
-            let feeds = inputs::generate(&specs, plan.as_ref(), meta.vocab_width, &shape, req.seed)?;
-            let desc = format!("generated (batch {}, seq {}, seed {})", req.batch, req.seq, req.seed);
+            let feeds =
+                inputs::generate(&specs, plan.as_ref(), meta.vocab_width, &shape, req.seed)?;
+            let desc = format!(
+                "generated (batch {}, seq {}, seed {})",
+                req.batch, req.seq, req.seed
+            );
             (feeds, Vec::new(), desc)
         }
     };
@@ -132,21 +143,55 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
     };
     let ce = reference::cross_entropy(&batch, meta.ignore_index, reduction, weights.as_deref())
         .map_err(flat_mismatch)?;
-    let ntl = reference::number_token_loss(&batch, &table, &meta.ntl, meta.ignore_index).map_err(flat_mismatch)?;
-    let total = ce + meta.weight * ntl.value;
+    let ntl = reference::number_token_loss(&batch, &table, &meta.ntl, meta.ignore_index)
+        .map_err(flat_mismatch)?;
+    let total = meta.total(ce, ntl.value);
 
     let mut checks = Vec::new();
-    for (name, expected) in [(loss_name.as_str(), total), (CE_OUTPUT, ce), (NUMBER_OUTPUT, ntl.value)] {
+    for (name, expected) in [
+        (loss_name.as_str(), total),
+        (CE_OUTPUT, ce),
+        (NUMBER_OUTPUT, ntl.value),
+    ] {
         let got = get(name)?.to_f64();
-        checks.push(Check::compare(name, Against::Independent, &got, &[expected], req.rtol, req.atol));
+        checks.push(Check::compare(
+            name,
+            Against::Independent,
+            &got,
+            &[expected],
+            req.rtol,
+            req.atol,
+        ));
     }
-    let original_outputs: Vec<&str> = model.graph.as_ref().expect("checked").output.iter().map(|o| o.name()).collect();
+    let original_outputs: Vec<&str> = model
+        .graph
+        .as_ref()
+        .expect("checked")
+        .output
+        .iter()
+        .map(|o| o.name())
+        .collect();
     for (k, rec) in recorded.iter().enumerate() {
         // unnamed recordings follow the graph's output order
-        let name = if rec.name.is_empty() { original_outputs.get(k).copied().unwrap_or("") } else { rec.name.as_str() };
+        let name = if rec.name.is_empty() {
+            original_outputs.get(k).copied().unwrap_or("")
+        } else {
+            rec.name.as_str()
+        };
         checks.push(match outputs.iter().find(|t| t.name == name) {
-            Some(t) => Check::compare(name, Against::Recorded, &t.to_f64(), &rec.to_f64(), req.rtol, req.atol),
-            None => Check::missing(name, Against::Recorded, "the graph has no such output".into()),
+            Some(t) => Check::compare(
+                name,
+                Against::Recorded,
+                &t.to_f64(),
+                &rec.to_f64(),
+                req.rtol,
+                req.atol,
+            ),
+            None => Check::missing(
+                name,
+                Against::Recorded,
+                "the graph has no such output".into(),
+            ),
         });
     }
 
@@ -157,7 +202,10 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
         inputs: inputs_desc,
         positions: labels.len(),
         number_positions: ntl.positions,
-        ignored_positions: labels.iter().filter(|&&l| Some(l) == meta.ignore_index).count(),
+        ignored_positions: labels
+            .iter()
+            .filter(|&&l| Some(l) == meta.ignore_index)
+            .count(),
         rtol: req.rtol,
         atol: req.atol,
         checks,
@@ -167,7 +215,10 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
 /// The number table, rebuilt from the tokenizer (not read from the graph), so the check does
 /// not trust what the patch wrote.
 fn number_table(req: &ValidateRequest, meta: &PatchMeta) -> Result<NumberTable, Error> {
-    let path = req.tokenizer.clone().unwrap_or_else(|| default_tokenizer(&req.model));
+    let path = req
+        .tokenizer
+        .clone()
+        .unwrap_or_else(|| default_tokenizer(&req.model));
     if !path.exists() {
         return Err(Error::TokenizerMissing(path));
     }
@@ -175,26 +226,43 @@ fn number_table(req: &ValidateRequest, meta: &PatchMeta) -> Result<NumberTable, 
     Ok(NumberTable::build(&vocab, meta.numbers, meta.vocab_width)?)
 }
 
-/// The graph output holding `CE + λ·NTL`: what the `Add` reading `ce_loss` writes (the
-/// original loss output's name).
+/// The graph output holding the total (the original loss output's name, which the metadata
+/// does not record): the first output computed from both `ce_loss` and `number_loss`.
 fn total_loss_output(model: &ModelProto) -> Result<String, Error> {
     let graph = model.graph.as_ref().expect("checked on load");
+    let index = GraphIndex::new(graph);
+    let reads_both = |output: &str| {
+        let (mut ce, mut number) = (false, false);
+        let mut stack = vec![output.to_string()];
+        let mut seen = std::collections::HashSet::new();
+        while let Some(t) = stack.pop() {
+            ce |= t == CE_OUTPUT;
+            number |= t == NUMBER_OUTPUT;
+            if let (true, Some((_, node))) = (seen.insert(t.clone()), index.producer(&t)) {
+                stack.extend(node.input.iter().filter(|i| !i.is_empty()).cloned());
+            }
+        }
+        ce && number
+    };
     graph
-        .node
+        .output
         .iter()
-        .filter(|n| n.op_type() == "Add" && n.input.iter().any(|i| i == CE_OUTPUT))
-        .filter_map(|n| n.output.first())
-        .find(|o| graph.output.iter().any(|g| g.name() == o.as_str()))
-        .cloned()
+        .map(|o| o.name())
+        .find(|&o| o != CE_OUTPUT && o != NUMBER_OUTPUT && reads_both(o))
+        .map(str::to_string)
         .ok_or_else(|| {
             Error::Validation(format!(
-                "no graph output adds '{CE_OUTPUT}' and the number loss; re-patch the original model"
+                "no graph output combines '{CE_OUTPUT}' and '{NUMBER_OUTPUT}'; re-patch the original model"
             ))
         })
 }
 
 /// Recorded inputs in the order the runtimes take them (the graph's), matched by name.
-fn order_inputs(specs: &[inputs::InputSpec], recorded: Vec<HostTensor>, dir: &Path) -> Result<Vec<HostTensor>, Error> {
+fn order_inputs(
+    specs: &[inputs::InputSpec],
+    recorded: Vec<HostTensor>,
+    dir: &Path,
+) -> Result<Vec<HostTensor>, Error> {
     let unnamed = recorded.iter().all(|t| t.name.is_empty());
     specs
         .iter()
@@ -219,5 +287,7 @@ fn order_inputs(specs: &[inputs::InputSpec], recorded: Vec<HostTensor>, dir: &Pa
 }
 
 fn flat_mismatch(why: String) -> Error {
-    Error::Validation(format!("the runtime's flat logits and labels do not fit the metadata: {why}"))
+    Error::Validation(format!(
+        "the runtime's flat logits and labels do not fit the metadata: {why}"
+    ))
 }

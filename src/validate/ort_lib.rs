@@ -50,7 +50,10 @@ fn library_in(dir: &Path) -> Option<PathBuf> {
         .ok()?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
-            let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            let name = p
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
             // libonnxruntime.so.1.31.1, libonnxruntime.1.31.1.dylib, onnxruntime.dll; not the
             // providers_shared helper
             (name.starts_with("libonnxruntime.") || name == "onnxruntime.dll")

@@ -29,9 +29,18 @@ fn environment() -> Result<&'static ort::environment::Environment, Error> {
         .map_err(|e| Error::Validation(format!("{e}; {}", ort_lib::HOW_TO_INSTALL)))
 }
 
-pub fn run(model: &ModelProto, model_dir: &Path, inputs: &[HostTensor]) -> Result<Vec<HostTensor>, Error> {
+pub fn run(
+    model: &ModelProto,
+    model_dir: &Path,
+    inputs: &[HostTensor],
+) -> Result<Vec<HostTensor>, Error> {
     let env = environment()?;
-    let fail = |why: String| Error::Validation(format!("ONNX Runtime could not run the graph: {}", why.replace('\n', " ")));
+    let fail = |why: String| {
+        Error::Validation(format!(
+            "ONNX Runtime could not run the graph: {}",
+            why.replace('\n', " ")
+        ))
+    };
     let bytes = model.encode_to_vec();
     let mut session = Session::builder(env)
         .map_err(|e| fail(e.to_string()))?
@@ -98,7 +107,11 @@ fn from_ort(name: &str, v: &DynValue) -> ort::Result<HostTensor> {
             let (s, d) = v.try_extract_tensor::<bool>()?;
             (s.to_vec(), Data::Bool(d.to_vec()))
         }
-        other => return Err(ort::Error::new(format!("output '{name}' has element type {other:?}, which validate does not read"))),
+        other => {
+            return Err(ort::Error::new(format!(
+                "output '{name}' has element type {other:?}, which validate does not read"
+            )))
+        }
     };
     Ok(HostTensor {
         name: name.to_string(),

@@ -29,30 +29,72 @@ pub fn emit(e: &mut Emitter, spec: &CeSpec) {
         Some(ignore) => {
             let ignore = e.constant("ignore_index", |n| i64_tensor(n, &[], &[ignore]));
             let zero = e.constant("zero_id", |n| i64_tensor(n, &[], &[0]));
-            let ignored = e.node("Equal", &[spec.flat_labels, &ignore], vec![], Out::Fresh("ignored"));
+            let ignored = e.node(
+                "Equal",
+                &[spec.flat_labels, &ignore],
+                vec![],
+                Out::Fresh("ignored"),
+            );
             let kept = e.node("Not", &[&ignored], vec![], Out::Fresh("kept"));
-            let index = e.node("Where", &[&kept, spec.flat_labels, &zero], vec![], Out::Fresh("safe_labels"));
+            let index = e.node(
+                "Where",
+                &[&kept, spec.flat_labels, &zero],
+                vec![],
+                Out::Fresh("safe_labels"),
+            );
             (Some(kept), index)
         }
         None => (None, spec.flat_labels.to_string()),
     };
     let col_shape = e.constant("col_shape", |n| i64_tensor(n, &[2], &[-1, 1]));
     let flat_shape = e.constant("flat_shape", |n| i64_tensor(n, &[1], &[-1]));
-    let index_col = e.node("Reshape", &[&index, &col_shape], vec![], Out::Fresh("label_col"));
-    let log_p = e.node("LogSoftmax", &[spec.flat_logits], vec![int_attr("axis", 1)], Out::Fresh("log_p"));
+    let index_col = e.node(
+        "Reshape",
+        &[&index, &col_shape],
+        vec![],
+        Out::Fresh("label_col"),
+    );
+    let log_p = e.node(
+        "LogSoftmax",
+        &[spec.flat_logits],
+        vec![int_attr("axis", 1)],
+        Out::Fresh("log_p"),
+    );
     let picked = e.node(
         "GatherElements",
         &[&log_p, &index_col],
         vec![int_attr("axis", 1)],
         Out::Fresh("label_log_p_col"),
     );
-    let picked = e.node("Reshape", &[&picked, &flat_shape], vec![], Out::Fresh("label_log_p"));
+    let picked = e.node(
+        "Reshape",
+        &[&picked, &flat_shape],
+        vec![],
+        Out::Fresh("label_log_p"),
+    );
 
     // per-position weight: kept (0/1) times the class weight of the label
-    let mut weight = kept.map(|k| e.node("Cast", &[&k], vec![int_attr("to", FLOAT as i64)], Out::Fresh("kept_f")));
+    let mut weight = kept.map(|k| {
+        e.node(
+            "Cast",
+            &[&k],
+            vec![int_attr("to", FLOAT as i64)],
+            Out::Fresh("kept_f"),
+        )
+    });
     if let Some(w) = weights {
-        let w = e.node("Cast", &[w], vec![int_attr("to", FLOAT as i64)], Out::Fresh("class_weights_f"));
-        let wy = e.node("Gather", &[&w, &index], vec![int_attr("axis", 0)], Out::Fresh("label_weight"));
+        let w = e.node(
+            "Cast",
+            &[w],
+            vec![int_attr("to", FLOAT as i64)],
+            Out::Fresh("class_weights_f"),
+        );
+        let wy = e.node(
+            "Gather",
+            &[&w, &index],
+            vec![int_attr("axis", 0)],
+            Out::Fresh("label_weight"),
+        );
         weight = Some(match weight {
             Some(k) => e.node("Mul", &[&k, &wy], vec![], Out::Fresh("position_weight")),
             None => wy,
@@ -66,16 +108,31 @@ pub fn emit(e: &mut Emitter, spec: &CeSpec) {
     let loss = match (reduction.as_str(), &weight) {
         // with no ignore index and no class weights every position counts: the plain mean
         ("mean", None) => {
-            let mean = e.node("ReduceMean", &[&weighted], keepdims(), Out::Fresh("log_p_mean"));
+            let mean = e.node(
+                "ReduceMean",
+                &[&weighted],
+                keepdims(),
+                Out::Fresh("log_p_mean"),
+            );
             e.node("Neg", &[&mean], vec![], Out::Fresh("nll_mean"))
         }
         (reduction, _) => {
-            let total = e.node("ReduceSum", &[&weighted], keepdims(), Out::Fresh("log_p_sum"));
+            let total = e.node(
+                "ReduceSum",
+                &[&weighted],
+                keepdims(),
+                Out::Fresh("log_p_sum"),
+            );
             let nll = e.node("Neg", &[&total], vec![], Out::Fresh("nll_sum"));
             match &weight {
                 // mean = Σ w·nll / Σ w (w = kept · class weight)
                 Some(w) if reduction == "mean" => {
-                    let count = e.node("ReduceSum", &[w.as_str()], keepdims(), Out::Fresh("weight_sum"));
+                    let count = e.node(
+                        "ReduceSum",
+                        &[w.as_str()],
+                        keepdims(),
+                        Out::Fresh("weight_sum"),
+                    );
                     e.node("Div", &[&nll, &count], vec![], Out::Fresh("nll_mean"))
                 }
                 _ => nll,
@@ -86,11 +143,21 @@ pub fn emit(e: &mut Emitter, spec: &CeSpec) {
     if spec.loss_type == FLOAT {
         e.node("Identity", &[&loss], vec![], Out::Named(out));
     } else {
-        e.node("Cast", &[&loss], vec![int_attr("to", spec.loss_type as i64)], Out::Named(out));
+        e.node(
+            "Cast",
+            &[&loss],
+            vec![int_attr("to", spec.loss_type as i64)],
+            Out::Named(out),
+        );
     }
     if spec.log_prob_used {
         if let Some(lp) = node.output.get(1).filter(|o| !o.is_empty()) {
-            e.node("LogSoftmax", &[&node.input[0]], vec![int_attr("axis", 1)], Out::Named(lp));
+            e.node(
+                "LogSoftmax",
+                &[&node.input[0]],
+                vec![int_attr("axis", 1)],
+                Out::Named(lp),
+            );
         }
     }
 }

@@ -32,9 +32,14 @@ impl NtlKind {
     }
 
     pub fn parse(name: &str) -> Option<NtlKind> {
-        [NtlKind::Wasserstein, NtlKind::Mse, NtlKind::L1, NtlKind::Huber]
-            .into_iter()
-            .find(|k| k.name() == name)
+        [
+            NtlKind::Wasserstein,
+            NtlKind::Mse,
+            NtlKind::L1,
+            NtlKind::Huber,
+        ]
+        .into_iter()
+        .find(|k| k.name() == name)
     }
 }
 
@@ -106,7 +111,10 @@ pub fn cross_entropy(
             continue;
         }
         if label < 0 || label as usize >= batch.width {
-            return Err(format!("label {label} at position {i} is outside 0..{}", batch.width));
+            return Err(format!(
+                "label {label} at position {i} is outside 0..{}",
+                batch.width
+            ));
         }
         let row = batch.row(i);
         let nll = log_sum_exp(row.iter().copied()) - row[label as usize];
@@ -137,7 +145,10 @@ pub fn number_token_loss(
     let ids = table.ids();
     let values = table.values();
     if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as usize >= batch.width) {
-        return Err(format!("number token id {id} is outside the logits width {}", batch.width));
+        return Err(format!(
+            "number token id {id} is outside the logits width {}",
+            batch.width
+        ));
     }
     let squash = settings.squash.map(|s| Squash::new(values, s));
     let max_dist = max_dist(settings, values, squash.as_ref());
@@ -148,7 +159,9 @@ pub fn number_token_loss(
         if Some(label) == ignore_index {
             continue;
         }
-        let Some(y) = table.value_of(label) else { continue };
+        let Some(y) = table.value_of(label) else {
+            continue;
+        };
         let row = batch.row(i);
         let p = number_softmax(row, ids);
         let mut loss = match settings.kind {
@@ -175,14 +188,20 @@ pub fn number_token_loss(
         positions += 1;
     }
     // mean = Σ w·ℓ / max(Σ w, eps) with w = 1; no number label gives exactly 0.
-    let value = if positions == 0 { 0.0 } else { sum / positions as f64 };
+    let value = if positions == 0 {
+        0.0
+    } else {
+        sum / positions as f64
+    };
     Ok(NtlValue { value, positions })
 }
 
 /// Softmax over the number-token logits only (renormalised), in table order.
 fn number_softmax(row: &[f64], ids: &[i64]) -> Vec<f64> {
     let lse = log_sum_exp(ids.iter().map(|&id| row[id as usize]));
-    ids.iter().map(|&id| (row[id as usize] - lse).exp()).collect()
+    ids.iter()
+        .map(|&id| (row[id as usize] - lse).exp())
+        .collect()
 }
 
 /// `F.mse_loss`, `F.l1_loss`, `F.huber_loss(delta=1)` of a difference.

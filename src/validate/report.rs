@@ -39,7 +39,14 @@ pub struct Check {
 impl Check {
     /// Elementwise `|a − b| ≤ atol + rtol·|b|`; NaN matches NaN (an empty CE mean is NaN in
     /// every implementation).
-    pub fn compare(output: &str, against: Against, got: &[f64], want: &[f64], rtol: f64, atol: f64) -> Check {
+    pub fn compare(
+        output: &str,
+        against: Against,
+        got: &[f64],
+        want: &[f64],
+        rtol: f64,
+        atol: f64,
+    ) -> Check {
         let mut check = Check {
             output: output.to_string(),
             against,
@@ -59,7 +66,10 @@ impl Check {
                 (0.0, true)
             } else {
                 let d = (a - b).abs();
-                (if d.is_nan() { f64::INFINITY } else { d }, d <= atol + rtol * b.abs())
+                (
+                    if d.is_nan() { f64::INFINITY } else { d },
+                    d <= atol + rtol * b.abs(),
+                )
             };
             let rel = if abs == 0.0 { 0.0 } else { abs / b.abs() };
             if abs > check.abs_err || (!ok && check.passed) {
@@ -107,7 +117,9 @@ impl Report {
 
     /// The check of `output` against `against`, if made.
     pub fn check(&self, output: &str, against: Against) -> Option<&Check> {
-        self.checks.iter().find(|c| c.output == output && c.against == against)
+        self.checks
+            .iter()
+            .find(|c| c.output == output && c.against == against)
     }
 
     pub fn to_text(&self) -> String {
@@ -123,7 +135,13 @@ impl Report {
             self.atol,
             self.rtol,
         );
-        let width = self.checks.iter().map(|c| c.output.len()).max().unwrap_or(6).max(6);
+        let width = self
+            .checks
+            .iter()
+            .map(|c| c.output.len())
+            .max()
+            .unwrap_or(6)
+            .max(6);
         s += &format!(
             "  {:<width$}  {:<11}  {:>20}  {:>20}  {:>9}  {:>9}  result\n",
             "output", "against", "runtime", "expected", "abs err", "rel err"
@@ -138,10 +156,18 @@ impl Report {
                 c.abs_err,
                 c.rel_err,
                 if c.passed { "ok" } else { "FAIL" },
-                c.note.as_ref().map(|n| format!(" ({n})")).unwrap_or_default(),
+                c.note
+                    .as_ref()
+                    .map(|n| format!(" ({n})"))
+                    .unwrap_or_default(),
             );
         }
-        let failed: Vec<&str> = self.checks.iter().filter(|c| !c.passed).map(|c| c.output.as_str()).collect();
+        let failed: Vec<&str> = self
+            .checks
+            .iter()
+            .filter(|c| !c.passed)
+            .map(|c| c.output.as_str())
+            .collect();
         s += &if failed.is_empty() {
             format!("\npassed: all {} checks agree", self.checks.len())
         } else {
@@ -156,7 +182,13 @@ impl Report {
     }
 
     pub fn to_json(&self) -> String {
-        let num = |x: f64| if x.is_finite() { serde_json::json!(x) } else { serde_json::json!(x.to_string()) };
+        let num = |x: f64| {
+            if x.is_finite() {
+                serde_json::json!(x)
+            } else {
+                serde_json::json!(x.to_string())
+            }
+        };
         let checks: Vec<serde_json::Value> = self
             .checks
             .iter()

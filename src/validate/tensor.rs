@@ -59,7 +59,10 @@ impl HostTensor {
     /// Decodes a tensor with inline data (typed fields or little-endian `raw_data`).
     pub fn from_proto(t: &TensorProto) -> Result<HostTensor, String> {
         if !t.external_data.is_empty() {
-            return Err(format!("tensor '{}' keeps its data in an external file", t.name()));
+            return Err(format!(
+                "tensor '{}' keeps its data in an external file",
+                t.name()
+            ));
         }
         let shape: Vec<usize> = t.dims.iter().map(|&d| d.max(0) as usize).collect();
         let raw = t.raw_data.as_deref().filter(|r| !r.is_empty());

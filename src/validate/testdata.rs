@@ -45,7 +45,10 @@ fn read_series(dir: &Path, kind: &str) -> Result<Vec<HostTensor>, Error> {
             source,
         })?;
         let bad = |why: String| {
-            Error::Validation(format!("'{}' is not a readable TensorProto ({why})", path.display()))
+            Error::Validation(format!(
+                "'{}' is not a readable TensorProto ({why})",
+                path.display()
+            ))
         };
         let proto = TensorProto::decode(bytes.as_slice()).map_err(|e| bad(e.to_string()))?;
         out.push(HostTensor::from_proto(&proto).map_err(bad)?);

@@ -12,7 +12,11 @@ use crate::validate::tensor::{Data, HostTensor};
 
 /// Runs `model` on `inputs` (in the order of the graph's non-initializer inputs) and returns
 /// every graph output under its name. `model_dir` resolves external data.
-pub fn run(model: &ModelProto, model_dir: &Path, inputs: &[HostTensor]) -> Result<Vec<HostTensor>, Error> {
+pub fn run(
+    model: &ModelProto,
+    model_dir: &Path,
+    inputs: &[HostTensor],
+) -> Result<Vec<HostTensor>, Error> {
     // value_info names symbolic dims (B, T) that cannot unify with the concrete input facts
     // set below; tract infers every intermediate shape anyway.
     let onnx = tract_onnx::onnx().with_ignore_value_info(true);
@@ -21,16 +25,24 @@ pub fn run(model: &ModelProto, model_dir: &Path, inputs: &[HostTensor]) -> Resul
     let proto = tract_onnx::pb::ModelProto::decode(model.encode_to_vec().as_slice())
         .map_err(|e| fail(&format!("re-reading the graph: {e}")))?;
     let dir = model_dir.to_string_lossy().into_owned();
-    let parsed = onnx.parse(&proto, Some(&dir)).map_err(|e| fail(&one_line(&e)))?;
+    let parsed = onnx
+        .parse(&proto, Some(&dir))
+        .map_err(|e| fail(&one_line(&e)))?;
     if !parsed.unresolved_inputs.is_empty() {
-        return Err(fail(&format!("undefined tensors {:?}", parsed.unresolved_inputs)));
+        return Err(fail(&format!(
+            "undefined tensors {:?}",
+            parsed.unresolved_inputs
+        )));
     }
     let mut graph = parsed.model;
     let mut feeds = TVec::new();
     for (ix, t) in inputs.iter().enumerate() {
         let tensor = to_tract(t).map_err(|e| fail(&one_line(&e)))?;
         graph
-            .set_input_fact(ix, InferenceFact::dt_shape(tensor.datum_type(), tensor.shape()))
+            .set_input_fact(
+                ix,
+                InferenceFact::dt_shape(tensor.datum_type(), tensor.shape()),
+            )
             .map_err(|e| fail(&one_line(&e)))?;
         feeds.push(tensor.into_tvalue());
     }
@@ -39,7 +51,13 @@ pub fn run(model: &ModelProto, model_dir: &Path, inputs: &[HostTensor]) -> Resul
         .and_then(|m| m.into_runnable())
         .map_err(|e| fail(&one_line(&e)))?;
     let results = plan.run(feeds).map_err(|e| fail(&one_line(&e)))?;
-    let names = model.graph.as_ref().expect("checked on load").output.iter().map(|o| o.name());
+    let names = model
+        .graph
+        .as_ref()
+        .expect("checked on load")
+        .output
+        .iter()
+        .map(|o| o.name());
     names
         .zip(results.iter())
         .map(|(name, v)| from_tract(name, v).map_err(|e| fail(&one_line(&e))))
@@ -47,7 +65,9 @@ pub fn run(model: &ModelProto, model_dir: &Path, inputs: &[HostTensor]) -> Resul
 }
 
 fn fail(why: &str) -> Error {
-    Error::Validation(format!("tract could not run the graph ({why}); try --runtime ort"))
+    Error::Validation(format!(
+        "tract could not run the graph ({why}); try --runtime ort"
+    ))
 }
 
 /// tract turns unknown ops into placeholders that fail late with a long message; name the op

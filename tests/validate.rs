@@ -1,0 +1,500 @@
+//! `ntl-patch validate`: patched fixtures pass on tract and ONNX Runtime, recorded torch/ntloss
+//! outputs agree, the independent reference matches ntloss 0.3.2 on every setting, and a
+//! tampered graph fails.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+use ntl_patch::number_table::{NumberSet, NumberTable, Vocab};
+use ntl_patch::onnx::ModelProto;
+use ntl_patch::validate::reference::{self, Batch, CeReduction, NtlKind, NtlSettings};
+use prost::Message;
+use serde_json::Value;
+
+/// Patches `model` with `args` into a fresh folder (with the tokenizer beside the output, so
+/// validate finds it by default).
+fn patched(model: &str, args: &[&str]) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = patch(&common::model(model), dir.path(), args);
+    std::fs::copy(tokenizer(), dir.path().join("tokenizer.json")).unwrap();
+    (dir, out)
+}
+
+/// Runs `validate --json` and returns (exit code, report).
+fn validate_json(model: &Path, args: &[&str], envs: &[(&str, &Path)]) -> (i32, Value) {
+    let mut cmd = bin();
+    cmd.arg("validate").arg(model).arg("--json").args(args);
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let report = serde_json::from_str(&stdout).unwrap_or_else(|_| {
+        panic!(
+            "no JSON report on stdout (exit {:?}): {stdout}\nstderr: {}",
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    (out.status.code().unwrap(), report)
+}
+
+fn assert_passes(report: &Value, code: i32) {
+    assert_eq!(code, 0, "{report:#}");
+    assert_eq!(report["passed"], true, "{report:#}");
+    for c in report["checks"].as_array().unwrap() {
+        assert_eq!(c["passed"], true, "{c:#}");
+    }
+}
+
+fn check<'a>(report: &'a Value, output: &str, against: &str) -> &'a Value {
+    report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["output"] == output && c["against"] == against)
+        .unwrap_or_else(|| panic!("no {output}/{against} check in {report:#}"))
+}
+
+// ------------------------------------------------------------------ tract, every model and loss
+
+fn tract_passes(model: &str, args: &[&str]) {
+    let (_dir, out) = patched(model, args);
+    let (code, report) = validate_json(&out, &[], &[]);
+    assert_passes(&report, code);
+    assert_eq!(report["runtime"], "tract");
+    assert_eq!(report["checks"].as_array().unwrap().len(), 3);
+    for output in ["loss", "ce_loss", "number_loss"] {
+        check(&report, output, "independent");
+    }
+    // the generated labels exercise number labels, other labels and the ignore index
+    let positions = report["positions"].as_u64().unwrap();
+    let numbers = report["number_positions"].as_u64().unwrap();
+    let ignored = report["ignored_positions"].as_u64().unwrap();
+    assert!(
+        numbers > 0 && ignored > 0 && numbers + ignored < positions,
+        "{report:#}"
+    );
+}
+
+macro_rules! tract_cases {
+    ($($name:ident: $model:literal $args:expr;)*) => {$(
+        #[test]
+        fn $name() {
+            tract_passes($model, $args);
+        }
+    )*};
+}
+
+tract_cases! {
+    tract_lm_flat_wasserstein: "lm_flat" &["--loss", "wasserstein"];
+    tract_lm_flat_mse: "lm_flat" &["--loss", "mse"];
+    tract_lm_flat_l1: "lm_flat" &["--loss", "l1"];
+    tract_lm_flat_huber: "lm_flat" &["--loss", "huber"];
+    tract_lm_flat_reweigh: "lm_flat" &["--reweigh"];
+    tract_lm_flat_squash: "lm_flat" &["--squash", "3"];
+    tract_lm_flat_all_numbers: "lm_flat" &["--all-numbers"];
+    tract_lm_flat_mse_reweigh_all_numbers: "lm_flat" &["--loss", "mse", "--reweigh", "--all-numbers"];
+    tract_lm_flat_combine_scaled: "lm_flat" &["--combine", "scaled"];
+    tract_lm_bvt_wasserstein: "lm_bvt" &["--loss", "wasserstein"];
+    tract_lm_bvt_mse: "lm_bvt" &["--loss", "mse"];
+    tract_lm_bvt_l1: "lm_bvt" &["--loss", "l1"];
+    tract_lm_bvt_huber: "lm_bvt" &["--loss", "huber"];
+    tract_lm_nll_wasserstein: "lm_nll" &["--loss", "wasserstein"];
+    tract_lm_nll_mse: "lm_nll" &["--loss", "mse"];
+    tract_lm_nll_l1: "lm_nll" &["--loss", "l1"];
+    tract_lm_nll_huber: "lm_nll" &["--loss", "huber"];
+}
+
+#[test]
+fn text_report_is_a_table_and_exit_zero() {
+    let (_dir, out) = patched("lm_flat", &[]);
+    let assert = bin().arg("validate").arg(&out).assert().success();
+    let stdout = String::from_utf8_lossy(&assert.get_output().stdout).to_string();
+    for needle in ["loss", "ce_loss", "number_loss", "independent", "passed"] {
+        assert!(stdout.contains(needle), "{stdout}");
+    }
+}
+
+#[test]
+fn generated_inputs_follow_the_seed() {
+    let (_dir, out) = patched("lm_flat", &[]);
+    let value = |seed: &str| {
+        let (code, r) = validate_json(&out, &["--seed", seed, "--batch", "3", "--seq", "5"], &[]);
+        assert_passes(&r, code);
+        assert_eq!(r["positions"], 15);
+        check(&r, "loss", "independent")["runtime"]
+            .as_f64()
+            .unwrap()
+    };
+    assert_eq!(value("7"), value("7"));
+    assert_ne!(value("7"), value("8"));
+}
+
+// ------------------------------------------------------------------ recorded torch + ntloss outputs
+
+fn reference_passes(model: &str, loss: &str, runtime_args: &[&str], envs: &[(&str, &Path)]) {
+    let (_dir, out) = patched(model, &["--loss", loss]);
+    let dir = fixture(&format!("reference/lm_flat_{loss}"));
+    let mut args = vec!["--reference", dir.to_str().unwrap()];
+    args.extend_from_slice(runtime_args);
+    let (code, report) = validate_json(&out, &args, envs);
+    assert_passes(&report, code);
+    for output in ["loss", "ce_loss", "number_loss"] {
+        check(&report, output, "independent");
+        check(&report, output, "recorded");
+    }
+    // the recorded batch: 14 positions, 2 ignored
+    assert_eq!(report["positions"], 14);
+    assert_eq!(report["ignored_positions"], 2);
+}
+
+#[test]
+fn lm_flat_wasserstein_matches_recorded_reference() {
+    reference_passes("lm_flat", "wasserstein", &[], &[]);
+}
+
+#[test]
+fn lm_flat_mse_matches_recorded_reference() {
+    reference_passes("lm_flat", "mse", &[], &[]);
+}
+
+#[test]
+fn other_ce_forms_match_the_same_recorded_reference() {
+    // all three CE variants compute the same function (fixtures/README.md)
+    reference_passes("lm_bvt", "wasserstein", &[], &[]);
+    reference_passes("lm_nll", "mse", &[], &[]);
+}
+
+// ------------------------------------------------------------------ the reference vs ntloss 0.3.2
+
+#[test]
+fn reference_matches_every_ntloss_setting() {
+    let cases: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("reference/ntloss_cases.json")).unwrap(),
+    )
+    .unwrap();
+    let width = cases["vocab_size"].as_u64().unwrap() as usize;
+    let vocab = Vocab::from_file(&tokenizer()).unwrap();
+    let tables = [
+        (
+            true,
+            NumberTable::build(&vocab, NumberSet::DigitLevel, width).unwrap(),
+        ),
+        (
+            false,
+            NumberTable::build(&vocab, NumberSet::AllNumbers, width).unwrap(),
+        ),
+    ];
+    // the tables rebuilt from the tokenizer are ntloss's
+    for (digit_level, table) in &tables {
+        let key = if *digit_level {
+            "digit_level"
+        } else {
+            "all_numbers"
+        };
+        let want = cases["number_values"][key].as_array().unwrap();
+        for (id, v) in want.iter().enumerate() {
+            assert_eq!(table.value_of(id as i64), v.as_f64(), "{key} id {id}");
+        }
+    }
+
+    let weight = cases["weight"].as_f64().unwrap();
+    let mut compared = 0;
+    // (worst relative error without, with a squash factor)
+    let mut worst = (0f64, 0f64);
+    for case in cases["cases"].as_array().unwrap() {
+        let name = case["name"].as_str().unwrap();
+        let logits: Vec<f64> = case["logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|row| row.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()))
+            .collect();
+        let labels: Vec<i64> = case["labels"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_i64().unwrap())
+            .collect();
+        let batch = Batch::new(&logits, &labels, width).unwrap();
+        let ce = reference::cross_entropy(&batch, Some(-100), CeReduction::Mean, None).unwrap();
+        for r in case["results"].as_array().unwrap() {
+            let settings = NtlSettings {
+                kind: NtlKind::parse(r["loss"].as_str().unwrap()).unwrap(),
+                reweigh: r["reweigh"].as_bool().unwrap(),
+                squash: r["squash"].as_f64(),
+            };
+            let digit_level = r["digit_level"].as_bool().unwrap();
+            let table = &tables.iter().find(|(d, _)| *d == digit_level).unwrap().1;
+            let ntl = reference::number_token_loss(&batch, table, &settings, Some(-100))
+                .unwrap()
+                .value;
+            let what = format!("{name} {settings:?} digit_level={digit_level}");
+            for (label, got, want) in [
+                ("ntl", ntl, r["ntl"].as_f64().unwrap()),
+                ("ce", ce, r["ce"].as_f64().unwrap()),
+                ("total", ce + weight * ntl, r["total"].as_f64().unwrap()),
+            ] {
+                if want == 0.0 {
+                    assert_eq!(got, 0.0, "{what} {label}");
+                    continue;
+                }
+                let rel = (got - want).abs() / want.abs();
+                if settings.squash.is_some() {
+                    worst.1 = worst.1.max(rel);
+                } else {
+                    worst.0 = worst.0.max(rel);
+                }
+                assert!(
+                    rel <= 1e-5,
+                    "{what} {label}: {got} vs ntloss {want} (rel {rel:e})"
+                );
+            }
+            compared += 1;
+        }
+    }
+    assert_eq!(compared, 60, "3 cases x 20 settings");
+    // The references are float64, so agreement is far tighter than 1e-5, except that ntloss
+    // builds its squashed distance table in float32 (relative error ~1e-8).
+    assert!(
+        worst.0 < 1e-9 && worst.1 < 1e-7,
+        "worst relative errors {worst:?}"
+    );
+}
+
+// ------------------------------------------------------------------ validation can fail
+
+/// Writes a copy of `model` with `edit` applied to its initializer `name`.
+fn tampered(model: &Path, name: &str, edit: impl FnOnce(&mut Vec<f32>)) -> PathBuf {
+    let mut m: ModelProto = read_model(model);
+    let graph = m.graph.as_mut().unwrap();
+    let names: Vec<String> = graph
+        .initializer
+        .iter()
+        .map(|t| t.name().to_string())
+        .collect();
+    let init = graph
+        .initializer
+        .iter_mut()
+        .find(|t| t.name() == name)
+        .unwrap_or_else(|| panic!("no initializer '{name}' in {names:?}"));
+    let mut values: Vec<f32> = if init.float_data.is_empty() {
+        init.raw_data
+            .as_ref()
+            .unwrap()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    } else {
+        init.float_data.clone()
+    };
+    edit(&mut values);
+    init.raw_data = None;
+    init.float_data = values;
+    let out = model.with_file_name("tampered.onnx");
+    std::fs::write(&out, m.encode_to_vec()).unwrap();
+    out
+}
+
+fn assert_fails_on(report: &Value, code: i32, failing: &[&str]) {
+    assert_eq!(code, 1, "{report:#}");
+    assert_eq!(report["passed"], false);
+    for c in report["checks"].as_array().unwrap() {
+        let should_fail = failing.contains(&c["output"].as_str().unwrap());
+        assert_eq!(c["passed"], !should_fail, "{c:#}");
+    }
+}
+
+#[test]
+fn tampered_weight_fails_the_total() {
+    let (_dir, out) = patched("lm_flat", &[]);
+    let bad = tampered(&out, "ntl/weight", |v| v[0] = 0.5);
+    let (code, report) = validate_json(&bad, &[], &[]);
+    assert_fails_on(&report, code, &["loss"]);
+
+    // the text report goes to stdout too, and names the failing output
+    let assert = bin().arg("validate").arg(&bad).assert().code(1);
+    let stdout = String::from_utf8_lossy(&assert.get_output().stdout).to_string();
+    assert!(
+        stdout.contains("FAILED") && stdout.contains("(loss)"),
+        "{stdout}"
+    );
+    assert!(assert.get_output().stderr.is_empty());
+}
+
+#[test]
+fn tampered_number_values_fail_the_number_loss() {
+    let (_dir, out) = patched("lm_flat", &["--loss", "mse"]);
+    let bad = tampered(&out, "ntl/number_values", |v| v.swap(0, 1));
+    let (code, report) = validate_json(&bad, &[], &[]);
+    assert_fails_on(&report, code, &["loss", "number_loss"]);
+}
+
+#[test]
+fn tampered_graph_fails_against_the_recording_too() {
+    let (_dir, out) = patched("lm_flat", &["--loss", "wasserstein"]);
+    let bad = tampered(&out, "ntl/weight", |v| v[0] = 0.31);
+    let dir = fixture("reference/lm_flat_wasserstein");
+    let (code, report) = validate_json(&bad, &["--reference", dir.to_str().unwrap()], &[]);
+    assert_eq!(code, 1);
+    assert_eq!(check(&report, "loss", "recorded")["passed"], false);
+    assert_eq!(check(&report, "ce_loss", "recorded")["passed"], true);
+}
+
+// ------------------------------------------------------------------ errors
+
+fn fails_with(args: &[&std::ffi::OsStr], envs: &[(&str, Option<&Path>)], needle: &str) {
+    let mut cmd = bin();
+    cmd.arg("validate").args(args);
+    for (k, v) in envs {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+    let assert = cmd.assert().code(1);
+    let out = assert.get_output();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(stderr.trim_end().lines().count(), 1, "one line: {stderr}");
+    assert!(
+        stderr.starts_with("error: ") && stderr.contains(needle),
+        "expected '{needle}' in: {stderr}"
+    );
+    assert!(out.stdout.is_empty(), "no report on an error");
+}
+
+#[test]
+fn unpatched_model_is_refused() {
+    let m = model("lm_flat");
+    fails_with(
+        &[m.as_os_str()],
+        &[],
+        "not patched by ntl-patch; run ntl-patch MODEL first",
+    );
+}
+
+#[test]
+fn op_tract_lacks_is_named() {
+    let (_dir, out) = patched("lm_flat", &[]);
+    let mut m = read_model(&out);
+    let node = m
+        .graph
+        .as_mut()
+        .unwrap()
+        .node
+        .iter_mut()
+        .find(|n| n.op_type() == "Tanh")
+        .unwrap();
+    node.domain = Some("com.example".into());
+    let bad = out.with_file_name("custom_op.onnx");
+    std::fs::write(&bad, m.encode_to_vec()).unwrap();
+    fails_with(
+        &[bad.as_os_str()],
+        &[],
+        "tract cannot run op 'com.example.Tanh'",
+    );
+    fails_with(&[bad.as_os_str()], &[], "--runtime ort");
+}
+
+#[test]
+fn missing_ort_library_says_how_to_install_it() {
+    let (_dir, out) = patched("lm_flat", &[]);
+    fails_with(
+        &[out.as_os_str(), "--runtime".as_ref(), "ort".as_ref()],
+        &[("ORT_DYLIB_PATH", None), ("NTL_PATCH_ORT_SITE", None)],
+        "ORT_DYLIB_PATH",
+    );
+}
+
+// ------------------------------------------------------------------ ONNX Runtime
+
+/// The ORT library: ORT_DYLIB_PATH, else the copy scripts/setup-ort.sh installs in .venv-ort.
+/// Missing is a failure, not a skip: the test script always installs it.
+fn ort_library() -> PathBuf {
+    if let Some(p) = std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()) {
+        return PathBuf::from(p);
+    }
+    let capi = root().join(".venv-ort/onnxruntime/capi");
+    std::fs::read_dir(&capi)
+        .ok()
+        .and_then(|entries| {
+            entries.filter_map(|e| e.ok().map(|e| e.path())).find(|p| {
+                p.file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .starts_with("libonnxruntime.so")
+            })
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "ONNX Runtime library not found: set ORT_DYLIB_PATH, or run scripts/setup-ort.sh \
+                 (python3 -m pip install --target .venv-ort onnxruntime==1.31.1)"
+            )
+        })
+}
+
+#[test]
+fn ort_validates_every_model() {
+    let lib = ort_library();
+    for model in MODELS {
+        for args in [
+            &["--loss", "wasserstein"][..],
+            &["--loss", "huber", "--reweigh"],
+            &["--squash", "3", "--all-numbers"],
+        ] {
+            let (_dir, out) = patched(model, args);
+            let (code, report) =
+                validate_json(&out, &["--runtime", "ort"], &[("ORT_DYLIB_PATH", &lib)]);
+            assert_passes(&report, code);
+            assert_eq!(report["runtime"], "onnxruntime");
+        }
+    }
+}
+
+#[test]
+fn ort_matches_recorded_references() {
+    let lib = ort_library();
+    for loss in ["wasserstein", "mse"] {
+        reference_passes(
+            "lm_flat",
+            loss,
+            &["--runtime", "ort"],
+            &[("ORT_DYLIB_PATH", &lib)],
+        );
+    }
+}
+
+#[test]
+fn ort_library_is_found_in_a_site_packages_folder() {
+    let lib = ort_library();
+    // .../site/onnxruntime/capi/libonnxruntime.so.X -> .../site
+    let site = lib
+        .parent()
+        .and_then(Path::parent)
+        .and_then(Path::parent)
+        .unwrap();
+    let (_dir, out) = patched("lm_flat", &[]);
+    let out_report = bin()
+        .arg("validate")
+        .arg(&out)
+        .args(["--runtime", "ort", "--json"])
+        .env_remove("ORT_DYLIB_PATH")
+        .env("NTL_PATCH_ORT_SITE", site)
+        .output()
+        .unwrap();
+    let report: Value = serde_json::from_slice(&out_report.stdout)
+        .unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&out_report.stderr)));
+    assert_passes(&report, out_report.status.code().unwrap());
+}
+
+#[test]
+fn ort_catches_a_tampered_graph() {
+    let lib = ort_library();
+    let (_dir, out) = patched("lm_bvt", &[]);
+    let bad = tampered(&out, "ntl/weight", |v| v[0] = 0.5);
+    let (code, report) = validate_json(&bad, &["--runtime", "ort"], &[("ORT_DYLIB_PATH", &lib)]);
+    assert_fails_on(&report, code, &["loss"]);
+}
