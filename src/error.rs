@@ -51,8 +51,8 @@ pub enum Error {
         location: String,
         problem: String,
     },
-    #[error("the model has external data and the output folder differs from the input's; write the output beside the model (the default) so its data files stay valid")]
-    ExternalDataElsewhere,
+    #[error("'{path}' already exists and differs from the model's external data file of that name; remove it or write the output to another folder")]
+    ExternalDataConflict { path: PathBuf },
     #[error("cannot write '{path}': {source}; check the folder exists and is writable")]
     Write {
         path: PathBuf,
@@ -66,6 +66,12 @@ pub enum Error {
     Validation(String),
     #[error("{0}")]
     Usage(String),
+    #[error("'{dir}' has no {file}; pass the folder generate_artifacts wrote (training_model.onnx, eval_model.onnx, optimizer_model.onnx, checkpoint)")]
+    MissingArtifact { dir: PathBuf, file: String },
+    #[error("'{0}' already exists; choose another output folder with -o or remove it")]
+    OutputExists(PathBuf),
+    #[error("the training graph has no SoftmaxCrossEntropyLossGrad for its cross-entropy, so the logits gradient cannot be found; generate the artifacts from a graph whose loss is a cross-entropy (loss=None or LossType.CrossEntropyLoss)")]
+    NoLossGradient,
     #[error("cannot find the [B, T] labels that '{labels}' was flattened from; per-sequence losses (ntil, emd, number-level) need the sequence grouping: export labels as [B, T] and flatten them in the graph")]
     NoSequenceShape { labels: String },
     #[error("--float-level needs a \".\" token in the tokenizer and it has none; drop --float-level or pass the model's tokenizer")]

@@ -1,6 +1,8 @@
 //! ntl-patch: splice number-aware losses (NTL) into exported ONNX training graphs.
 //! See ARCHITECTURE.md for the code map and the invariants.
 
+pub mod artifacts;
+pub mod autodiff;
 pub mod ce_site;
 pub mod error;
 pub mod graph;
@@ -11,6 +13,7 @@ pub mod onnx;
 pub mod ops;
 pub mod patch;
 pub mod pipeline;
+pub mod progress;
 mod python_float;
 pub mod rewrite;
 mod unicode_digits;

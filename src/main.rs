@@ -4,6 +4,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use ntl_patch::artifacts::{run_artifacts, ArtifactsRequest};
+use ntl_patch::model_io::ExternalDataAction;
 use ntl_patch::number_table::NumberSet;
 use ntl_patch::ops::{Combine, LossKind, LossOptions, NtilOptions};
 use ntl_patch::pipeline::{run_patch, PatchRequest};
@@ -36,6 +38,8 @@ enum Command {
     },
     /// Run a patched graph and check its losses against an independent implementation.
     Validate(ValidateArgs),
+    /// Add the number loss to ONNX Runtime training artifacts (forward and analytic backward).
+    Artifacts(ArtifactsArgs),
 }
 
 #[derive(Args)]
@@ -43,12 +47,35 @@ struct PatchArgs {
     /// The exported ONNX training graph (its first output is the loss).
     #[arg(required = true)]
     model: Option<PathBuf>,
-    /// The number loss.
-    #[arg(long, value_enum, default_value_t = LossArg::Wasserstein)]
-    loss: LossArg,
+    #[command(flatten)]
+    loss: LossArgs,
     /// tokenizer.json (Hugging Face) or a one-token-per-line vocab file [default: tokenizer.json beside the model].
     #[arg(long)]
     tokenizer: Option<PathBuf>,
+    /// Logits width, where the graph leaves it symbolic.
+    #[arg(long, value_name = "V")]
+    vocab_size: Option<usize>,
+    /// The cross-entropy node to patch (node name or loss output), when there are several.
+    #[arg(long, value_name = "NAME")]
+    ce_node: Option<String>,
+    /// Output path [default: MODEL.ntl.onnx beside the model].
+    #[arg(short, long)]
+    output: Option<PathBuf>,
+    /// With -o in another folder: copy the model's external data files next to the output
+    /// [default: copy only those the output folder does not already hold].
+    #[arg(long)]
+    copy_external_data: bool,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The loss and its options, shared by patching a graph and patching artifacts.
+#[derive(Args)]
+struct LossArgs {
+    /// The number loss.
+    #[arg(long, value_enum, default_value_t = LossArg::Wasserstein)]
+    loss: LossArg,
     /// λ in CE + λ·NTL.
     #[arg(long, default_value_t = 0.3)]
     weight: f64,
@@ -88,13 +115,24 @@ struct PatchArgs {
     /// number-level: a "." between digits joins one number ("12.34" -> 1234).
     #[arg(long)]
     float_level: bool,
+}
+
+#[derive(Args)]
+struct ArtifactsArgs {
+    /// The folder generate_artifacts wrote (training_model.onnx, eval_model.onnx, optimizer_model.onnx, checkpoint).
+    dir: PathBuf,
+    #[command(flatten)]
+    loss: LossArgs,
+    /// tokenizer.json (Hugging Face) or a one-token-per-line vocab file [default: tokenizer.json beside the model].
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
     /// Logits width, where the graph leaves it symbolic.
     #[arg(long, value_name = "V")]
     vocab_size: Option<usize>,
-    /// The cross-entropy node to patch (node name or loss output), when there are several.
+    /// The cross-entropy node to patch, when there are several.
     #[arg(long, value_name = "NAME")]
     ce_node: Option<String>,
-    /// Output path [default: MODEL.ntl.onnx beside the model].
+    /// Output folder [default: DIR-ntl beside DIR].
     #[arg(short, long)]
     output: Option<PathBuf>,
     /// Print the summary as JSON.
@@ -182,6 +220,7 @@ fn main() -> ExitCode {
         Some(Command::Inspect { model, json }) => ntl_patch::inspect::inspect(&model, json),
         // validate prints its report itself: on stdout, passed or not (exit 1 when not)
         Some(Command::Validate(args)) => return run_validate(args),
+        Some(Command::Artifacts(args)) => run_artifacts_cli(args),
         None => run_patch_cli(cli.patch),
     };
     match result {
@@ -196,7 +235,8 @@ fn main() -> ExitCode {
     }
 }
 
-fn run_patch_cli(args: PatchArgs) -> Result<String, ntl_patch::Error> {
+/// Checks the loss arguments and turns them into options.
+fn loss_options(args: &LossArgs) -> Result<LossOptions, ntl_patch::Error> {
     let kind = match args.loss {
         LossArg::Wasserstein => LossKind::Wasserstein,
         LossArg::Mse => LossKind::Mse,
@@ -250,26 +290,31 @@ fn run_patch_cli(args: PatchArgs) -> Result<String, ntl_patch::Error> {
             "--weight must be a finite number".into(),
         ));
     }
+    Ok(LossOptions {
+        kind,
+        weight: args.weight,
+        reweigh: args.reweigh,
+        squash: args.squash,
+        number_set: if args.all_numbers {
+            NumberSet::AllNumbers
+        } else {
+            NumberSet::DigitLevel
+        },
+        combine,
+        ntil,
+        float_level: args.float_level,
+    })
+}
+
+fn run_patch_cli(args: PatchArgs) -> Result<String, ntl_patch::Error> {
     let req = PatchRequest {
         model: args.model.expect("clap requires MODEL"),
         output: args.output,
         tokenizer: args.tokenizer,
         vocab_size: args.vocab_size,
         ce_node: args.ce_node,
-        loss: LossOptions {
-            kind,
-            weight: args.weight,
-            reweigh: args.reweigh,
-            squash: args.squash,
-            number_set: if args.all_numbers {
-                NumberSet::AllNumbers
-            } else {
-                NumberSet::DigitLevel
-            },
-            combine,
-            ntil,
-            float_level: args.float_level,
-        },
+        copy_external_data: args.copy_external_data,
+        loss: loss_options(&args.loss)?,
     };
     let s = run_patch(&req)?;
     Ok(if args.json {
@@ -282,18 +327,57 @@ fn run_patch_cli(args: PatchArgs) -> Result<String, ntl_patch::Error> {
             "tokenizer": s.tokenizer.display().to_string(),
             "loss": req.loss.kind.name(),
             "weight": req.loss.weight,
+            "external_data": s.external_data.name(),
         })
         .to_string()
     } else {
+        let external = match s.external_data {
+            ExternalDataAction::Relocated => {
+                "; external data locations rewritten for the output folder"
+            }
+            ExternalDataAction::Copied => "; external data files copied next to the output",
+            _ => "",
+        };
         format!(
-            "wrote {} ({} on {} [{}], {} number tokens of {} logits, λ = {})",
+            "wrote {} ({} on {} [{}], {} number tokens of {} logits, λ = {}){}",
             s.output.display(),
             req.loss.kind.name(),
             s.ce_node,
             s.pattern,
             s.number_tokens,
             s.logits_width,
-            req.loss.weight
+            req.loss.weight,
+            external
+        )
+    })
+}
+
+fn run_artifacts_cli(args: ArtifactsArgs) -> Result<String, ntl_patch::Error> {
+    let req = ArtifactsRequest {
+        dir: args.dir,
+        output: args.output,
+        tokenizer: args.tokenizer,
+        vocab_size: args.vocab_size,
+        ce_node: args.ce_node,
+        loss: loss_options(&args.loss)?,
+    };
+    let s = run_artifacts(&req)?;
+    Ok(if args.json {
+        serde_json::json!({
+            "output": s.output.display().to_string(),
+            "loss": req.loss.kind.name(),
+            "number_tokens": s.number_tokens,
+            "sparse_gradient_updates": s.sparse_updates,
+            "dense_gradient_updates": s.dense_updates,
+        })
+        .to_string()
+    } else {
+        format!(
+            "wrote {} ({} spliced into the training graph with its analytic backward: {} sparse, {} dense gradient update(s); eval graph patched; optimizer and checkpoint copied)",
+            s.output.display(),
+            req.loss.kind.name(),
+            s.sparse_updates,
+            s.dense_updates
         )
     })
 }

@@ -1,27 +1,71 @@
 //! Loading and saving models. Loading memory-maps the file read-only and decodes in place
-//! (initializer payloads stay slices of the map and are never read); saving writes a
-//! temporary file in the destination folder and renames it, so a failure leaves no output.
+//! (initializer payloads stay slices of the map and are never read); saving streams the
+//! encoding into a temporary file in the destination folder and renames it, so a failure
+//! leaves no output and the heap never holds a copy of the weights.
+//!
+//! The streaming encoder writes exactly the bytes `Message::encode_to_vec` would: prost
+//! encodes fields in field-number order, and the writer splits each message around the one
+//! field that carries the big payload (ModelProto.graph → GraphProto.initializer →
+//! TensorProto.raw_data), writing the small rest from ordinary encodings and each `raw_data`
+//! as key + length + the bytes straight from the input file (`copy_file_range` through
+//! `std::io::copy`), or from memory when the payload is not the input's.
 
+use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::Write;
+use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Component, Path, PathBuf};
 
 use bytes::Bytes;
+use prost::encoding::{encode_key, encode_varint, encoded_len_varint, key_len, WireType};
 use prost::Message;
 
 use crate::error::Error;
 use crate::onnx::proto::tensor_proto::DataLocation;
-use crate::onnx::{GraphProto, ModelProto};
+use crate::onnx::proto::SparseTensorProto;
+use crate::onnx::{GraphProto, ModelProto, TensorProto};
+use crate::progress::Progress;
+
+/// Field numbers the streaming encoder splits messages at (onnx.proto).
+const MODEL_GRAPH: u32 = 7;
+const GRAPH_INITIALIZER: u32 = 5;
+const TENSOR_RAW_DATA: u32 = 9;
+/// `raw_data` at least this long is streamed; shorter payloads are encoded in memory.
+const STREAM_MIN: usize = 4096;
+
+/// The memory-mapped input a model was decoded from: payloads that are slices of it are
+/// copied file-to-file on save instead of through this process's memory.
+pub struct ModelSource {
+    file: File,
+    map: Bytes,
+}
+
+impl ModelSource {
+    /// Where `data` sits in the input file, when it is a slice of the map.
+    fn offset_of(&self, data: &[u8]) -> Option<u64> {
+        let base = self.map.as_ptr() as usize;
+        let start = data.as_ptr() as usize;
+        // The map stays alive as long as `self.map` does, so no other memory can lie in it.
+        (start >= base && start + data.len() <= base + self.map.len())
+            .then(|| (start - base) as u64)
+    }
+}
 
 pub fn load_model(path: &Path) -> Result<ModelProto, Error> {
+    load_model_source(path).map(|(model, _)| model)
+}
+
+/// Loads a model and keeps its input map, for [`save_model_from`].
+pub fn load_model_source(path: &Path) -> Result<(ModelProto, ModelSource), Error> {
     let read_err = |source| Error::Read {
         path: path.to_path_buf(),
         source,
     };
+    let _progress = Progress::start(&format!("loading {}", path.display()), None);
     let file = File::open(path).map_err(read_err)?;
     // SAFETY: the map is read-only; the file is never written by this process.
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(read_err)?;
-    let model = ModelProto::decode(Bytes::from_owner(map)).map_err(|e| Error::NotOnnx {
+    let map = Bytes::from_owner(map);
+    let model = ModelProto::decode(map.clone()).map_err(|e| Error::NotOnnx {
         path: path.to_path_buf(),
         reason: format!("protobuf decode failed: {e}"),
     })?;
@@ -31,7 +75,7 @@ pub fn load_model(path: &Path) -> Result<ModelProto, Error> {
             reason: "no graph or IR version".into(),
         });
     }
-    Ok(model)
+    Ok((model, ModelSource { file, map }))
 }
 
 /// The folder a model's relative paths (external data) are resolved against.
@@ -42,25 +86,72 @@ pub fn model_dir(path: &Path) -> PathBuf {
     }
 }
 
-/// External-data locations of every tensor in the graph (initializers and Constant values).
+// ---------------------------------------------------------------------------------------------
+// Every tensor of a graph, subgraphs included
+
+fn visit_tensors<'a>(graph: &'a GraphProto, f: &mut dyn FnMut(&'a TensorProto)) {
+    let sparse = |s: &'a SparseTensorProto, f: &mut dyn FnMut(&'a TensorProto)| {
+        s.values.iter().chain(s.indices.iter()).for_each(|t| f(t))
+    };
+    graph.initializer.iter().for_each(|t| f(t));
+    graph.sparse_initializer.iter().for_each(|s| sparse(s, f));
+    for a in graph.node.iter().flat_map(|n| n.attribute.iter()) {
+        a.t.iter().chain(a.tensors.iter()).for_each(|t| f(t));
+        a.sparse_tensor
+            .iter()
+            .chain(a.sparse_tensors.iter())
+            .for_each(|s| sparse(s, f));
+        a.g.iter()
+            .chain(a.graphs.iter())
+            .for_each(|g| visit_tensors(g, f));
+    }
+}
+
+fn visit_tensors_mut(graph: &mut GraphProto, f: &mut dyn FnMut(&mut TensorProto)) {
+    fn sparse(s: &mut SparseTensorProto, f: &mut dyn FnMut(&mut TensorProto)) {
+        s.values
+            .iter_mut()
+            .chain(s.indices.iter_mut())
+            .for_each(|t| f(t))
+    }
+    graph.initializer.iter_mut().for_each(|t| f(t));
+    graph
+        .sparse_initializer
+        .iter_mut()
+        .for_each(|s| sparse(s, f));
+    for a in graph.node.iter_mut().flat_map(|n| n.attribute.iter_mut()) {
+        a.t.iter_mut()
+            .chain(a.tensors.iter_mut())
+            .for_each(|t| f(t));
+        a.sparse_tensor
+            .iter_mut()
+            .chain(a.sparse_tensors.iter_mut())
+            .for_each(|s| sparse(s, f));
+        a.g.iter_mut()
+            .chain(a.graphs.iter_mut())
+            .for_each(|g| visit_tensors_mut(g, f));
+    }
+}
+
+fn is_external(t: &TensorProto) -> bool {
+    t.data_location() as i32 == DataLocation::External as i32
+}
+
+/// External-data locations of every tensor in the graph (initializers, sparse initializers,
+/// and tensor attributes, subgraphs included).
 pub fn external_locations(graph: &GraphProto) -> Vec<(String, String)> {
     let mut found = Vec::new();
-    let external = DataLocation::External as i32;
-    let tensors = graph.initializer.iter().chain(
-        graph
-            .node
-            .iter()
-            .flat_map(|n| n.attribute.iter().filter_map(|a| a.t.as_ref())),
-    );
-    for t in tensors.filter(|t| t.data_location() as i32 == external) {
-        let location = t
-            .external_data
-            .iter()
-            .find(|e| e.key() == "location")
-            .map(|e| e.value().to_string())
-            .unwrap_or_default();
-        found.push((t.name().to_string(), location));
-    }
+    visit_tensors(graph, &mut |t| {
+        if is_external(t) {
+            let location = t
+                .external_data
+                .iter()
+                .find(|e| e.key() == "location")
+                .map(|e| e.value().to_string())
+                .unwrap_or_default();
+            found.push((t.name().to_string(), location));
+        }
+    });
     found
 }
 
@@ -89,36 +180,514 @@ pub fn check_external_data(graph: &GraphProto, dir: &Path) -> Result<(), Error> 
             return Err(unsafe_loc("is absolute or climbs out of the model folder"));
         }
         match dir.join(rel).canonicalize() {
-            Ok(real) if real.starts_with(&base) => {}
-            Ok(_) => {
+            Ok(real) if !real.starts_with(&base) => {
                 return Err(unsafe_loc(
                     "resolves (through a symlink) outside the model folder",
                 ))
             }
+            Ok(real) if !real.is_file() => return Err(unsafe_loc("is not a file")),
+            Ok(_) => {}
             Err(_) => return Err(unsafe_loc("names a file that does not exist")),
         }
     }
     Ok(())
 }
 
+// ---------------------------------------------------------------------------------------------
+// External data when the output goes to another folder
+
+/// What happens to the external data files when the output is written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExternalDataAction {
+    /// The model has no external data.
+    None,
+    /// The output sits beside the model: locations stay as they are.
+    Kept,
+    /// The output folder holds the data files (it is the model's folder or above it):
+    /// locations were rewritten relative to it.
+    Relocated,
+    /// Some data files were (or already are, identical) copied next to the output.
+    Copied,
+}
+
+impl ExternalDataAction {
+    pub fn name(self) -> &'static str {
+        match self {
+            ExternalDataAction::None => "none",
+            ExternalDataAction::Kept => "kept",
+            ExternalDataAction::Relocated => "relocated",
+            ExternalDataAction::Copied => "copied",
+        }
+    }
+}
+
+/// How a model's external data follows the output: new locations for the tensors and the
+/// files to copy. Made by [`plan_external_data`] before any work, carried out by
+/// [`save_model_from`].
+#[derive(Debug)]
+pub struct ExternalDataPlan {
+    pub action: ExternalDataAction,
+    /// Location as written in the model → location in the output (only those that change).
+    relocate: BTreeMap<String, String>,
+    /// Data files to copy (source, destination), destinations not present yet.
+    copies: Vec<(PathBuf, PathBuf)>,
+}
+
+impl ExternalDataPlan {
+    fn unchanged(action: ExternalDataAction) -> Self {
+        ExternalDataPlan {
+            action,
+            relocate: BTreeMap::new(),
+            copies: Vec::new(),
+        }
+    }
+
+    /// Rewrites the tensors' locations to the output's.
+    pub fn apply(&self, model: &mut ModelProto) {
+        if self.relocate.is_empty() {
+            return;
+        }
+        let Some(graph) = model.graph.as_mut() else {
+            return;
+        };
+        visit_tensors_mut(graph, &mut |t| {
+            if !is_external(t) {
+                return;
+            }
+            for e in t.external_data.iter_mut().filter(|e| e.key() == "location") {
+                if let Some(new) = self.relocate.get(e.value()) {
+                    e.value = Some(new.clone());
+                }
+            }
+        });
+    }
+
+    /// Bytes the plan copies.
+    pub fn copy_bytes(&self) -> u64 {
+        self.copies
+            .iter()
+            .filter_map(|(s, _)| s.metadata().ok())
+            .map(|m| m.len())
+            .sum()
+    }
+}
+
+/// A checked relative location without `.` components (`./a/b.bin` → `a/b.bin`).
+fn normal_location(location: &str) -> PathBuf {
+    Path::new(location)
+        .components()
+        .filter(|c| matches!(c, Component::Normal(_)))
+        .collect()
+}
+
+fn location_string(p: &Path) -> String {
+    p.components()
+        .map(|c| c.as_os_str().to_string_lossy())
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+/// Decides where the external data of a model at `model` lives for an output at `output`;
+/// run [`check_external_data`] first. Beside the model nothing changes. Elsewhere, data files
+/// inside the output folder (an output in the model's folder or above it) keep their place and
+/// get locations relative to the output; the others (or all, with `force_copy`) are copied next
+/// to the output under their own location, refusing to replace a different existing file.
+/// Locations with `..` are never written: onnx (`onnx.load`, the checker, and so ORT Training's
+/// `generate_artifacts`) refuses them, and so does ntl-patch's own check.
+pub fn plan_external_data(
+    graph: &GraphProto,
+    model: &Path,
+    output: &Path,
+    force_copy: bool,
+) -> Result<ExternalDataPlan, Error> {
+    let locations: Vec<String> = external_locations(graph)
+        .into_iter()
+        .map(|(_, l)| l)
+        .collect();
+    if locations.is_empty() {
+        return Ok(ExternalDataPlan::unchanged(ExternalDataAction::None));
+    }
+    let canon = |dir: PathBuf, write: bool| {
+        dir.canonicalize().map_err(|source| {
+            if write {
+                Error::Write { path: dir, source }
+            } else {
+                Error::Read { path: dir, source }
+            }
+        })
+    };
+    let from = canon(model_dir(model), false)?;
+    let to = canon(model_dir(output), true)?;
+    if from == to {
+        return Ok(ExternalDataPlan::unchanged(ExternalDataAction::Kept));
+    }
+    let mut plan = ExternalDataPlan::unchanged(ExternalDataAction::Relocated);
+    let mut seen = std::collections::BTreeSet::new();
+    for location in locations {
+        if !seen.insert(location.clone()) {
+            continue;
+        }
+        let rel = normal_location(&location);
+        let data = from.join(&rel);
+        match data.strip_prefix(&to) {
+            Ok(inside) if !force_copy => {
+                plan.relocate
+                    .insert(location.clone(), location_string(inside));
+            }
+            _ => {
+                plan.action = ExternalDataAction::Copied;
+                let dest = to.join(&rel);
+                if location_string(&rel) != location {
+                    plan.relocate
+                        .insert(location.clone(), location_string(&rel));
+                }
+                if dest.exists() || dest.symlink_metadata().is_ok() {
+                    if !same_content(&data, &dest).map_err(|source| Error::Read {
+                        path: dest.clone(),
+                        source,
+                    })? {
+                        return Err(Error::ExternalDataConflict { path: dest });
+                    }
+                } else if !plan.copies.iter().any(|(_, d)| *d == dest) {
+                    plan.copies.push((data, dest));
+                }
+            }
+        }
+    }
+    Ok(plan)
+}
+
+/// True when the files at `a` and `b` are the same file or hold the same bytes.
+fn same_content(a: &Path, b: &Path) -> std::io::Result<bool> {
+    let (ma, mb) = (std::fs::metadata(a)?, std::fs::metadata(b)?);
+    if !mb.is_file() {
+        return Ok(false);
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        if ma.dev() == mb.dev() && ma.ino() == mb.ino() {
+            return Ok(true);
+        }
+    }
+    if ma.len() != mb.len() {
+        return Ok(false);
+    }
+    let (mut fa, mut fb) = (File::open(a)?, File::open(b)?);
+    let (mut ba, mut bb) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
+    loop {
+        let n = read_full(&mut fa, &mut ba)?;
+        if read_full(&mut fb, &mut bb[..n])? != n || ba[..n] != bb[..n] {
+            return Ok(false);
+        }
+        if n < ba.len() {
+            // a's end; b has the same length
+            return Ok(true);
+        }
+    }
+}
+
+fn read_full(f: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match f.read(&mut buf[n..])? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    Ok(n)
+}
+
+/// Copies each planned data file atomically (temp file beside the destination, then a rename
+/// that never replaces an existing file). Returns the files created.
+fn copy_external_files(plan: &ExternalDataPlan) -> Result<Vec<PathBuf>, Error> {
+    let mut created = Vec::new();
+    let progress = Progress::start("copying external data", Some(plan.copy_bytes()));
+    let mut done = 0;
+    let result = (|| {
+        for (src, dest) in &plan.copies {
+            let write_err = |source| Error::Write {
+                path: dest.clone(),
+                source,
+            };
+            let dir = model_dir(dest);
+            std::fs::create_dir_all(&dir).map_err(write_err)?;
+            let mut tmp = tempfile::Builder::new()
+                .prefix(".ntl-patch-")
+                .suffix(".tmp")
+                .tempfile_in(&dir)
+                .map_err(write_err)?;
+            let mut input = File::open(src).map_err(|source| Error::Read {
+                path: src.clone(),
+                source,
+            })?;
+            done += std::io::copy(&mut input, tmp.as_file_mut()).map_err(write_err)?;
+            progress.set(done);
+            tmp.as_file().sync_all().map_err(write_err)?;
+            set_readable(tmp.as_file()).map_err(write_err)?;
+            match tmp.persist_noclobber(dest) {
+                Ok(_) => created.push(dest.clone()),
+                // Appeared meanwhile: fine when it holds the same bytes.
+                Err(e) if e.error.kind() == std::io::ErrorKind::AlreadyExists => {
+                    if !same_content(src, dest).map_err(write_err)? {
+                        return Err(Error::ExternalDataConflict { path: dest.clone() });
+                    }
+                }
+                Err(e) => return Err(write_err(e.error)),
+            }
+        }
+        Ok(())
+    })();
+    match result {
+        Ok(()) => Ok(created),
+        Err(e) => {
+            remove_all(&created);
+            Err(e)
+        }
+    }
+}
+
+fn remove_all(files: &[PathBuf]) {
+    for f in files {
+        let _ = std::fs::remove_file(f);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The streaming encoder
+
+/// A model's encoding as a list of pieces: small encoded buffers and payload slices.
+enum Piece {
+    Buf(Vec<u8>),
+    Data(Bytes),
+}
+
+#[derive(Default)]
+struct Pieces {
+    parts: Vec<Piece>,
+    len: u64,
+}
+
+impl Pieces {
+    fn buf(&mut self) -> &mut Vec<u8> {
+        if !matches!(self.parts.last(), Some(Piece::Buf(_))) {
+            self.parts.push(Piece::Buf(Vec::new()));
+        }
+        match self.parts.last_mut() {
+            Some(Piece::Buf(b)) => b,
+            _ => unreachable!("just pushed"),
+        }
+    }
+
+    fn put(&mut self, bytes: &[u8]) {
+        self.buf().extend_from_slice(bytes);
+        self.len += bytes.len() as u64;
+    }
+
+    /// Key and length of a length-delimited field.
+    fn put_header(&mut self, tag: u32, len: usize) {
+        let b = self.buf();
+        encode_key(tag, WireType::LengthDelimited, b);
+        encode_varint(len as u64, b);
+        self.len += (key_len(tag) + encoded_len_varint(len as u64)) as u64;
+    }
+
+    fn put_message(&mut self, m: &impl Message) {
+        let len = m.encoded_len();
+        m.encode(self.buf()).expect("a Vec grows");
+        self.len += len as u64;
+    }
+
+    fn put_data(&mut self, data: Bytes) {
+        self.len += data.len() as u64;
+        self.parts.push(Piece::Data(data));
+    }
+}
+
+/// Splits an encoded message at field `tag` (absent from it): the bytes of the fields before
+/// it and after it. prost writes fields in field-number order, so the fields numbered below
+/// `tag` come first; splitting at the first field numbered above keeps any order valid.
+fn split_at_field(encoded: &[u8], tag: u32) -> (&[u8], &[u8]) {
+    let mut rest = encoded;
+    loop {
+        let at = encoded.len() - rest.len();
+        let mut cursor = rest;
+        let Ok((field, wire_type)) = prost::encoding::decode_key(&mut cursor) else {
+            return (encoded, &[]);
+        };
+        if field > tag {
+            return encoded.split_at(at);
+        }
+        if prost::encoding::skip_field(wire_type, field, &mut cursor, Default::default()).is_err() {
+            return (encoded, &[]);
+        }
+        rest = cursor;
+        if rest.is_empty() {
+            return (encoded, &[]);
+        }
+    }
+}
+
+fn model_pieces(model: &ModelProto) -> Pieces {
+    let mut p = Pieces::default();
+    let Some(graph) = &model.graph else {
+        p.put_message(model);
+        return p;
+    };
+    let shell = ModelProto {
+        graph: None,
+        ..model.clone()
+    }
+    .encode_to_vec();
+    let (before, after) = split_at_field(&shell, MODEL_GRAPH);
+    p.put(before);
+    p.put_header(MODEL_GRAPH, graph.encoded_len());
+    graph_pieces(&mut p, graph);
+    p.put(after);
+    p
+}
+
+fn graph_pieces(p: &mut Pieces, graph: &GraphProto) {
+    let shell = GraphProto {
+        initializer: Vec::new(),
+        ..graph.clone()
+    }
+    .encode_to_vec();
+    let (before, after) = split_at_field(&shell, GRAPH_INITIALIZER);
+    p.put(before);
+    for t in &graph.initializer {
+        p.put_header(GRAPH_INITIALIZER, t.encoded_len());
+        tensor_pieces(p, t);
+    }
+    p.put(after);
+}
+
+fn tensor_pieces(p: &mut Pieces, t: &TensorProto) {
+    let raw = match &t.raw_data {
+        Some(raw) if raw.len() >= STREAM_MIN => raw.clone(),
+        _ => return p.put_message(t),
+    };
+    let shell = TensorProto {
+        raw_data: None,
+        ..t.clone()
+    }
+    .encode_to_vec();
+    let (before, after) = split_at_field(&shell, TENSOR_RAW_DATA);
+    p.put(before);
+    p.put_header(TENSOR_RAW_DATA, raw.len());
+    p.put_data(raw);
+    p.put(after);
+}
+
+/// Writes `model`'s protobuf encoding to `w` without building it in memory: byte for byte what
+/// `model.encode_to_vec()` gives. Returns the number of bytes written.
+pub fn encode_streaming(model: &ModelProto, w: &mut impl Write) -> std::io::Result<u64> {
+    let pieces = model_pieces(model);
+    check_length(model, &pieces)?;
+    for piece in &pieces.parts {
+        match piece {
+            Piece::Buf(b) => w.write_all(b)?,
+            Piece::Data(d) => w.write_all(d)?,
+        }
+    }
+    Ok(pieces.len)
+}
+
+fn check_length(model: &ModelProto, pieces: &Pieces) -> std::io::Result<()> {
+    let expected = model.encoded_len() as u64;
+    if pieces.len != expected {
+        return Err(std::io::Error::other(format!(
+            "internal error: streaming encoder wrote {} bytes, the model encodes to {expected}",
+            pieces.len
+        )));
+    }
+    Ok(())
+}
+
+/// Writes the pieces to `out`, payloads from the input file where they are slices of it.
+fn write_pieces(
+    pieces: &Pieces,
+    out: &mut BufWriter<File>,
+    source: Option<&ModelSource>,
+    progress: &Progress,
+) -> std::io::Result<()> {
+    let mut done = 0u64;
+    for piece in &pieces.parts {
+        match piece {
+            Piece::Buf(b) => out.write_all(b)?,
+            Piece::Data(d) => match source.and_then(|s| s.offset_of(d).map(|o| (s, o))) {
+                Some((s, offset)) => {
+                    out.flush()?;
+                    let mut input = &s.file;
+                    input.seek(SeekFrom::Start(offset))?;
+                    // File to file: the kernel copies (copy_file_range), the bytes never pass
+                    // through this process.
+                    let n = std::io::copy(&mut input.take(d.len() as u64), out.get_mut())?;
+                    if n != d.len() as u64 {
+                        return Err(std::io::Error::new(
+                            std::io::ErrorKind::UnexpectedEof,
+                            "the input model changed while it was being read",
+                        ));
+                    }
+                }
+                None => out.write_all(d)?,
+            },
+        }
+        done += match piece {
+            Piece::Buf(b) => b.len() as u64,
+            Piece::Data(d) => d.len() as u64,
+        };
+        progress.set(done);
+    }
+    out.flush()
+}
+
 /// Encodes `model` and writes it atomically to `out` (temp file in the same folder, then rename).
 pub fn save_model_atomic(model: &ModelProto, out: &Path) -> Result<(), Error> {
+    save_model_from(model, out, None, None)
+}
+
+/// Writes `model` atomically to `out`, streaming payloads from `source` (the input it was
+/// loaded from) and first copying the external data files `external` plans. On error nothing
+/// is left behind: no output, no copied data file.
+pub fn save_model_from(
+    model: &ModelProto,
+    out: &Path,
+    source: Option<&ModelSource>,
+    external: Option<&ExternalDataPlan>,
+) -> Result<(), Error> {
     let write_err = |source| Error::Write {
         path: out.to_path_buf(),
         source,
     };
     let dir = model_dir(out);
-    let mut tmp = tempfile::Builder::new()
+    let tmp = tempfile::Builder::new()
         .prefix(".ntl-patch-")
         .suffix(".tmp")
         .tempfile_in(&dir)
         .map_err(write_err)?;
-    let bytes = model.encode_to_vec();
-    tmp.write_all(&bytes).map_err(write_err)?;
-    tmp.as_file().sync_all().map_err(write_err)?;
-    set_readable(tmp.as_file()).map_err(write_err)?;
-    tmp.persist(out).map_err(|e| write_err(e.error))?;
-    Ok(())
+    let copied = match external {
+        Some(plan) if !plan.copies.is_empty() => copy_external_files(plan)?,
+        _ => Vec::new(),
+    };
+    let result = (|| {
+        let pieces = model_pieces(model);
+        check_length(model, &pieces).map_err(|e| Error::Inconsistent(e.to_string()))?;
+        let progress = Progress::start(&format!("writing {}", out.display()), Some(pieces.len));
+        let mut w =
+            BufWriter::with_capacity(1 << 20, tmp.as_file().try_clone().map_err(write_err)?);
+        write_pieces(&pieces, &mut w, source, &progress).map_err(write_err)?;
+        drop(progress);
+        let file = w.into_inner().map_err(|e| write_err(e.into_error()))?;
+        file.sync_all().map_err(write_err)?;
+        set_readable(&file).map_err(write_err)?;
+        tmp.persist(out).map_err(|e| write_err(e.error))?;
+        Ok(())
+    })();
+    if result.is_err() {
+        remove_all(&copied);
+    }
+    result
 }
 
 #[cfg(unix)]
@@ -143,5 +712,63 @@ pub fn same_file(a: &Path, b: &Path) -> bool {
             x == y || x.canonicalize().ok() == Some(y.clone()) || y.canonicalize().ok() == Some(x)
         }
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_finds_the_gap() {
+        let t = TensorProto {
+            dims: vec![2, 3],
+            data_type: Some(1),
+            name: Some("w".into()),
+            doc_string: Some("d".into()),
+            ..Default::default()
+        };
+        let enc = t.encode_to_vec();
+        let (before, after) = split_at_field(&enc, TENSOR_RAW_DATA);
+        assert_eq!(before.len() + after.len(), enc.len());
+        // doc_string (12) comes after raw_data (9)
+        assert_eq!(after[0] >> 3, 12);
+    }
+
+    #[test]
+    fn streaming_equals_encode_to_vec() {
+        let raw = Bytes::from(vec![7u8; 3 * STREAM_MIN]);
+        let t = TensorProto {
+            dims: vec![3, STREAM_MIN as i64],
+            data_type: Some(2),
+            name: Some("big".into()),
+            raw_data: Some(raw),
+            doc_string: Some("after raw".into()),
+            external_data: vec![],
+            ..Default::default()
+        };
+        let small = TensorProto {
+            raw_data: Some(Bytes::from_static(b"abc")),
+            ..t.clone()
+        };
+        let model = ModelProto {
+            ir_version: Some(8),
+            producer_name: Some("p".into()),
+            graph: Some(GraphProto {
+                name: Some("g".into()),
+                initializer: vec![t.clone(), small, t],
+                doc_string: Some("graph doc".into()),
+                ..Default::default()
+            }),
+            metadata_props: vec![crate::onnx::StringStringEntryProto {
+                key: Some("k".into()),
+                value: Some("v".into()),
+            }],
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        let n = encode_streaming(&model, &mut out).unwrap();
+        assert_eq!(n as usize, out.len());
+        assert!(out == model.encode_to_vec());
     }
 }

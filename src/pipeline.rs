@@ -6,7 +6,8 @@ use crate::ce_site::{describe_sites, find_ce_sites, nested_ce_nodes, CeSite};
 use crate::error::Error;
 use crate::graph::GraphIndex;
 use crate::model_io::{
-    check_external_data, external_locations, load_model, model_dir, same_file, save_model_atomic,
+    check_external_data, load_model_source, model_dir, plan_external_data, same_file,
+    save_model_from, ExternalDataAction,
 };
 use crate::number_table::{NumberSet, NumberTable, Vocab};
 use crate::onnx::{default_opset, ModelProto};
@@ -22,6 +23,9 @@ pub struct PatchRequest {
     pub vocab_size: Option<usize>,
     pub ce_node: Option<String>,
     pub loss: LossOptions,
+    /// Copy external data files next to an output in another folder, even where the output
+    /// folder already holds them.
+    pub copy_external_data: bool,
 }
 
 pub struct PatchSummary {
@@ -31,6 +35,8 @@ pub struct PatchSummary {
     pub logits_width: usize,
     pub number_tokens: usize,
     pub tokenizer: PathBuf,
+    /// What became of the model's external data files.
+    pub external_data: ExternalDataAction,
 }
 
 /// `model.onnx` → `model.ntl.onnx` beside it.
@@ -55,15 +61,13 @@ pub fn run_patch(req: &PatchRequest) -> Result<PatchSummary, Error> {
     if same_file(&req.model, &output) {
         return Err(Error::OutputIsInput(output));
     }
-    let mut model = load_model(&req.model)?;
+    let (mut model, source) = load_model_source(&req.model)?;
     refuse_patched(&model, &req.model)?;
     check_opset(&model)?;
     crate::patch::check_consistency(&model).map_err(Error::MalformedGraph)?;
     let graph = model.graph.as_ref().expect("checked on load");
     check_external_data(graph, &model_dir(&req.model))?;
-    if !external_locations(graph).is_empty() && !same_dir(&req.model, &output) {
-        return Err(Error::ExternalDataElsewhere);
-    }
+    let external = plan_external_data(graph, &req.model, &output, req.copy_external_data)?;
 
     let index = GraphIndex::new(graph);
     let site = select_site(&index, req.ce_node.as_deref())?;
@@ -85,7 +89,8 @@ pub fn run_patch(req: &PatchRequest) -> Result<PatchSummary, Error> {
     let opset = default_opset(&model).expect("checked above");
     let patch = build_patch(&index, opset, &site, &others, &tokens, &req.loss)?;
     apply(&mut model, patch)?;
-    save_model_atomic(&model, &output)?;
+    external.apply(&mut model);
+    save_model_from(&model, &output, Some(&source), Some(&external))?;
     Ok(PatchSummary {
         output,
         ce_node: site_label(&site),
@@ -93,6 +98,7 @@ pub fn run_patch(req: &PatchRequest) -> Result<PatchSummary, Error> {
         logits_width: width,
         number_tokens: tokens.table.len(),
         tokenizer,
+        external_data: external.action,
     })
 }
 
@@ -121,11 +127,6 @@ pub fn number_tokens(
         digits: Some(digits),
         dot,
     })
-}
-
-fn same_dir(a: &Path, b: &Path) -> bool {
-    let canon = |p: &Path| model_dir(p).canonicalize().ok();
-    canon(a).is_some() && canon(a) == canon(b)
 }
 
 pub fn site_label(site: &CeSite) -> String {

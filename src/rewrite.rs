@@ -30,34 +30,9 @@ pub fn build_patch(
         return Err(Error::UnsupportedReduction(site.reduction.clone()));
     }
     let mut b = Builder::new(PREFIX, opset, index.taken_names());
-    for name in [CE_OUTPUT, NUMBER_OUTPUT] {
-        if !b.claim(name) {
-            return Err(Error::OutputNameTaken(name.into()));
-        }
-    }
 
-    let ce_node = ce::cross_entropy_node(&mut b, site, CE_OUTPUT);
-    let flat = ce::flatten_inputs(&mut b, index, site, tokens.table.width())?;
-    let number = match opts.kind {
-        LossKind::Wasserstein | LossKind::Mse | LossKind::L1 | LossKind::Huber => {
-            ntl::build(&mut b, &flat, &tokens.table, opts)
-        }
-        LossKind::Ntil | LossKind::Emd => {
-            let seq = ce::sequence_inputs(&mut b, index, site, &flat)?;
-            ntil::build(&mut b, &seq, tokens, opts)
-        }
-        LossKind::NumberLevel => {
-            let seq = ce::sequence_inputs(&mut b, index, site, &flat)?;
-            number_level::build(&mut b, &seq, tokens, opts)
-        }
-    };
-    b.node_to("Identity", &[&number], &[NUMBER_OUTPUT], vec![]);
-    let loss_type = index.elem_type(&site.logits).unwrap_or(FLOAT);
-    combine(&mut b, opts, loss_type, &site.loss_output);
-
-    let mut nodes = vec![ce_node];
-    nodes.append(&mut b.nodes);
-    let mut replacements = vec![(site.node_index, nodes)];
+    let forward = build_forward(&mut b, index, site, tokens, opts, true)?;
+    let mut replacements = vec![(site.node_index, forward.nodes)];
     for other in others {
         let node = ce::cross_entropy_node(&mut b, other, &other.loss_output);
         replacements.push((other.node_index, vec![node]));
@@ -65,12 +40,72 @@ pub fn build_patch(
     Ok(Patch {
         replacements,
         initializers: b.initializers,
-        outputs: vec![
-            scalar_value_info(CE_OUTPUT, loss_type),
-            scalar_value_info(NUMBER_OUTPUT, FLOAT),
-        ],
-        metadata: vec![(METADATA_KEY.into(), metadata(site, &flat, tokens, opts))],
+        outputs: added_outputs(forward.loss_type),
+        metadata: vec![(
+            METADATA_KEY.into(),
+            metadata(site, &forward.flat, tokens, opts),
+        )],
     })
+}
+
+/// The forward half of a patch: the CE node, the number loss and the total.
+pub struct Forward {
+    /// Nodes that replace the loss node, in order (the CE node first).
+    pub nodes: Vec<crate::onnx::NodeProto>,
+    pub flat: FlatInputs,
+    /// Element type of the cross-entropy (the logits' type).
+    pub loss_type: i32,
+}
+
+/// Emits the forward nodes; `peel` lets the loss read `[B, T, V]` logits before an exporter's
+/// Transpose (forward mode) instead of the CE's own scores (artifacts mode needs the scores'
+/// layout to add its gradient into the CE gradient).
+pub fn build_forward(
+    b: &mut Builder,
+    index: &GraphIndex,
+    site: &CeSite,
+    tokens: &NumberTokens,
+    opts: &LossOptions,
+    peel: bool,
+) -> Result<Forward, Error> {
+    for name in [CE_OUTPUT, NUMBER_OUTPUT] {
+        if !b.claim(name) {
+            return Err(Error::OutputNameTaken(name.into()));
+        }
+    }
+    let ce_node = ce::cross_entropy_node(b, site, CE_OUTPUT);
+    let flat = ce::flatten_inputs(b, index, site, tokens.table.width(), peel)?;
+    let number = match opts.kind {
+        LossKind::Wasserstein | LossKind::Mse | LossKind::L1 | LossKind::Huber => {
+            ntl::build(b, &flat, &tokens.table, opts)
+        }
+        LossKind::Ntil | LossKind::Emd => {
+            let seq = ce::sequence_inputs(b, index, site, &flat)?;
+            ntil::build(b, &seq, tokens, opts)
+        }
+        LossKind::NumberLevel => {
+            let seq = ce::sequence_inputs(b, index, site, &flat)?;
+            number_level::build(b, &seq, tokens, opts)
+        }
+    };
+    b.node_to("Identity", &[&number], &[NUMBER_OUTPUT], vec![]);
+    let loss_type = index.elem_type(&site.logits).unwrap_or(FLOAT);
+    combine(b, opts, loss_type, &site.loss_output);
+    let mut nodes = vec![ce_node];
+    nodes.append(&mut b.nodes);
+    Ok(Forward {
+        nodes,
+        flat,
+        loss_type,
+    })
+}
+
+/// The `ce_loss` and `number_loss` graph outputs.
+pub fn added_outputs(loss_type: i32) -> Vec<crate::onnx::ValueInfoProto> {
+    vec![
+        scalar_value_info(CE_OUTPUT, loss_type),
+        scalar_value_info(NUMBER_OUTPUT, FLOAT),
+    ]
 }
 
 /// Writes the total under the original loss name, in the CE's element type:
@@ -118,7 +153,12 @@ fn combine(b: &mut Builder, opts: &LossOptions, loss_type: i32, total: &str) {
 
 /// What `validate` needs to check a patched graph on its own: the options and the tensors the
 /// number loss reads. serde_json sorts keys, so the text is deterministic.
-fn metadata(site: &CeSite, flat: &FlatInputs, tokens: &NumberTokens, opts: &LossOptions) -> String {
+pub fn metadata(
+    site: &CeSite,
+    flat: &FlatInputs,
+    tokens: &NumberTokens,
+    opts: &LossOptions,
+) -> String {
     let mut v = opts.to_json();
     let extra = serde_json::json!({
         "version": env!("CARGO_PKG_VERSION"),
@@ -129,6 +169,7 @@ fn metadata(site: &CeSite, flat: &FlatInputs, tokens: &NumberTokens, opts: &Loss
         "flat_logits": flat.logits,
         "flat_labels": flat.labels,
         "vocab_width": tokens.table.width(),
+        "loss_output": site.loss_output,
     });
     for (k, x) in extra.as_object().expect("object") {
         v[k] = x.clone();

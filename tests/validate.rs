@@ -66,7 +66,13 @@ fn tract_passes(model: &str, args: &[&str]) {
     assert_passes(&report, code);
     assert_eq!(report["runtime"], "tract");
     assert_eq!(report["checks"].as_array().unwrap().len(), 3);
-    for output in ["loss", "ce_loss", "number_loss"] {
+    // the total is the CE's original loss output (`loss` in every fixture but lm_two_ce)
+    let total = if model == "lm_two_ce" {
+        "/SoftmaxCrossEntropyLoss_1_output_0"
+    } else {
+        "loss"
+    };
+    for output in [total, "ce_loss", "number_loss"] {
         check(&report, output, "independent");
     }
     // the generated labels exercise number labels, other labels and the ignore index
@@ -98,6 +104,8 @@ tract_cases! {
     tract_lm_flat_all_numbers: "lm_flat" &["--all-numbers"];
     tract_lm_flat_mse_reweigh_all_numbers: "lm_flat" &["--loss", "mse", "--reweigh", "--all-numbers"];
     tract_lm_flat_combine_scaled: "lm_flat" &["--combine", "scaled"];
+    // the other CE of the graph runs in its primitive form too
+    tract_lm_two_ce_second: "lm_two_ce" &["--ce-node", "/SoftmaxCrossEntropyLoss_1"];
     tract_lm_bvt_wasserstein: "lm_bvt" &["--loss", "wasserstein"];
     tract_lm_bvt_mse: "lm_bvt" &["--loss", "mse"];
     tract_lm_bvt_l1: "lm_bvt" &["--loss", "l1"];
@@ -131,6 +139,26 @@ fn generated_inputs_follow_the_seed() {
     };
     assert_eq!(value("7"), value("7"));
     assert_ne!(value("7"), value("8"));
+}
+
+#[test]
+fn total_is_found_without_the_loss_output_metadata() {
+    // patches written before the metadata recorded `loss_output`
+    let (_dir, out) = patched("lm_bvt", &["--loss", "l1"]);
+    let mut m = read_model(&out);
+    let meta = m
+        .metadata_props
+        .iter_mut()
+        .find(|p| p.key() == "ntl_patch")
+        .unwrap();
+    let mut v: Value = serde_json::from_str(meta.value()).unwrap();
+    v.as_object_mut().unwrap().remove("loss_output");
+    meta.value = Some(v.to_string());
+    let old = out.with_file_name("old_meta.onnx");
+    std::fs::write(&old, m.encode_to_vec()).unwrap();
+    let (code, report) = validate_json(&old, &[], &[]);
+    assert_passes(&report, code);
+    check(&report, "loss", "independent");
 }
 
 // ------------------------------------------------------------------ recorded torch + ntloss outputs
@@ -342,6 +370,49 @@ fn tampered_graph_fails_against_the_recording_too() {
     assert_eq!(code, 1);
     assert_eq!(check(&report, "loss", "recorded")["passed"], false);
     assert_eq!(check(&report, "ce_loss", "recorded")["passed"], true);
+}
+
+/// A copy of `model` in `dir` whose float initializers live in `weights.bin` beside it.
+fn with_external_data(model: &Path, dir: &Path) -> PathBuf {
+    use ntl_patch::onnx::proto::tensor_proto::DataLocation;
+    use ntl_patch::onnx::StringStringEntryProto;
+    let mut m = read_model(model);
+    let mut blob = Vec::new();
+    for t in &mut m.graph.as_mut().unwrap().initializer {
+        let bytes: Vec<u8> = match (&t.raw_data, t.float_data.is_empty()) {
+            (Some(raw), _) if !raw.is_empty() => raw.to_vec(),
+            (_, false) => t.float_data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            _ => continue,
+        };
+        let entry = |k: &str, v: String| StringStringEntryProto {
+            key: Some(k.into()),
+            value: Some(v),
+        };
+        t.external_data = vec![
+            entry("location", "weights.bin".into()),
+            entry("offset", blob.len().to_string()),
+            entry("length", bytes.len().to_string()),
+        ];
+        t.data_location = Some(DataLocation::External as i32);
+        t.raw_data = None;
+        t.float_data.clear();
+        blob.extend(bytes);
+    }
+    std::fs::write(dir.join("weights.bin"), blob).unwrap();
+    let out = dir.join("external.onnx");
+    std::fs::write(&out, m.encode_to_vec()).unwrap();
+    out
+}
+
+#[test]
+fn external_data_is_read_from_the_model_folder() {
+    let (dir, out) = patched("lm_flat", &[]);
+    let ext = with_external_data(&out, dir.path());
+    let (code, report) = validate_json(&ext, &[], &[]);
+    assert_passes(&report, code);
+    let lib = ort_library();
+    let (code, report) = validate_json(&ext, &["--runtime", "ort"], &[("ORT_DYLIB_PATH", &lib)]);
+    assert_passes(&report, code);
 }
 
 // ------------------------------------------------------------------ errors

@@ -42,11 +42,17 @@ pub fn flatten_inputs(
     index: &GraphIndex,
     site: &CeSite,
     width: usize,
+    peel: bool,
 ) -> Result<FlatInputs, Error> {
     let v = width as i64;
     let rank = crate::graph::static_rank(index, &site.scores);
-    let mut logits = site.logits.clone();
-    if !site.logits_class_last {
+    let class_last = peel && site.logits_class_last;
+    let mut logits = if class_last {
+        site.logits.clone()
+    } else {
+        site.scores.clone()
+    };
+    if !class_last {
         match rank {
             Some(2) => {}
             Some(r) if r > 2 => {
@@ -63,7 +69,7 @@ pub fn flatten_inputs(
             }
         }
     }
-    if site.logits_class_last || rank != Some(2) {
+    if class_last || rank != Some(2) {
         logits = b.reshape(&logits, &[-1, v], "logits_2d");
     }
     match index.elem_type(&site.logits) {

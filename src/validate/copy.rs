@@ -1,7 +1,8 @@
-//! The validation copy: the patched graph, in memory, with the flat logits and labels (and the
-//! CE's class weights, if any) as extra outputs, so the independent reference sees exactly the
-//! values the runtime used. For runtimes without `SoftmaxCrossEntropyLoss` the CE node is
-//! replaced by its primitive-op form. The model file itself is never written.
+//! The validation copy: the patched graph, in memory, with the flat logits and labels, the
+//! total loss tensor (and the CE's class weights, if any) as extra outputs, so the independent
+//! reference sees exactly the values the runtime used. For runtimes without
+//! `SoftmaxCrossEntropyLoss` every such node is replaced by its primitive-op form. The model
+//! file itself is never written.
 
 use std::collections::HashSet;
 
@@ -15,13 +16,17 @@ use crate::validate::primitive_ce::{self, CeSpec};
 
 pub struct ValidationCopy {
     pub model: ModelProto,
-    /// Output names of the flat logits `[M, V]`, flat labels `[M]` and class weights.
+    /// Output names of the flat logits `[M, V]`, flat labels `[M]`, the total loss and the
+    /// class weights.
     pub flat_logits: String,
     pub flat_labels: String,
+    pub total: String,
     pub class_weights: Option<String>,
     /// The tensor the CE node reads its labels from (to find the labels graph input).
     pub ce_labels: String,
 }
+
+const SCE: &str = "SoftmaxCrossEntropyLoss";
 
 /// The patched CE: the `SoftmaxCrossEntropyLoss` that writes `ce_loss`.
 pub fn find_ce_node(model: &ModelProto) -> Result<(usize, &NodeProto), Error> {
@@ -30,21 +35,23 @@ pub fn find_ce_node(model: &ModelProto) -> Result<(usize, &NodeProto), Error> {
         .node
         .iter()
         .enumerate()
-        .find(|(_, n)| n.op_type() == "SoftmaxCrossEntropyLoss" && n.output.first().map(String::as_str) == Some(CE_OUTPUT))
+        .find(|(_, n)| n.op_type() == SCE && n.output.first().is_some_and(|o| o == CE_OUTPUT))
         .ok_or_else(|| {
             Error::Validation(format!(
-                "the graph has no SoftmaxCrossEntropyLoss writing '{CE_OUTPUT}'; validate reads graphs written by ntl-patch, re-patch the original model"
+                "the graph has no {SCE} writing '{CE_OUTPUT}'; validate reads graphs written by ntl-patch, re-patch the original model"
             ))
         })
 }
 
+/// `total` is the tensor holding the combined loss; `primitive_ce` swaps every
+/// `SoftmaxCrossEntropyLoss` for its primitive-op form.
 pub fn build(
     model: &ModelProto,
     meta: &PatchMeta,
+    total: &str,
     primitive_ce: bool,
 ) -> Result<ValidationCopy, Error> {
     let (ce_index, ce_node) = find_ce_node(model)?;
-    let ce_node = ce_node.clone();
     let graph = model.graph.as_ref().expect("checked on load");
     let index = GraphIndex::new(graph);
     for t in [&meta.flat_logits, &meta.flat_labels] {
@@ -54,71 +61,73 @@ pub fn build(
             )));
         }
     }
-    let log_prob_used = ce_node.output.get(1).is_some_and(|o| {
-        !o.is_empty() && (!index.consumers(o).is_empty() || index.is_graph_output(o))
-    });
-    let loss_type = graph
-        .output
-        .iter()
-        .find(|o| o.name() == CE_OUTPUT)
-        .and_then(value_info_shape)
-        .map(|(t, _)| t)
-        .filter(|&t| t != 0)
-        .unwrap_or(FLOAT);
 
     let mut e = Emitter::new(index.taken_names());
-    // Identity outputs: a graph output may not be an initializer or an input in every runtime.
-    let flat_logits = e.node(
-        "Identity",
-        &[&meta.flat_logits],
-        vec![],
-        Out::Fresh("flat_logits"),
-    );
-    let flat_labels = e.node(
-        "Identity",
-        &[&meta.flat_labels],
-        vec![],
-        Out::Fresh("flat_labels"),
-    );
+    // Exported through Identity: a graph output may not be an initializer or an input in
+    // every runtime, and the names stay ours.
+    let export = |e: &mut Emitter, tensor: &str, hint: &str| {
+        e.node("Identity", &[tensor], vec![], Out::Fresh(hint))
+    };
+    let flat_logits = export(&mut e, &meta.flat_logits, "flat_logits");
+    let flat_labels = export(&mut e, &meta.flat_labels, "flat_labels");
+    let total_out = export(&mut e, total, "total_loss");
     let class_weights = ce_node
         .input
         .get(2)
         .filter(|w| !w.is_empty())
-        .map(|w| e.node("Identity", &[w], vec![], Out::Fresh("class_weights")));
-    let extra_nodes = std::mem::take(&mut e.nodes);
+        .map(|w| export(&mut e, w, "class_weights"));
 
+    let mut replaced = Vec::new();
     if primitive_ce {
-        primitive_ce::emit(
-            &mut e,
-            &CeSpec {
-                node: &ce_node,
-                flat_logits: &meta.flat_logits,
-                flat_labels: &meta.flat_labels,
+        for (i, node) in graph
+            .node
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| n.op_type() == SCE)
+        {
+            let (logits, labels, loss_type) = if i == ce_index {
+                // the patched CE: the flat tensors the number loss reads hold its inputs
+                (
+                    meta.flat_logits.clone(),
+                    meta.flat_labels.clone(),
+                    ce_loss_type(graph),
+                )
+            } else {
+                primitive_ce::flatten_own_inputs(&mut e, &index, node).ok_or_else(|| {
+                    Error::Validation(format!(
+                        "tract cannot run op '{SCE}' (node '{}'): the rank of its scores is unknown; validate with --runtime ort",
+                        node.name()
+                    ))
+                })?
+            };
+            let log_prob_used = node.output.get(1).is_some_and(|o| {
+                !o.is_empty() && (!index.consumers(o).is_empty() || index.is_graph_output(o))
+            });
+            let spec = CeSpec {
+                node,
+                flat_logits: &logits,
+                flat_labels: &labels,
                 loss_type,
                 log_prob_used,
-            },
-        );
+            };
+            primitive_ce::emit(&mut e, &spec);
+            replaced.push(i);
+        }
     }
+    let ce_labels = ce_node.input.get(1).cloned().unwrap_or_default();
 
     let mut model = model.clone();
     let graph = model.graph.as_mut().expect("checked on load");
-    if primitive_ce {
-        graph.node.remove(ce_index);
-        graph.node.append(&mut e.nodes);
+    for i in replaced.into_iter().rev() {
+        graph.node.remove(i);
     }
-    graph.node.extend(extra_nodes);
+    graph.node.append(&mut e.nodes);
     graph.initializer.append(&mut e.initializers);
     // The replacement reads the flat tensors, which the patch computes after the CE node, so
     // it cannot simply take the node's place: restore a topological order instead.
     topological_sort(graph);
-    for name in [
-        Some(&flat_logits),
-        Some(&flat_labels),
-        class_weights.as_ref(),
-    ]
-    .into_iter()
-    .flatten()
-    {
+    let outputs = [&flat_logits, &flat_labels, &total_out];
+    for name in outputs.into_iter().chain(class_weights.as_ref()) {
         graph.output.push(ValueInfoProto {
             name: Some(name.clone()),
             ..Default::default()
@@ -131,9 +140,22 @@ pub fn build(
         model,
         flat_logits,
         flat_labels,
+        total: total_out,
         class_weights,
-        ce_labels: ce_node.input.get(1).cloned().unwrap_or_default(),
+        ce_labels,
     })
+}
+
+/// Element type of `ce_loss` as the graph declares it (float32 where it does not).
+fn ce_loss_type(graph: &GraphProto) -> i32 {
+    graph
+        .output
+        .iter()
+        .find(|o| o.name() == CE_OUTPUT)
+        .and_then(value_info_shape)
+        .map(|(t, _)| t)
+        .filter(|&t| t != 0)
+        .unwrap_or(FLOAT)
 }
 
 /// Stable topological order: nodes keep their relative order unless an input is not yet

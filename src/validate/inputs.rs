@@ -85,7 +85,9 @@ pub struct Shape {
 
 /// Values for every input, deterministic in `seed`: symbolic dims become `batch` (first axis)
 /// or `seq` (others); integer inputs are token ids in `[0, width)`, the labels a mix of
-/// number ids, other ids and the ignore index; floats uniform in [-1, 1).
+/// number ids, other ids and the ignore index; floats uniform in [-1, 1). Integer inputs named
+/// like a mask are all ones and like positions count along the last axis, so an attention
+/// mask or a position table sees values it was exported for.
 pub fn generate(
     specs: &[InputSpec],
     labels: Option<&LabelPlan>,
@@ -100,41 +102,13 @@ pub fn generate(
             // one ChaCha stream per input: adding an input does not change the others' values
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
             rng.set_stream(k as u64);
-            let dims: Vec<usize> = spec
-                .dims
-                .iter()
-                .enumerate()
-                .map(|(axis, d)| match d {
-                    Some(v) => *v as usize,
-                    None if axis == 0 => shape.batch,
-                    None => shape.seq,
-                })
-                .collect();
-            let n: usize = dims.iter().product();
-            let lname = spec.name.to_ascii_lowercase();
-            let data = match DataType::try_from(spec.elem_type).unwrap_or(DataType::Undefined) {
-                _ if labels.is_some_and(|l| l.input == spec.name) => {
-                    let ids = label_values(&mut rng, n, width, labels.expect("checked"));
-                    int_data(spec.elem_type, ids)
+            let dims = concrete_dims(spec, shape);
+            let data = match labels.filter(|l| l.input == spec.name) {
+                Some(plan) => {
+                    let n = dims.iter().product();
+                    int_data(spec.elem_type, label_values(&mut rng, n, width, plan))
                 }
-                DataType::Int64 | DataType::Int32 if lname.contains("mask") => int_data(spec.elem_type, vec![1; n]),
-                DataType::Int64 | DataType::Int32 if lname.contains("position") => {
-                    let last = dims.last().copied().unwrap_or(1).max(1);
-                    int_data(spec.elem_type, (0..n).map(|i| (i % last) as i64).collect())
-                }
-                DataType::Int64 | DataType::Int32 => {
-                    int_data(spec.elem_type, (0..n).map(|_| rng.gen_range(0..width as i64)).collect())
-                }
-                DataType::Float => Data::F32((0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect()),
-                DataType::Double => Data::F64((0..n).map(|_| rng.gen_range(-1.0f64..1.0)).collect()),
-                DataType::Bool => Data::Bool(vec![true; n]),
-                other => {
-                    return Err(Error::Validation(format!(
-                        "graph input '{}' has element type {}, which validate cannot generate; pass its values with --reference DIR",
-                        spec.name,
-                        other.as_str_name()
-                    )))
-                }
+                None => values(spec, &dims, width, &mut rng)?,
             };
             Ok(HostTensor {
                 name: spec.name.clone(),
@@ -143,6 +117,50 @@ pub fn generate(
             })
         })
         .collect()
+}
+
+fn concrete_dims(spec: &InputSpec, shape: &Shape) -> Vec<usize> {
+    spec.dims
+        .iter()
+        .enumerate()
+        .map(|(axis, d)| match d {
+            Some(v) => *v as usize,
+            None if axis == 0 => shape.batch,
+            None => shape.seq,
+        })
+        .collect()
+}
+
+/// Values for an input that is not the labels.
+fn values(
+    spec: &InputSpec,
+    dims: &[usize],
+    width: usize,
+    rng: &mut ChaCha8Rng,
+) -> Result<Data, Error> {
+    let n: usize = dims.iter().product();
+    let name = spec.name.to_ascii_lowercase();
+    let t = spec.elem_type;
+    Ok(match DataType::try_from(t).unwrap_or(DataType::Undefined) {
+        DataType::Int64 | DataType::Int32 if name.contains("mask") => int_data(t, vec![1; n]),
+        DataType::Int64 | DataType::Int32 if name.contains("position") => {
+            let last = dims.last().copied().unwrap_or(1).max(1);
+            int_data(t, (0..n).map(|i| (i % last) as i64).collect())
+        }
+        DataType::Int64 | DataType::Int32 => {
+            int_data(t, (0..n).map(|_| rng.gen_range(0..width as i64)).collect())
+        }
+        DataType::Float => Data::F32((0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect()),
+        DataType::Double => Data::F64((0..n).map(|_| rng.gen_range(-1.0f64..1.0)).collect()),
+        DataType::Bool => Data::Bool(vec![true; n]),
+        other => {
+            return Err(Error::Validation(format!(
+                "graph input '{}' has element type {}, which validate cannot generate; pass its values with --reference DIR",
+                spec.name,
+                other.as_str_name()
+            )))
+        }
+    })
 }
 
 /// About 40% number ids, 40% other ids, 20% ignore index; with three or more positions each

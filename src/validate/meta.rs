@@ -25,6 +25,9 @@ pub struct PatchMeta {
     pub flat_labels: String,
     pub vocab_width: usize,
     pub ce_node: String,
+    /// The tensor holding the total (the original loss output's name); older patches did not
+    /// record it.
+    pub loss_output: Option<String>,
 }
 
 /// `add`: `CE + λ·L`; `scaled`: `CE + stopgrad(CE / (L + 1e-10))·λ·L` (value `(1+λ)·CE`).
@@ -89,6 +92,7 @@ impl PatchMeta {
             flat_labels: s("flat_labels")?,
             vocab_width,
             ce_node: v["ce_node"].as_str().unwrap_or_default().to_string(),
+            loss_output: v["loss_output"].as_str().map(str::to_string),
         })
     }
 

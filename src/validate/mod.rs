@@ -30,11 +30,12 @@ use crate::model_io::{load_model, model_dir};
 use crate::number_table::{NumberTable, Vocab};
 use crate::onnx::ModelProto;
 use crate::pipeline::default_tokenizer;
-use crate::rewrite::{CE_OUTPUT, NUMBER_OUTPUT};
+use crate::rewrite::{CE_OUTPUT, NUMBER_OUTPUT, PREFIX};
 
 pub use ort_lib::HOW_TO_INSTALL as ORT_HOW_TO_INSTALL;
 pub use report::{Against, Check, Report};
 
+use copy::ValidationCopy;
 use inputs::{LabelPlan, Shape};
 use meta::PatchMeta;
 use reference::{Batch, CeReduction};
@@ -79,81 +80,26 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
     let model = load_model(&req.model)?;
     let meta = PatchMeta::from_model(&model)?;
     let table = number_table(req, &meta)?;
-    let loss_name = total_loss_output(&model)?;
-    let copy = copy::build(&model, &meta, req.runtime == Runtime::Tract)?;
-    let graph = copy.model.graph.as_ref().expect("checked on load");
-    let specs = inputs::feedable_inputs(graph)?;
-
-    let (feeds, recorded, inputs_desc) = match &req.reference {
-        Some(dir) => {
-            let data = testdata::read_dir(dir)?;
-            let feeds = order_inputs(&specs, data.inputs, dir)?;
-            (
-                feeds,
-                data.outputs,
-                format!("recorded in {}", dir.display()),
-            )
-        }
-        None => {
-            let label_input = inputs::labels_source(graph, &copy.ce_labels);
-            let plan = label_input.as_deref().map(|input| LabelPlan {
-                input,
-                table: &table,
-                ignore_index: meta.ignore_index,
-            });
-            let shape = Shape {
-                batch: req.batch,
-                seq: req.seq,
-            };
-            let feeds =
-                inputs::generate(&specs, plan.as_ref(), meta.vocab_width, &shape, req.seed)?;
-            let desc = format!(
-                "generated (batch {}, seq {}, seed {})",
-                req.batch, req.seq, req.seed
-            );
-            (feeds, Vec::new(), desc)
-        }
-    };
+    let loss_name = total_tensor(&model, &meta)?;
+    let copy = copy::build(&model, &meta, &loss_name, req.runtime == Runtime::Tract)?;
+    let feeds = feeds(req, &meta, &table, &copy)?;
 
     let dir = model_dir(&req.model);
     let outputs = match req.runtime {
-        Runtime::Tract => tract_run::run(&copy.model, &dir, &feeds)?,
-        Runtime::Ort => ort_run::run(&copy.model, &dir, &feeds)?,
+        Runtime::Tract => tract_run::run(&copy.model, &dir, &feeds.inputs)?,
+        Runtime::Ort => ort_run::run(&copy.model, &dir, &feeds.inputs)?,
     };
-    let get = |name: &str| -> Result<&HostTensor, Error> {
-        outputs
-            .iter()
-            .find(|t| t.name == name)
-            .ok_or_else(|| Error::Validation(format!("the runtime returned no output '{name}'")))
-    };
+    let outputs = Outputs(outputs);
 
-    // The independent losses, from the very logits and labels the runtime's loss used.
-    let logits = get(&copy.flat_logits)?.to_f64();
-    let labels = get(&copy.flat_labels)?
-        .to_i64()
-        .ok_or_else(|| Error::Validation("the flat labels are not integers".into()))?;
-    let batch = Batch::new(&logits, &labels, meta.vocab_width).map_err(flat_mismatch)?;
-    let weights = match &copy.class_weights {
-        Some(w) => Some(get(w)?.to_f64()),
-        None => None,
-    };
-    let reduction = match meta.reduction.as_str() {
-        "sum" => CeReduction::Sum,
-        _ => CeReduction::Mean,
-    };
-    let ce = reference::cross_entropy(&batch, meta.ignore_index, reduction, weights.as_deref())
-        .map_err(flat_mismatch)?;
-    let ntl = reference::number_token_loss(&batch, &table, &meta.ntl, meta.ignore_index)
-        .map_err(flat_mismatch)?;
-    let total = meta.total(ce, ntl.value);
-
+    let ind = independent(&meta, &table, &copy, &outputs)?;
     let mut checks = Vec::new();
-    for (name, expected) in [
-        (loss_name.as_str(), total),
-        (CE_OUTPUT, ce),
-        (NUMBER_OUTPUT, ntl.value),
+    // (report label, runtime output, independent value)
+    for (name, output, expected) in [
+        (loss_name.as_str(), copy.total.as_str(), ind.total),
+        (CE_OUTPUT, CE_OUTPUT, ind.ce),
+        (NUMBER_OUTPUT, NUMBER_OUTPUT, ind.number_loss),
     ] {
-        let got = get(name)?.to_f64();
+        let got = outputs.get(output)?.to_f64();
         checks.push(Check::compare(
             name,
             Against::Independent,
@@ -163,53 +109,158 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
             req.atol,
         ));
     }
-    let original_outputs: Vec<&str> = model
-        .graph
-        .as_ref()
-        .expect("checked")
-        .output
-        .iter()
-        .map(|o| o.name())
-        .collect();
-    for (k, rec) in recorded.iter().enumerate() {
-        // unnamed recordings follow the graph's output order
-        let name = if rec.name.is_empty() {
-            original_outputs.get(k).copied().unwrap_or("")
-        } else {
-            rec.name.as_str()
-        };
-        checks.push(match outputs.iter().find(|t| t.name == name) {
-            Some(t) => Check::compare(
-                name,
-                Against::Recorded,
-                &t.to_f64(),
-                &rec.to_f64(),
-                req.rtol,
-                req.atol,
-            ),
-            None => Check::missing(
-                name,
-                Against::Recorded,
-                "the graph has no such output".into(),
-            ),
-        });
-    }
+    checks.extend(recorded_checks(req, &model, &feeds.recorded, &outputs));
 
     Ok(Report {
         model: req.model.clone(),
         runtime: req.runtime.name(),
         settings: format!("{}; CE reduction {}", meta.describe(), meta.reduction),
-        inputs: inputs_desc,
+        inputs: feeds.description,
+        positions: ind.positions,
+        number_positions: ind.number_positions,
+        ignored_positions: ind.ignored_positions,
+        rtol: req.rtol,
+        atol: req.atol,
+        checks,
+    })
+}
+
+/// What the runtime is fed, and what it should give (with `--reference`).
+struct Feeds {
+    inputs: Vec<HostTensor>,
+    recorded: Vec<HostTensor>,
+    description: String,
+}
+
+fn feeds(
+    req: &ValidateRequest,
+    meta: &PatchMeta,
+    table: &NumberTable,
+    copy: &ValidationCopy,
+) -> Result<Feeds, Error> {
+    let graph = copy.model.graph.as_ref().expect("checked on load");
+    let specs = inputs::feedable_inputs(graph)?;
+    if let Some(dir) = &req.reference {
+        let data = testdata::read_dir(dir)?;
+        return Ok(Feeds {
+            inputs: order_inputs(&specs, data.inputs, dir)?,
+            recorded: data.outputs,
+            description: format!("recorded in {}", dir.display()),
+        });
+    }
+    let label_input = inputs::labels_source(graph, &copy.ce_labels);
+    let plan = label_input.as_deref().map(|input| LabelPlan {
+        input,
+        table,
+        ignore_index: meta.ignore_index,
+    });
+    let shape = Shape {
+        batch: req.batch,
+        seq: req.seq,
+    };
+    Ok(Feeds {
+        inputs: inputs::generate(&specs, plan.as_ref(), meta.vocab_width, &shape, req.seed)?,
+        recorded: Vec::new(),
+        description: format!(
+            "generated (batch {}, seq {}, seed {})",
+            req.batch, req.seq, req.seed
+        ),
+    })
+}
+
+/// The runtime's outputs, by name.
+struct Outputs(Vec<HostTensor>);
+
+impl Outputs {
+    fn get(&self, name: &str) -> Result<&HostTensor, Error> {
+        self.0
+            .iter()
+            .find(|t| t.name == name)
+            .ok_or_else(|| Error::Validation(format!("the runtime returned no output '{name}'")))
+    }
+}
+
+/// The independent losses and label statistics.
+struct Independent {
+    ce: f64,
+    number_loss: f64,
+    total: f64,
+    positions: usize,
+    number_positions: usize,
+    ignored_positions: usize,
+}
+
+/// Computes the losses in `reference` from the very logits and labels the runtime's loss used.
+fn independent(
+    meta: &PatchMeta,
+    table: &NumberTable,
+    copy: &ValidationCopy,
+    outputs: &Outputs,
+) -> Result<Independent, Error> {
+    let logits = outputs.get(&copy.flat_logits)?.to_f64();
+    let labels = outputs
+        .get(&copy.flat_labels)?
+        .to_i64()
+        .ok_or_else(|| Error::Validation("the flat labels are not integers".into()))?;
+    let batch = Batch::new(&logits, &labels, meta.vocab_width).map_err(flat_mismatch)?;
+    let weights = match &copy.class_weights {
+        Some(w) => Some(outputs.get(w)?.to_f64()),
+        None => None,
+    };
+    let reduction = match meta.reduction.as_str() {
+        "sum" => CeReduction::Sum,
+        _ => CeReduction::Mean,
+    };
+    let ce = reference::cross_entropy(&batch, meta.ignore_index, reduction, weights.as_deref())
+        .map_err(flat_mismatch)?;
+    let ntl = reference::number_token_loss(&batch, table, &meta.ntl, meta.ignore_index)
+        .map_err(flat_mismatch)?;
+    Ok(Independent {
+        ce,
+        number_loss: ntl.value,
+        total: meta.total(ce, ntl.value),
         positions: labels.len(),
         number_positions: ntl.positions,
         ignored_positions: labels
             .iter()
             .filter(|&&l| Some(l) == meta.ignore_index)
             .count(),
-        rtol: req.rtol,
-        atol: req.atol,
-        checks,
     })
+}
+
+/// One check per recorded output, matched by name (unnamed ones by the graph's output order).
+fn recorded_checks(
+    req: &ValidateRequest,
+    model: &ModelProto,
+    recorded: &[HostTensor],
+    outputs: &Outputs,
+) -> Vec<Check> {
+    let graph = model.graph.as_ref().expect("checked on load");
+    recorded
+        .iter()
+        .enumerate()
+        .map(|(k, rec)| {
+            let name = match rec.name.as_str() {
+                "" => graph.output.get(k).map(|o| o.name()).unwrap_or(""),
+                name => name,
+            };
+            match outputs.get(name) {
+                Ok(t) => Check::compare(
+                    name,
+                    Against::Recorded,
+                    &t.to_f64(),
+                    &rec.to_f64(),
+                    req.rtol,
+                    req.atol,
+                ),
+                Err(_) => Check::missing(
+                    name,
+                    Against::Recorded,
+                    "the graph has no such output".into(),
+                ),
+            }
+        })
+        .collect()
 }
 
 /// The number table, rebuilt from the tokenizer (not read from the graph), so the check does
@@ -226,14 +277,23 @@ fn number_table(req: &ValidateRequest, meta: &PatchMeta) -> Result<NumberTable, 
     Ok(NumberTable::build(&vocab, meta.numbers, meta.vocab_width)?)
 }
 
-/// The graph output holding the total (the original loss output's name, which the metadata
-/// does not record): the first output computed from both `ce_loss` and `number_loss`.
-fn total_loss_output(model: &ModelProto) -> Result<String, Error> {
+/// The tensor holding the total: the metadata's `loss_output`, or (older patches) the first
+/// tensor outside ntl-patch's `ntl/` names that is computed from both `ce_loss` and
+/// `number_loss`. It need not be a graph output (a graph may add more terms after it).
+fn total_tensor(model: &ModelProto, meta: &PatchMeta) -> Result<String, Error> {
     let graph = model.graph.as_ref().expect("checked on load");
     let index = GraphIndex::new(graph);
-    let reads_both = |output: &str| {
+    if let Some(t) = &meta.loss_output {
+        return match index.producer(t) {
+            Some(_) => Ok(t.clone()),
+            None => Err(Error::Validation(format!(
+                "the metadata names loss output '{t}', which the graph does not compute; re-patch the original model"
+            ))),
+        };
+    }
+    let reads_both = |tensor: &str| {
         let (mut ce, mut number) = (false, false);
-        let mut stack = vec![output.to_string()];
+        let mut stack = vec![tensor.to_string()];
         let mut seen = std::collections::HashSet::new();
         while let Some(t) = stack.pop() {
             ce |= t == CE_OUTPUT;
@@ -244,15 +304,16 @@ fn total_loss_output(model: &ModelProto) -> Result<String, Error> {
         }
         ce && number
     };
+    let ours = format!("{PREFIX}/");
     graph
-        .output
+        .node
         .iter()
-        .map(|o| o.name())
-        .find(|&o| o != CE_OUTPUT && o != NUMBER_OUTPUT && reads_both(o))
-        .map(str::to_string)
+        .flat_map(|n| n.output.iter())
+        .find(|t| !t.is_empty() && !t.starts_with(&ours) && *t != NUMBER_OUTPUT && reads_both(t))
+        .cloned()
         .ok_or_else(|| {
             Error::Validation(format!(
-                "no graph output combines '{CE_OUTPUT}' and '{NUMBER_OUTPUT}'; re-patch the original model"
+                "no tensor combines '{CE_OUTPUT}' and '{NUMBER_OUTPUT}'; re-patch the original model"
             ))
         })
 }

@@ -1,9 +1,11 @@
 //! A `SoftmaxCrossEntropyLoss` spelled in primitive ops, for runtimes that lack it (tract):
-//! LogSoftmax, GatherElements, Equal/Not/Where for the ignore index, ReduceSum, Div. It reads
-//! the flat `[M, V]` logits and `[M]` labels, which hold the same values as the node's own
-//! inputs in another layout, so the loss it gives is the node's.
+//! LogSoftmax, GatherElements, Equal/Not/Where for the ignore index, ReduceSum/ReduceMean, Div.
+//! It reads `[M, C]` logits and `[M]` labels holding the node's own inputs in class-last,
+//! flattened layout (the patch's flat tensors for the patched CE, [`flatten_own_inputs`] for
+//! any other), so the loss it gives is the node's.
 
-use crate::onnx::{attr_i, attr_s, i64_tensor, int_attr, NodeProto, FLOAT};
+use crate::graph::{static_rank, GraphIndex};
+use crate::onnx::{attr_i, attr_s, i64_tensor, int_attr, ints_attr, NodeProto, FLOAT, INT64};
 use crate::validate::emit::{Emitter, Out};
 
 pub struct CeSpec<'a> {
@@ -160,4 +162,64 @@ pub fn emit(e: &mut Emitter, spec: &CeSpec) {
             );
         }
     }
+}
+
+/// For a CE the patch did not touch: its scores `[N, C, d1, ..]` as float32 `[N·d1·.., C]`
+/// (class axis last, then flattened) and its labels as int64 `[N·d1·..]`, in matching order.
+/// Also returns the element type of the node's loss. None where the scores' rank is unknown.
+pub fn flatten_own_inputs(
+    e: &mut Emitter,
+    index: &GraphIndex,
+    node: &NodeProto,
+) -> Option<(String, String, i32)> {
+    let scores = node.input.first()?;
+    let labels = node.input.get(1)?;
+    let rank = static_rank(index, scores)?;
+    let elem = index.elem_type(scores).unwrap_or(FLOAT);
+    let mut logits = scores.clone();
+    if rank > 2 {
+        let mut perm: Vec<i64> = vec![0];
+        perm.extend(2..rank as i64);
+        perm.push(1);
+        let t = e.node(
+            "Transpose",
+            &[&logits],
+            vec![ints_attr("perm", &perm)],
+            Out::Fresh("scores_class_last"),
+        );
+        logits = e.node(
+            "Flatten",
+            &[&t],
+            vec![int_attr("axis", rank as i64 - 1)],
+            Out::Fresh("scores_2d"),
+        );
+    }
+    if elem != FLOAT {
+        logits = e.node(
+            "Cast",
+            &[&logits],
+            vec![int_attr("to", FLOAT as i64)],
+            Out::Fresh("scores_f32"),
+        );
+    }
+    let label_type = index.elem_type(labels);
+    let mut labels = labels.clone();
+    if static_rank(index, &labels) != Some(1) {
+        let flat = e.constant("labels_shape", |n| i64_tensor(n, &[1], &[-1]));
+        labels = e.node(
+            "Reshape",
+            &[&labels, &flat],
+            vec![],
+            Out::Fresh("labels_1d"),
+        );
+    }
+    if label_type.is_some_and(|t| t != INT64) {
+        labels = e.node(
+            "Cast",
+            &[&labels],
+            vec![int_attr("to", INT64 as i64)],
+            Out::Fresh("labels_i64"),
+        );
+    }
+    Some((logits, labels, elem))
 }

@@ -1,0 +1,301 @@
+//! `ntl-patch artifacts DIR`: add the number loss to ONNX Runtime training artifacts
+//! (`training_model.onnx`, `eval_model.onnx`, `optimizer_model.onnx`, `checkpoint`) without the
+//! original forward graph.
+//!
+//! The training graph gets the forward nodes and their analytic backward nodes
+//! (`crate::autodiff`); the number loss's gradient is added into the gradient ORT's
+//! `SoftmaxCrossEntropyLossGrad` produced for the scores — sparsely, with ScatterElements, so no
+//! second dense `[N, V]` tensor is built. `eval_model.onnx` gets the forward nodes; the
+//! optimizer model and the checkpoint are copied unchanged.
+
+use std::path::{Path, PathBuf};
+
+use crate::autodiff::{differentiate, LogitsGradient};
+use crate::ce_site::CeSite;
+use crate::error::Error;
+use crate::graph::GraphIndex;
+use crate::model_io::{load_model, save_model_atomic};
+use crate::number_table::Vocab;
+use crate::onnx::{default_opset, int_attr, string_attr, ModelProto};
+use crate::ops::{Builder, Combine, LossOptions};
+use crate::patch::{apply, Patch, METADATA_KEY};
+use crate::pipeline::{logits_width, number_tokens, refuse_patched, select_site};
+use crate::rewrite::{
+    added_outputs, build_forward, build_patch, metadata, CE_OUTPUT, NUMBER_OUTPUT, PREFIX,
+};
+
+pub const TRAINING: &str = "training_model.onnx";
+pub const EVAL: &str = "eval_model.onnx";
+pub const OPTIMIZER: &str = "optimizer_model.onnx";
+pub const CHECKPOINT: &str = "checkpoint";
+
+pub struct ArtifactsRequest {
+    pub dir: PathBuf,
+    pub output: Option<PathBuf>,
+    pub tokenizer: Option<PathBuf>,
+    pub vocab_size: Option<usize>,
+    pub ce_node: Option<String>,
+    pub loss: LossOptions,
+}
+
+pub struct ArtifactsSummary {
+    pub output: PathBuf,
+    pub number_tokens: usize,
+    pub sparse_updates: usize,
+    pub dense_updates: usize,
+}
+
+/// `./artifacts` → `./artifacts-ntl`.
+pub fn default_output(dir: &Path) -> PathBuf {
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "artifacts".into());
+    dir.with_file_name(format!("{name}-ntl"))
+}
+
+pub fn run_artifacts(req: &ArtifactsRequest) -> Result<ArtifactsSummary, Error> {
+    for f in [TRAINING, EVAL, OPTIMIZER, CHECKPOINT] {
+        if !req.dir.join(f).is_file() {
+            return Err(Error::MissingArtifact {
+                dir: req.dir.clone(),
+                file: f.into(),
+            });
+        }
+    }
+    let output = req
+        .output
+        .clone()
+        .unwrap_or_else(|| default_output(&req.dir));
+    if output.exists() {
+        return Err(Error::OutputExists(output));
+    }
+    let tokenizer = req
+        .tokenizer
+        .clone()
+        .unwrap_or_else(|| req.dir.join("tokenizer.json"));
+    if !tokenizer.exists() {
+        return Err(Error::TokenizerMissing(tokenizer));
+    }
+    let vocab = Vocab::from_file(&tokenizer)?;
+
+    let mut training = load_model(&req.dir.join(TRAINING))?;
+    refuse_patched(&training, &req.dir.join(TRAINING))?;
+    let mut eval = load_model(&req.dir.join(EVAL))?;
+    refuse_patched(&eval, &req.dir.join(EVAL))?;
+
+    let (train_patch, tokens_len, grad) = {
+        let graph = training.graph.as_ref().expect("checked on load");
+        let index = GraphIndex::new(graph);
+        let site = select_site(&index, req.ce_node.as_deref())?;
+        let width = logits_width(&index, &site, req.vocab_size)?;
+        let tokens = number_tokens(&vocab, &req.loss, width)?;
+        let opset = default_opset(&training).ok_or(Error::NoOpset)?;
+        let (patch, grad) = training_patch(&index, opset, &site, &tokens, &req.loss)?;
+        (patch, tokens.table.len(), grad)
+    };
+    let eval_patch = {
+        let graph = eval.graph.as_ref().expect("checked on load");
+        let index = GraphIndex::new(graph);
+        let site = select_site(&index, req.ce_node.as_deref())?;
+        let width = logits_width(&index, &site, req.vocab_size)?;
+        let tokens = number_tokens(&vocab, &req.loss, width)?;
+        let opset = default_opset(&eval).ok_or(Error::NoOpset)?;
+        build_patch(&index, opset, &site, &[], &tokens, &req.loss)?
+    };
+    apply(&mut training, train_patch)?;
+    apply(&mut eval, eval_patch)?;
+    write_folder(&req.dir, &output, &training, &eval)?;
+    Ok(ArtifactsSummary {
+        output,
+        number_tokens: tokens_len,
+        sparse_updates: grad.0,
+        dense_updates: grad.1,
+    })
+}
+
+/// Writes the four artifacts into a temporary folder beside `output`, then renames it.
+fn write_folder(
+    src: &Path,
+    output: &Path,
+    training: &ModelProto,
+    eval: &ModelProto,
+) -> Result<(), Error> {
+    let write_err = |source| Error::Write {
+        path: output.to_path_buf(),
+        source,
+    };
+    let parent = crate::model_io::model_dir(output);
+    let tmp = tempfile::Builder::new()
+        .prefix(".ntl-patch-")
+        .tempdir_in(&parent)
+        .map_err(write_err)?;
+    save_model_atomic(training, &tmp.path().join(TRAINING))?;
+    save_model_atomic(eval, &tmp.path().join(EVAL))?;
+    for f in [OPTIMIZER, CHECKPOINT] {
+        std::fs::copy(src.join(f), tmp.path().join(f)).map_err(write_err)?;
+    }
+    let tmp = tmp.keep();
+    std::fs::rename(&tmp, output).map_err(|e| {
+        let _ = std::fs::remove_dir_all(&tmp);
+        write_err(e)
+    })
+}
+
+/// The training-graph patch: forward nodes in place of the loss node, and the number loss's
+/// gradient added to the scores gradient right after `SoftmaxCrossEntropyLossGrad`.
+fn training_patch(
+    index: &GraphIndex,
+    opset: i64,
+    site: &CeSite,
+    tokens: &crate::ops::NumberTokens,
+    opts: &LossOptions,
+) -> Result<(Patch, (usize, usize)), Error> {
+    let log_prob = site.log_prob_output.clone().ok_or(Error::NoLossGradient)?;
+    let (grad_index, grad_node) = index
+        .graph
+        .node
+        .iter()
+        .enumerate()
+        .find(|(_, n)| {
+            n.op_type() == "SoftmaxCrossEntropyLossGrad" && n.input.get(1) == Some(&log_prob)
+        })
+        .ok_or(Error::NoLossGradient)?;
+    let seed = grad_node.input[0].clone();
+    let scores_grad = grad_node.output[0].clone();
+    let rank =
+        crate::graph::static_rank(index, &site.scores).ok_or_else(|| Error::UnknownRank {
+            tensor: site.scores.clone(),
+        })?;
+    if !(2..=3).contains(&rank) {
+        return Err(Error::UnknownRank {
+            tensor: site.scores.clone(),
+        });
+    }
+
+    let mut b = Builder::new(PREFIX, opset, index.taken_names());
+    let forward = build_forward(&mut b, index, site, tokens, opts, false)?;
+
+    // d total / d number_loss: λ (add) or λ·CE/(L + 1e-10) (scaled; the factor is a constant).
+    let weight = b.scalar_f32("grad_weight", opts.weight as f32);
+    let mut coef = b.binary("Mul", &seed, &weight, "grad_number_seed");
+    if opts.combine == Combine::Scaled {
+        let eps = b.scalar_f32("grad_scale_eps", 1e-10);
+        let denom = b.binary("Add", NUMBER_OUTPUT, &eps, "grad_number_eps");
+        let ratio = b.binary("Div", CE_OUTPUT, &denom, "grad_ce_over_number");
+        coef = b.binary("Mul", &coef, &ratio, "grad_number_seed_scaled");
+    }
+    let gradient = differentiate(
+        &mut b,
+        &forward.nodes,
+        NUMBER_OUTPUT,
+        &coef,
+        &forward.flat.logits,
+    )?;
+    let counts = (gradient.sparse.len(), gradient.dense.len());
+
+    let ce_grad = b.fresh("ce_scores_grad");
+    let mut ce_grad_node = grad_node.clone();
+    ce_grad_node.output[0] = ce_grad.clone();
+    let total = add_into_scores_grad(
+        &mut b,
+        site,
+        rank,
+        &ce_grad,
+        &gradient,
+        opset,
+        forward.loss_type,
+    );
+    b.node_to("Identity", &[&total], &[&scores_grad], vec![]);
+
+    let mut backward = vec![ce_grad_node];
+    backward.append(&mut b.nodes);
+    let patch = Patch {
+        replacements: vec![(site.node_index, forward.nodes), (grad_index, backward)],
+        initializers: b.initializers,
+        outputs: added_outputs(forward.loss_type),
+        metadata: vec![(
+            METADATA_KEY.into(),
+            metadata(site, &forward.flat, tokens, opts),
+        )],
+    };
+    Ok((patch, counts))
+}
+
+/// Adds the `[M, K]` sparse and `[M, V]` dense logits gradients into the scores gradient, in the
+/// scores' layout (`[N, V]`, or `[B, V, T]` for rank 3).
+fn add_into_scores_grad(
+    b: &mut Builder,
+    site: &CeSite,
+    rank: usize,
+    ce_grad: &str,
+    gradient: &LogitsGradient,
+    opset: i64,
+    loss_type: i32,
+) -> String {
+    let mut acc = ce_grad.to_string();
+    let to_layout = |b: &mut Builder, x: &str, hint: &str| -> String {
+        let x = if loss_type == crate::onnx::FLOAT {
+            x.to_string()
+        } else {
+            b.cast(x, loss_type, &format!("{hint}_cast"))
+        };
+        if rank == 2 {
+            return x;
+        }
+        // [B·T, C] → [B, T, C] → [B, C, T]
+        let shape = b.node(
+            "Shape",
+            &[&site.scores],
+            &format!("{hint}_scores_shape"),
+            vec![],
+        );
+        let batch = b.slice(&shape, 0, 1, 0, &format!("{hint}_batch"));
+        let tail = b.const_i64(&format!("{hint}_tail"), &[1], &[-1]);
+        let xs = b.node("Shape", &[&x], &format!("{hint}_x_shape"), vec![]);
+        let c = b.slice(&xs, 1, 2, 0, &format!("{hint}_classes"));
+        let btc = b.concat(&[&batch, &tail, &c], 0, &format!("{hint}_btc"));
+        let x = b.node("Reshape", &[&x, &btc], &format!("{hint}_btc_grad"), vec![]);
+        b.transpose(&x, &[0, 2, 1], &format!("{hint}_bct_grad"))
+    };
+    for (k, (ids, values)) in gradient.sparse.iter().enumerate() {
+        let hint = format!("sparse_grad_{k}");
+        let values = to_layout(b, values, &hint);
+        let ids = if rank == 2 {
+            ids.clone()
+        } else {
+            b.reshape(ids, &[1, -1, 1], &format!("{hint}_ids_col"))
+        };
+        let shape = b.node("Shape", &[&values], &format!("{hint}_shape"), vec![]);
+        let idx = b.node("Expand", &[&ids, &shape], &format!("{hint}_idx"), vec![]);
+        acc = if opset >= 16 {
+            b.node(
+                "ScatterElements",
+                &[&acc, &idx, &values],
+                &format!("{hint}_added"),
+                vec![int_attr("axis", 1), string_attr("reduction", "add")],
+            )
+        } else {
+            // No reduction before opset 16: ids are unique per row, so gather, add, scatter.
+            let old = b.node(
+                "GatherElements",
+                &[&acc, &idx],
+                &format!("{hint}_old"),
+                vec![int_attr("axis", 1)],
+            );
+            let sum = b.binary("Add", &old, &values, &format!("{hint}_sum"));
+            b.node(
+                "ScatterElements",
+                &[&acc, &idx, &sum],
+                &format!("{hint}_added"),
+                vec![int_attr("axis", 1)],
+            )
+        };
+    }
+    for (k, dense) in gradient.dense.iter().enumerate() {
+        let hint = format!("dense_grad_{k}");
+        let dense = to_layout(b, dense, &hint);
+        acc = b.binary("Add", &acc, &dense, &format!("{hint}_added"));
+    }
+    acc
+}
