@@ -314,42 +314,50 @@ def parse_registry(path: Path, defines: dict[str, str]):
     text = strip_comments(path.read_text())
     # only the function table(s): entries after the first `BuildKernelCreateInfo<void>,`
     stack: list[tuple[str, bool]] = []  # (condition text, active)
-    active = True
-    for _, line in logical_lines(text):
-        s = line.strip()
-        m = re.match(r"#\s*(ifdef|ifndef|if|elif|else|endif)\b\s*(.*)", s)
-        if m:
-            kind, arg = m.group(1), m.group(2).strip()
-            if kind in ("ifdef", "ifndef", "if"):
-                cond = {"ifdef": f"defined({arg})", "ifndef": f"!defined({arg})", "if": arg}[kind]
-                stack.append((cond, eval_condition(cond, defines)))
-            elif kind == "elif":
-                prev_cond, prev_val = stack.pop()
-                cond = f"!({prev_cond}) && ({arg})"
-                stack.append((cond, (not prev_val) and eval_condition(arg, defines)))
-            elif kind == "else":
-                prev_cond, prev_val = stack.pop()
-                stack.append((f"!({prev_cond})", not prev_val))
-            elif kind == "endif":
-                stack.pop()
-            active = all(v for _, v in stack)
-            continue
-        if not active or "BuildKernelCreateInfo<" not in s or s.startswith("class "):
-            continue
-        for m in CLASS_RE.finditer(s):
+    chunk: list[str] = []
+
+    def flush():
+        body = " ".join(chunk)
+        chunk.clear()
+        if not all(v for _, v in stack):
+            return
+        cond = " && ".join(c for c, _ in stack
+                           if c not in ("!defined(USE_CUDA_MINIMAL)", "!defined(DISABLE_CONTRIB_OPS)")) or "-"
+        for m in CLASS_RE.finditer(body):
             macro = m.group(1)
-            close = balanced(s, m.end() - 1)
-            args = split_args(s[m.end():close - 1])
+            close = balanced(body, m.end() - 1)
+            args = split_args(body[m.end():close - 1])
             provider_const, domain = args[0], args[1]
             if "VERSIONED" in macro:
                 since, end, rest = int(args[2]), int(args[3]), args[4:]
             else:
                 since, end, rest = int(args[2]), None, args[3:]
             types, op = rest[:-1], rest[-1]
-            cond = " && ".join(c for c, _ in stack
-                               if c not in ("!defined(USE_CUDA_MINIMAL)", "!defined(DISABLE_CONTRIB_OPS)")) or "-"
             yield (class_ident(provider_const, domain, since, end, types, op), provider_const, domain, op,
                    since, end, types, cond)
+
+    for _, line in logical_lines(text):
+        s = line.strip()
+        m = re.match(r"#\s*(ifdef|ifndef|if|elif|else|endif)\b\s*(.*)", s)
+        if not m:
+            # class declarations (`class ONNX_OPERATOR_..._CLASS_NAME(...);`) are not registrations
+            if not s.startswith("class "):
+                chunk.append(s)
+            continue
+        yield from flush()
+        kind, arg = m.group(1), m.group(2).strip()
+        if kind in ("ifdef", "ifndef", "if"):
+            cond = {"ifdef": f"defined({arg})", "ifndef": f"!defined({arg})", "if": arg}[kind]
+            stack.append((cond, eval_condition(cond, defines)))
+        elif kind == "elif":
+            prev_cond, prev_val = stack.pop()
+            stack.append((f"!({prev_cond}) && ({arg})", (not prev_val) and eval_condition(arg, defines)))
+        elif kind == "else":
+            prev_cond, prev_val = stack.pop()
+            stack.append((f"!({prev_cond})", not prev_val))
+        elif kind == "endif":
+            stack.pop()
+    yield from flush()
 
 
 # --------------------------------------------------------------------------- kernel definitions

@@ -58,7 +58,8 @@ def _check_value(got, want, what):
     if want == 0.0:
         assert got == 0.0, f"{what}: {got} (want exactly 0)"
     else:
-        assert abs(got - want) <= VAL_RTOL * abs(want), f"{what}: {got} vs {want} (rel {abs(got - want) / abs(want):.2e})"
+        rel = abs(got - want) / abs(want)
+        assert rel <= VAL_RTOL, f"{what}: {got} vs {want} (rel {rel:.2e})"
     return abs(got - want) / max(abs(want), 1e-30)
 
 

@@ -26,8 +26,9 @@ import numpy as np
 import pytest
 import torch
 
-import ntil_torch  # noqa: E402  (fixtures/ is on sys.path, see conftest)
 from test_ort_training import FWD_RTOL, GRAD_RTOL, LR, TRAIN_STEPS, WEIGHT, _norm_rel, _patch, _quiet_ort
+
+import ntil_torch  # noqa: E402  (fixtures/ is on sys.path, see conftest)
 
 NTIL_OFF = {"digit_exp": 1.2, "abs_alpha": 0.2, "mag_alpha": 0.2, "digit_alpha": 1.0, "tau": 0.1,
             "noise_scale": 0.0}
