@@ -55,3 +55,69 @@ def test_opsets_and_layouts(opset, layout):
     outs, grad = ort_step(logits, labels, _args(r), opset=opset, layout=layout)
     assert abs(outs["number_loss"] - r["ntl"]) <= 1e-5 * abs(r["ntl"])
     assert rel_err(grad, r["grad"]) <= 1e-4
+
+
+# ---- NTIL / EMD (official xfey/NTIL code, Gumbel noise 0) and ntloss NumberLevelLoss ----
+
+NTIL = json.loads((FIXTURES / "reference" / "ntil_cases.json").read_text())
+
+# The 20-digit number is ill-conditioned in float32, for the reference as much as for the graph:
+# at 1e19, float32 resolves ~1e12, so X̂ − X near a correct prediction is rounding noise and the
+# sign of the |X̂ − X| term's gradient at the leading digits depends on summation order (the
+# reference sums a run with torch.sum, the graph with a MatMul). Measured: the forward agrees to
+# 1e-7 and the gradient differs only at the leading digit (NTIL 1.1e-2, number-level 2e-4
+# norm-relative). Every other case is held to 1e-4.
+GRAD_TOL = {"twenty_digits": {"ntil": 3e-2, "number_level": 1e-3}}
+NUMBER_LEVEL = json.loads((FIXTURES / "reference" / "number_level_cases.json").read_text())
+
+
+def _case_arrays(c):
+    logits = np.asarray(c["logits"], np.float32).reshape(c["B"], c["T"], -1)
+    labels = np.asarray(c["labels"], np.int64).reshape(c["B"], c["T"])
+    return logits, labels
+
+
+def _ntil_args(r, combine: str) -> list[str]:
+    args = ["--loss", r["loss"], "--combine", combine, "--digit-exp", str(r["digit_exp"]),
+            "--weight", str(r["weight"])]
+    if r["loss"] == "ntil":
+        args += ["--abs-alpha", str(r["abs_alpha"]), "--mag-alpha", str(r["mag_alpha"]),
+                 "--digit-alpha", str(r["digit_alpha"]), "--gumbel-tau", str(r["tau"]),
+                 "--gumbel-noise", "0"]
+    return args
+
+
+NTIL_PARAMS = [(c["name"], i, combine) for c in NTIL["cases"] for i in range(len(c["results"]))
+               for combine in ("scaled", "add")]
+
+
+@pytest.mark.parametrize("case,index,combine", NTIL_PARAMS,
+                         ids=[f"{c}-{i}-{m}" for c, i, m in NTIL_PARAMS])
+def test_official_ntil_case_through_ort_training(case, index, combine):
+    """Edge cases (no digits in a sequence, runs at sequence boundaries, -100 inside a run, a
+    single digit, a 20-digit number, decimals) against the official code's values/gradients."""
+    c = next(x for x in NTIL["cases"] if x["name"] == case)
+    r = c["results"][index]
+    logits, labels = _case_arrays(c)
+    outs, grad = ort_step(logits, labels, _ntil_args(r, combine))
+    assert abs(outs["number_loss"] - r["raw"]) <= 1e-5 * max(abs(r["raw"]), 1e-6), (outs, r["raw"])
+    assert abs(outs["ce_loss"] - r["ce"]) <= 1e-5 * abs(r["ce"])
+    assert abs(outs["loss"] - r[combine]) <= 1e-5 * abs(r[combine])
+    assert rel_err(grad, r[f"grad_{combine}"]) <= GRAD_TOL.get(case, {}).get("ntil", 1e-4)
+
+
+NL_PARAMS = [(c["name"], i) for c in NUMBER_LEVEL["cases"] for i in range(len(c["results"]))]
+
+
+@pytest.mark.parametrize("case,index", NL_PARAMS, ids=[f"{c}-{i}" for c, i in NL_PARAMS])
+def test_number_level_case_through_ort_training(case, index):
+    c = next(x for x in NUMBER_LEVEL["cases"] if x["name"] == case)
+    r = c["results"][index]
+    logits, labels = _case_arrays(c)
+    args = ["--loss", "number-level", "--weight", str(r["weight"])]
+    args += ["--float-level"] if r["float_level"] else []
+    args += ["--reweigh"] if r["reweigh"] else []
+    outs, grad = ort_step(logits, labels, args)
+    assert abs(outs["number_loss"] - r["raw"]) <= 1e-5 * max(abs(r["raw"]), 1e-6), (outs, r["raw"])
+    assert abs(outs["loss"] - r["total"]) <= 1e-5 * abs(r["total"])
+    assert rel_err(grad, r["grad_total"]) <= GRAD_TOL.get(case, {}).get("number_level", 1e-4)
