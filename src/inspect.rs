@@ -90,3 +90,27 @@ pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
     ));
     Ok(out)
 }
+
+/// `inspect` plus, for each GPU target, whether ONNX Runtime 1.19's provider has a kernel for
+/// every op (`crate::gpu_kernels`). JSON: the inspect object with a `gpu` array.
+pub fn inspect_targets(path: &Path, json: bool, targets: &[crate::gpu_kernels::Target]) -> Result<String, Error> {
+    let base = inspect(path, json)?;
+    if targets.is_empty() {
+        return Ok(base);
+    }
+    let model = load_model(path)?;
+    let reports: Vec<_> = targets
+        .iter()
+        .map(|&t| crate::gpu_kernels::check_model(&model, t))
+        .collect();
+    if json {
+        let mut v: serde_json::Value = serde_json::from_str(&base).expect("inspect writes JSON");
+        v["gpu"] = reports.iter().map(|r| r.to_json()).collect();
+        return Ok(serde_json::to_string_pretty(&v).expect("json"));
+    }
+    let mut out = base;
+    for r in &reports {
+        out.push_str(&r.to_text());
+    }
+    Ok(out.trim_end().to_string())
+}

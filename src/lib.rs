@@ -5,6 +5,7 @@ pub mod artifacts;
 pub mod autodiff;
 pub mod ce_site;
 pub mod error;
+pub mod gpu_kernels;
 pub mod graph;
 pub mod inspect;
 pub mod model_io;

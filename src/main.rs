@@ -35,6 +35,10 @@ enum Command {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
+        /// Check every op against the kernels ONNX Runtime 1.19's CUDA or ROCm execution provider
+        /// registers and name those that would fall back to CPU (repeat for both).
+        #[arg(long, value_enum, value_name = "EP")]
+        target: Vec<TargetArg>,
     },
     /// Run a patched graph and check its losses against an independent implementation.
     Validate(ValidateArgs),
@@ -172,6 +176,24 @@ struct ValidateArgs {
     json: bool,
 }
 
+/// A GPU execution provider of ONNX Runtime 1.19 (`inspect --target`).
+#[derive(Clone, Copy, ValueEnum)]
+enum TargetArg {
+    /// CUDAExecutionProvider.
+    Cuda,
+    /// ROCMExecutionProvider.
+    Rocm,
+}
+
+impl TargetArg {
+    fn target(self) -> ntl_patch::gpu_kernels::Target {
+        match self {
+            TargetArg::Cuda => ntl_patch::gpu_kernels::Target::Cuda,
+            TargetArg::Rocm => ntl_patch::gpu_kernels::Target::Rocm,
+        }
+    }
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum LossArg {
     /// NTL-WAS: Σ p_j |v_j − y| (Zausinger et al., "Regress, Don't Guess", ICML 2025).
@@ -217,7 +239,10 @@ fn main() -> ExitCode {
         }
     };
     let result = match cli.command {
-        Some(Command::Inspect { model, json }) => ntl_patch::inspect::inspect(&model, json),
+        Some(Command::Inspect { model, json, target }) => {
+            let targets: Vec<_> = target.iter().map(|t| t.target()).collect();
+            ntl_patch::inspect::inspect_targets(&model, json, &targets)
+        }
         // validate prints its report itself: on stdout, passed or not (exit 1 when not)
         Some(Command::Validate(args)) => return run_validate(args),
         Some(Command::Artifacts(args)) => run_artifacts_cli(args),

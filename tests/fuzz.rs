@@ -8,8 +8,8 @@
 
 mod common;
 
-use std::io::Write;
 use std::cell::Cell;
+use std::io::Write;
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -21,9 +21,9 @@ use ntl_patch::onnx::{AttributeProto, GraphProto, ModelProto, NodeProto, ValueIn
 use ntl_patch::ops::{Combine, LossKind, LossOptions, NtilOptions};
 use ntl_patch::pipeline::{run_patch, PatchRequest};
 use ntl_patch::Error;
-use prost::Message;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestRunner};
+use prost::Message;
 
 const FIXTURES: [&str; 5] = ["lm_flat", "lm_bvt", "lm_nll", "lm_two_ce", "lm_no_ce"];
 const LOSSES: [LossKind; 7] = [
@@ -39,7 +39,10 @@ const LOSSES: [LossKind; 7] = [
 const HANG: Duration = Duration::from_secs(30);
 
 fn cases(default: u32) -> u32 {
-    std::env::var("NTL_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var("NTL_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 fn runner(cases: u32) -> TestRunner {
@@ -98,7 +101,11 @@ fn patch_bytes(bytes: &[u8], loss: LossKind, outcomes: &Outcomes) -> Result<(), 
             reweigh: false,
             squash: None,
             number_set: ntl_patch::number_table::NumberSet::DigitLevel,
-            combine: if matches!(loss, LossKind::Ntil | LossKind::Emd) { Combine::Scaled } else { Combine::Add },
+            combine: if matches!(loss, LossKind::Ntil | LossKind::Emd) {
+                Combine::Scaled
+            } else {
+                Combine::Add
+            },
             ntil: NtilOptions::default(),
             float_level: false,
         },
@@ -126,9 +133,18 @@ fn patch_bytes(bytes: &[u8], loss: LossKind, outcomes: &Outcomes) -> Result<(), 
         }
         Err(e) => {
             let message = e.to_string();
-            prop_assert!(!matches!(e, Error::Inconsistent(_)), "internal error: {}", message);
+            prop_assert!(
+                !matches!(e, Error::Inconsistent(_)),
+                "internal error: {}",
+                message
+            );
             prop_assert!(!out.exists(), "no output on error: {}", message);
-            prop_assert_eq!(left, vec!["model.onnx".to_string()], "nothing written on error: {}", message);
+            prop_assert_eq!(
+                left,
+                vec!["model.onnx".to_string()],
+                "nothing written on error: {}",
+                message
+            );
             prop_assert!(!message.contains('\n'), "one line: {}", message);
             match e {
                 Error::NotOnnx { .. } => bump(&outcomes.unreadable),
@@ -199,9 +215,16 @@ fn apply_bytes(bytes: &mut Vec<u8>, edit: &ByteEdit) {
 
 #[test]
 fn mutated_bytes_never_panic_and_leave_nothing() {
-    let fixtures: Vec<Vec<u8>> = FIXTURES.iter().map(|n| std::fs::read(model(n)).unwrap()).collect();
+    let fixtures: Vec<Vec<u8>> = FIXTURES
+        .iter()
+        .map(|n| std::fs::read(model(n)).unwrap())
+        .collect();
     let outcomes = Outcomes::default();
-    let strategy = (0..FIXTURES.len(), 0..LOSSES.len(), prop::collection::vec(byte_edit(), 1..4));
+    let strategy = (
+        0..FIXTURES.len(),
+        0..LOSSES.len(),
+        prop::collection::vec(byte_edit(), 1..4),
+    );
     let result = runner(cases(300)).run(&strategy, |(f, l, edits)| {
         let mut bytes = fixtures[f].clone();
         edits.iter().for_each(|e| apply_bytes(&mut bytes, e));
@@ -256,9 +279,22 @@ fn name() -> impl Strategy<Value = String> {
 
 fn op_type() -> impl Strategy<Value = String> {
     prop::sample::select(vec![
-        "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss", "LogSoftmax", "Softmax", "Reshape",
-        "Transpose", "Gather", "MatMul", "Add", "Identity", "Constant", "Flatten", "If", "Loop",
-        "", "Bogus",
+        "SoftmaxCrossEntropyLoss",
+        "NegativeLogLikelihoodLoss",
+        "LogSoftmax",
+        "Softmax",
+        "Reshape",
+        "Transpose",
+        "Gather",
+        "MatMul",
+        "Add",
+        "Identity",
+        "Constant",
+        "Flatten",
+        "If",
+        "Loop",
+        "",
+        "Bogus",
     ])
     .prop_map(String::from)
 }
@@ -319,7 +355,11 @@ fn attr_mut(nodes: &mut [NodeProto], a: usize, b: usize) -> Option<&mut Attribut
 
 fn value_info_mut(g: &mut GraphProto, a: usize) -> Option<&mut ValueInfoProto> {
     let n = g.input.len() + g.output.len() + g.value_info.len();
-    let mut all = g.input.iter_mut().chain(g.output.iter_mut()).chain(g.value_info.iter_mut());
+    let mut all = g
+        .input
+        .iter_mut()
+        .chain(g.output.iter_mut())
+        .chain(g.value_info.iter_mut());
     (n > 0).then(|| all.nth(a % n)).flatten()
 }
 
@@ -349,7 +389,11 @@ fn apply_graph(m: &mut ModelProto, edit: &GraphEdit) {
         }
         GraphEdit::RenameSlot(a, b, output, new) => {
             if let Some(node) = pick(&mut g.node, *a) {
-                let slots = if *output { &mut node.output } else { &mut node.input };
+                let slots = if *output {
+                    &mut node.output
+                } else {
+                    &mut node.input
+                };
                 if let Some(s) = pick(slots, *b) {
                     *s = new.clone();
                 }
@@ -365,7 +409,12 @@ fn apply_graph(m: &mut ModelProto, edit: &GraphEdit) {
             for n in &mut g.node {
                 n.input.iter_mut().chain(n.output.iter_mut()).for_each(swap);
             }
-            for v in g.input.iter_mut().chain(g.output.iter_mut()).chain(g.value_info.iter_mut()) {
+            for v in g
+                .input
+                .iter_mut()
+                .chain(g.output.iter_mut())
+                .chain(g.value_info.iter_mut())
+            {
                 if v.name() == old {
                     v.name = Some(new.clone());
                 }
@@ -444,7 +493,9 @@ fn apply_graph(m: &mut ModelProto, edit: &GraphEdit) {
         GraphEdit::SetIrVersion(v) => m.ir_version = Some(*v),
         GraphEdit::SetDim(a, b, d) => {
             if let Some(vi) = value_info_mut(g, *a) {
-                if let Some(type_proto::Value::TensorType(t)) = vi.r#type.as_mut().and_then(|t| t.value.as_mut()) {
+                if let Some(type_proto::Value::TensorType(t)) =
+                    vi.r#type.as_mut().and_then(|t| t.value.as_mut())
+                {
                     if let Some(s) = t.shape.as_mut() {
                         if let Some(dim) = pick(&mut s.dim, *b) {
                             dim.value = Some(match d {
@@ -458,7 +509,9 @@ fn apply_graph(m: &mut ModelProto, edit: &GraphEdit) {
         }
         GraphEdit::SetElemType(a, e) => {
             if let Some(vi) = value_info_mut(g, *a) {
-                if let Some(type_proto::Value::TensorType(t)) = vi.r#type.as_mut().and_then(|t| t.value.as_mut()) {
+                if let Some(type_proto::Value::TensorType(t)) =
+                    vi.r#type.as_mut().and_then(|t| t.value.as_mut())
+                {
                     t.elem_type = Some(*e);
                 }
             }
@@ -477,7 +530,11 @@ fn apply_graph(m: &mut ModelProto, edit: &GraphEdit) {
 fn mutated_graphs_never_panic_and_leave_nothing() {
     let fixtures: Vec<ModelProto> = FIXTURES.iter().map(|n| read_model(&model(n))).collect();
     let outcomes = Outcomes::default();
-    let strategy = (0..FIXTURES.len(), 0..LOSSES.len(), prop::collection::vec(graph_edit(), 1..5));
+    let strategy = (
+        0..FIXTURES.len(),
+        0..LOSSES.len(),
+        prop::collection::vec(graph_edit(), 1..5),
+    );
     let result = runner(cases(400)).run(&strategy, |(f, l, edits)| {
         let mut m = fixtures[f].clone();
         edits.iter().for_each(|e| apply_graph(&mut m, e));
@@ -514,11 +571,18 @@ fn the_binary_fails_cleanly_on_mutated_graphs() {
             Some(0) => prop_assert!(out.exists()),
             Some(1) => {
                 prop_assert!(!out.exists());
-                prop_assert!(stderr.starts_with("error: ") && stderr.trim_end().lines().count() == 1, "{}", stderr);
+                prop_assert!(
+                    stderr.starts_with("error: ") && stderr.trim_end().lines().count() == 1,
+                    "{}",
+                    stderr
+                );
             }
             other => return Err(TestCaseError::fail(format!("exit {other:?}: {stderr}"))),
         }
-        prop_assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1 + usize::from(out.exists()));
+        prop_assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            1 + usize::from(out.exists())
+        );
         Ok(())
     });
     let _ = std::io::stderr()
@@ -526,4 +590,3 @@ fn the_binary_fails_cleanly_on_mutated_graphs() {
         .write_all(format!("fuzz binary: {} inputs executed\n", executed.get()).as_bytes());
     result.unwrap();
 }
-

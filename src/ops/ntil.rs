@@ -75,8 +75,9 @@ pub fn build(
         } else {
             abs_estimate.clone()
         };
-        let abs = abs_term(b, &abs_estimate, &target, &runs.count);
-        let mag = mag_term(b, &mag_estimate, &target, &runs.count);
+        let magnitude = runs::magnitude_scale(b, &runs, MAX_PLACE_EXPONENT);
+        let abs = abs_term(b, &abs_estimate, &target, &magnitude, &runs.count);
+        let mag = mag_term(b, &mag_estimate, &target, &magnitude, &runs.count);
         let emd = scale(b, &emd, n.digit_alpha, "ntil_emd_weighted");
         let abs = scale(b, &abs, n.abs_alpha, "ntil_abs_weighted");
         let mag = scale(b, &mag, n.mag_alpha, "ntil_mag_weighted");
@@ -211,27 +212,32 @@ fn stop_gradient_unit(b: &mut Builder, x: &str, hint: &str) -> String {
     b.binary("Mul", &back, &down, hint)
 }
 
-/// `[B]`: mean over numbers of `|X̂−X| / (max(X̂,X) + 1)`, 0 where X̂ = X.
-fn abs_term(b: &mut Builder, est: &str, target: &str, count: &str) -> String {
+/// `[B]`: mean over numbers of `|X̂−X| / (max(X̂,X) + 1)`, 0 where X̂ = X. Numerator and
+/// denominator are multiplied by `scale` (see `runs::magnitude_scale`).
+fn abs_term(b: &mut Builder, est: &str, target: &str, scale: &str, count: &str) -> String {
     let one = b.scalar_f32("abs_one", 1.0);
     let zero = b.scalar_f32("abs_zero", 0.0);
     let diff = b.binary("Sub", est, target, "abs_diff");
     let diff = b.unary("Abs", &diff, "abs_diff_abs");
     let hi = b.binary("Max", est, target, "abs_max");
     let hi = b.binary("Add", &hi, &one, "abs_max_plus_1");
+    let diff = b.binary("Mul", &diff, scale, "abs_diff_scaled");
+    let hi = b.binary("Mul", &hi, scale, "abs_max_scaled");
     let rel = b.binary("Div", &diff, &hi, "abs_relative");
     let same = b.binary("Equal", est, target, "abs_exact");
     let rel = b.where_(&same, &zero, &rel, "abs_per_number");
     mean_over_numbers(b, &rel, count, "abs")
 }
 
-/// `[B]`: mean over numbers of `ln((max(X̂,X)+1) / (min(X̂,X)+1))`.
-fn mag_term(b: &mut Builder, est: &str, target: &str, count: &str) -> String {
+/// `[B]`: mean over numbers of `ln((max(X̂,X)+1) / (min(X̂,X)+1))` (both scaled as in abs).
+fn mag_term(b: &mut Builder, est: &str, target: &str, scale: &str, count: &str) -> String {
     let one = b.scalar_f32("mag_one", 1.0);
     let hi = b.binary("Max", est, target, "mag_max");
     let hi = b.binary("Add", &hi, &one, "mag_max_plus_1");
     let lo = b.binary("Min", est, target, "mag_min");
     let lo = b.binary("Add", &lo, &one, "mag_min_plus_1");
+    let hi = b.binary("Mul", &hi, scale, "mag_max_scaled");
+    let lo = b.binary("Mul", &lo, scale, "mag_min_scaled");
     let ratio = b.binary("Div", &hi, &lo, "mag_ratio");
     let mag = b.unary("Log", &ratio, "mag_per_number");
     mean_over_numbers(b, &mag, count, "mag")

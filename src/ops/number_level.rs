@@ -45,6 +45,10 @@ pub fn build(
     let denom = b.binary("Add", &a, &c, "number_scale");
     let eps = b.scalar_f32("number_eps", f32::EPSILON);
     let denom = b.binary("Add", &denom, &eps, "number_scale_eps");
+    // Keep the denominator's square finite for ORT's DivGrad (see runs::magnitude_scale).
+    let scale = runs::magnitude_scale(b, &runs, MAX_EXPONENT);
+    let diff = b.binary("Mul", &diff, &scale, "number_diff_scaled");
+    let denom = b.binary("Mul", &denom, &scale, "number_scale_scaled");
     let mut per_number = b.binary("Div", &diff, &denom, "number_smape");
 
     if opts.reweigh {

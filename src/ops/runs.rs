@@ -33,6 +33,8 @@ pub struct Runs {
     pub exists: String,
     /// `[B, T]` float: 1 at the first digit of each run.
     pub first_digit: String,
+    /// `[B, R]` float: digits in each run.
+    pub digit_count: String,
 }
 
 pub fn digits(b: &mut Builder, seq: &SeqInputs, digit_ids: &[i64; 10]) -> Digits {
@@ -109,12 +111,16 @@ pub fn runs(b: &mut Builder, seq: &SeqInputs, digits: &Digits, dot: Option<i64>)
     // A float-level run may not start with a digit only if it starts with a dot, which the
     // definition excludes (a joining dot has a digit before it), so starts are first digits.
     let first_digit = b.binary("Mul", &start_f, &digits.is_digit, "run_first_digit");
+    let digit_row = b.unsqueeze(&digits.is_digit, &[1], "run_digit_row");
+    let run_digits = b.binary("Mul", &membership, &digit_row, "run_digit_members");
+    let digit_count = b.reduce_sum(&run_digits, &[2], false, "run_digit_count_per_run");
     Runs {
         membership,
         digits_after,
         count,
         exists,
         first_digit,
+        digit_count,
     }
 }
 
@@ -154,4 +160,21 @@ pub fn place_values(b: &mut Builder, exponent: &str, max_exp: i64) -> String {
     let e = b.binary("Min", exponent, &hi, "place_exponent");
     let e = b.cast(&e, INT64, "place_index");
     b.gather(&table, &e, 0, "place_value")
+}
+
+/// `[B, R]` float: `10^(−n/2)` for a run of n digits (n clamped at `max_exp + 1`).
+///
+/// ORT's `DivGrad` squares the denominator, which overflows float32 beyond ~1.8e19 (a
+/// 20-digit number) and silently drops a gradient term. Multiplying numerator and denominator
+/// of a ratio of whole numbers by this label-side factor keeps every denominator within
+/// `[10^(−n/2), 10^(n/2)]`, so its square stays finite; the ratio's value is unchanged.
+pub fn magnitude_scale(b: &mut Builder, runs: &Runs, max_exp: i64) -> String {
+    let table: Vec<f32> = (0..=max_exp + 1)
+        .map(|n| 10f64.powf(-(n as f64) / 2.0) as f32)
+        .collect();
+    let table = b.const_f32("magnitude_scale_table", &[max_exp + 2], &table);
+    let hi = b.scalar_f32("magnitude_max_digits", (max_exp + 1) as f32);
+    let n = b.binary("Min", &runs.digit_count, &hi, "magnitude_digits");
+    let n = b.cast(&n, INT64, "magnitude_index");
+    b.gather(&table, &n, 0, "magnitude_scale")
 }

@@ -61,13 +61,6 @@ def test_opsets_and_layouts(opset, layout):
 
 NTIL = json.loads((FIXTURES / "reference" / "ntil_cases.json").read_text())
 
-# The 20-digit number is ill-conditioned in float32, for the reference as much as for the graph:
-# at 1e19, float32 resolves ~1e12, so X̂ − X near a correct prediction is rounding noise and the
-# sign of the |X̂ − X| term's gradient at the leading digits depends on summation order (the
-# reference sums a run with torch.sum, the graph with a MatMul). Measured: the forward agrees to
-# 1e-7 and the gradient differs only at the leading digit (NTIL 1.1e-2, number-level 2e-4
-# norm-relative). Every other case is held to 1e-4.
-GRAD_TOL = {"twenty_digits": {"ntil": 3e-2, "number_level": 1e-3}}
 NUMBER_LEVEL = json.loads((FIXTURES / "reference" / "number_level_cases.json").read_text())
 
 
@@ -103,7 +96,7 @@ def test_official_ntil_case_through_ort_training(case, index, combine):
     assert abs(outs["number_loss"] - r["raw"]) <= 1e-5 * max(abs(r["raw"]), 1e-6), (outs, r["raw"])
     assert abs(outs["ce_loss"] - r["ce"]) <= 1e-5 * abs(r["ce"])
     assert abs(outs["loss"] - r[combine]) <= 1e-5 * abs(r[combine])
-    assert rel_err(grad, r[f"grad_{combine}"]) <= GRAD_TOL.get(case, {}).get("ntil", 1e-4)
+    assert rel_err(grad, r[f"grad_{combine}"]) <= 1e-4
 
 
 NL_PARAMS = [(c["name"], i) for c in NUMBER_LEVEL["cases"] for i in range(len(c["results"]))]
@@ -120,4 +113,4 @@ def test_number_level_case_through_ort_training(case, index):
     outs, grad = ort_step(logits, labels, args)
     assert abs(outs["number_loss"] - r["raw"]) <= 1e-5 * max(abs(r["raw"]), 1e-6), (outs, r["raw"])
     assert abs(outs["loss"] - r["total"]) <= 1e-5 * abs(r["total"])
-    assert rel_err(grad, r["grad_total"]) <= GRAD_TOL.get(case, {}).get("number_level", 1e-4)
+    assert rel_err(grad, r["grad_total"]) <= 1e-4

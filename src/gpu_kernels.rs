@@ -1,0 +1,1290 @@
+//! GPU readiness: does ONNX Runtime 1.19's CUDA or ROCm execution provider have a kernel for
+//! every node of a graph, or would some node fall back to the CPU?
+//!
+//! Two committed tables, embedded at build time:
+//! - `data/ort-1.19-kernels.tsv`: every kernel the CUDA and ROCm providers of ONNX Runtime 1.19.2
+//!   register (op, domain, version range, type constraints, CPU-memory inputs/outputs), extracted
+//!   from ORT's source by `scripts/gen_kernel_table.py`;
+//! - `data/onnx-1.16-schemas.tsv`: the version history and type parameters of every ONNX
+//!   operator up to opset 21 (ONNX 1.16.1, the ONNX that ORT 1.19.2 is built with), written by
+//!   `scripts/gen_onnx_schemas.py` from the onnx wheel.
+//!
+//! A node is matched the way ORT's kernel registry matches it (`kernel_registry.cc`):
+//! 1. its op version is the latest version of the op at or below the model's opset for its
+//!    domain;
+//! 2. a kernel's version range fits when it STARTS at that version, or when it has an end
+//!    version and spans it: an open-ended kernel registered at 13 does not serve a version-14
+//!    node (ORT cannot know that version 14 did not change the op);
+//! 3. for each type constraint of the kernel, the first present input (then output) that the
+//!    op's schema binds to that type parameter must have one of the kernel's types.
+//!
+//! Besides missing kernels, the CUDA provider refuses `Cast` to string, and both providers hand
+//! cheap shape arithmetic to the CPU on purpose (`GetCpuPreferredNodes`,
+//! `fallback_cpu_capability.cc`): nodes whose every input comes from CPU memory (a `Shape`
+//! output, a graph input, an initializer of at most 100 elements). That placement is simulated
+//! and reported apart: it is not a missing kernel. ORT runs it after its own graph optimizations,
+//! so on a real session the set can differ (constant folding removes shape arithmetic on static
+//! shapes).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::sync::OnceLock;
+
+use crate::onnx::proto::tensor_proto::DataType;
+use crate::onnx::proto::type_proto;
+use crate::onnx::{attr, attr_i, GraphProto, ModelProto, NodeProto, TypeProto};
+
+/// The kernel table: ONNX Runtime 1.19.2 CUDA and ROCm registrations.
+pub const KERNEL_TABLE: &str = include_str!("../data/ort-1.19-kernels.tsv");
+/// ONNX operator schemas up to opset 21 (ONNX 1.16.1).
+pub const SCHEMA_TABLE: &str = include_str!("../data/onnx-1.16-schemas.tsv");
+/// The ONNX Runtime release the kernel table describes.
+pub const ORT_VERSION: &str = "1.19.2";
+/// The highest default-domain opset ONNX Runtime 1.19 knows.
+pub const MAX_ONNX_OPSET: i64 = 21;
+/// Initializers up to this many elements count as CPU-resident for GetCpuPreferredNodes.
+const SMALL_INITIALIZER: i64 = 100;
+
+/// An execution provider with a GPU kernel table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Target {
+    Cuda,
+    Rocm,
+}
+
+impl Target {
+    pub fn name(self) -> &'static str {
+        match self {
+            Target::Cuda => "cuda",
+            Target::Rocm => "rocm",
+        }
+    }
+
+    /// The provider's name in ONNX Runtime's API.
+    pub fn provider(self) -> &'static str {
+        match self {
+            Target::Cuda => "CUDAExecutionProvider",
+            Target::Rocm => "ROCMExecutionProvider",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Target> {
+        match s.to_ascii_lowercase().as_str() {
+            "cuda" => Some(Target::Cuda),
+            "rocm" => Some(Target::Rocm),
+            _ => None,
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// tables
+
+/// One registered kernel.
+#[derive(Debug, Clone)]
+pub struct Kernel {
+    pub since: i64,
+    /// Last version, `None` for an open-ended kernel.
+    pub end: Option<i64>,
+    /// The type in the kernel's class name (`float`, `int64_t_float_int64_t`), if any.
+    pub class_type: Option<String>,
+    /// Type parameter -> accepted ONNX types; `None` for a parameter whose types the generator
+    /// could not resolve (not checked). Empty when the kernel declares no constraint.
+    pub constraints: Vec<(String, Option<Vec<String>>)>,
+    /// Inputs and outputs the kernel keeps in CPU memory.
+    pub cpu_inputs: Vec<usize>,
+    pub cpu_outputs: Vec<usize>,
+    /// Preprocessor condition of the registration, if any.
+    pub condition: Option<String>,
+    /// The ORT source file that defines the kernel.
+    pub source: String,
+}
+
+impl Kernel {
+    /// ORT's `VerifyVersion`: exact start, or a closed range that spans the version.
+    pub fn serves_version(&self, version: i64) -> bool {
+        self.since == version
+            || matches!(self.end, Some(end) if self.since <= version && version <= end)
+    }
+
+    /// `13` (open-ended kernels serve their start version only), `13-18`.
+    pub fn range(&self) -> String {
+        match self.end {
+            Some(e) if e != self.since => format!("{}-{}", self.since, e),
+            _ => format!("{}", self.since),
+        }
+    }
+}
+
+/// A formal input or output of an operator schema.
+#[derive(Debug, Clone)]
+pub struct Param {
+    /// A type parameter (`T`) or a fixed type (`tensor(int64)`).
+    pub type_str: String,
+    pub optional: bool,
+    pub variadic: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct Schema {
+    pub since: i64,
+    pub inputs: Vec<Param>,
+    pub outputs: Vec<Param>,
+    /// Type parameters that allow exactly one type (Equal's `T1` is `bool`).
+    pub fixed: Vec<(String, String)>,
+}
+
+impl Schema {
+    fn fixed_type(&self, param: &str) -> Option<&str> {
+        self.fixed.iter().find(|(p, _)| p == param).map(|(_, t)| t.as_str())
+    }
+}
+
+/// The embedded tables, parsed once.
+pub struct Tables {
+    /// (provider, domain, op) -> kernels
+    kernels: HashMap<(Target, String, String), Vec<Kernel>>,
+    /// (domain, op) -> schemas by ascending version
+    schemas: HashMap<(String, String), Vec<Schema>>,
+    /// The header comment of the kernel table (version and commit).
+    pub kernel_provenance: String,
+}
+
+/// `ai.onnx` for the default domain (`""` in a model).
+pub fn canonical_domain(domain: &str) -> &str {
+    if domain.is_empty() {
+        "ai.onnx"
+    } else {
+        domain
+    }
+}
+
+fn parse_params(s: &str) -> Vec<Param> {
+    if s.is_empty() {
+        return Vec::new();
+    }
+    s.split(',')
+        .map(|p| {
+            let (t, optional, variadic) = if let Some(t) = p.strip_suffix('?') {
+                (t, true, false)
+            } else if let Some(t) = p.strip_suffix('*') {
+                (t, false, true)
+            } else {
+                (p, false, false)
+            };
+            Param {
+                type_str: t.to_string(),
+                optional,
+                variadic,
+            }
+        })
+        .collect()
+}
+
+fn parse_indices(s: &str, key: &str) -> Vec<usize> {
+    s.split(';')
+        .filter_map(|part| part.strip_prefix(key))
+        .flat_map(|list| list.split(',').filter_map(|i| i.parse().ok()))
+        .collect()
+}
+
+impl Tables {
+    pub fn parse(kernel_tsv: &str, schema_tsv: &str) -> Result<Tables, String> {
+        let mut kernels: HashMap<(Target, String, String), Vec<Kernel>> = HashMap::new();
+        let mut provenance = Vec::new();
+        let mut header_seen = false;
+        for (no, line) in kernel_tsv.lines().enumerate() {
+            if let Some(c) = line.strip_prefix('#') {
+                provenance.push(c.trim().to_string());
+                continue;
+            }
+            if line.trim().is_empty() {
+                continue;
+            }
+            if !header_seen {
+                header_seen = true;
+                if line.starts_with("provider\t") {
+                    continue;
+                }
+            }
+            let f: Vec<&str> = line.split('\t').collect();
+            if f.len() != 10 {
+                return Err(format!(
+                    "kernel table line {}: {} fields, want 10",
+                    no + 1,
+                    f.len()
+                ));
+            }
+            let target = Target::parse(f[0])
+                .ok_or_else(|| format!("kernel table line {}: provider '{}'", no + 1, f[0]))?;
+            let num = |s: &str| {
+                s.parse::<i64>()
+                    .map_err(|_| format!("kernel table line {}: version '{s}'", no + 1))
+            };
+            let constraints = if f[6] == "-" || f[6] == "?" {
+                Vec::new()
+            } else {
+                f[6].split(';')
+                    .map(|c| {
+                        let (name, types) = c.split_once('=').unwrap_or((c, "?"));
+                        let types =
+                            (types != "?").then(|| types.split(',').map(str::to_string).collect());
+                        (name.to_string(), types)
+                    })
+                    .collect()
+            };
+            let kernel = Kernel {
+                since: num(f[3])?,
+                end: if f[4] == "-" { None } else { Some(num(f[4])?) },
+                class_type: (f[5] != "-").then(|| f[5].to_string()),
+                constraints: if f[6] == "?" {
+                    vec![("?".to_string(), None)]
+                } else {
+                    constraints
+                },
+                cpu_inputs: parse_indices(f[7], "in:"),
+                cpu_outputs: parse_indices(f[7], "out:"),
+                condition: (f[8] != "-").then(|| f[8].to_string()),
+                source: f[9].to_string(),
+            };
+            kernels
+                .entry((target, f[1].to_string(), f[2].to_string()))
+                .or_default()
+                .push(kernel);
+        }
+        let mut schemas: HashMap<(String, String), Vec<Schema>> = HashMap::new();
+        let mut header_seen = false;
+        for (no, line) in schema_tsv.lines().enumerate() {
+            if line.starts_with('#') || line.trim().is_empty() {
+                continue;
+            }
+            if !header_seen {
+                header_seen = true;
+                if line.starts_with("domain\t") {
+                    continue;
+                }
+            }
+            let f: Vec<&str> = line.split('\t').collect();
+            if f.len() != 6 {
+                return Err(format!(
+                    "schema table line {}: {} fields, want 6",
+                    no + 1,
+                    f.len()
+                ));
+            }
+            let since = f[2]
+                .parse::<i64>()
+                .map_err(|_| format!("schema table line {}: version '{}'", no + 1, f[2]))?;
+            schemas
+                .entry((f[0].to_string(), f[1].to_string()))
+                .or_default()
+                .push(Schema {
+                    since,
+                    inputs: parse_params(f[3]),
+                    outputs: parse_params(f[4]),
+                    fixed: f[5]
+                        .split(';')
+                        .filter_map(|c| c.split_once('='))
+                        .map(|(p, t)| (p.to_string(), t.to_string()))
+                        .collect(),
+                });
+        }
+        for v in schemas.values_mut() {
+            v.sort_by_key(|s| s.since);
+        }
+        Ok(Tables {
+            kernels,
+            schemas,
+            kernel_provenance: provenance.join(" "),
+        })
+    }
+
+    /// The kernels `target` registers for an op (any version).
+    pub fn kernels(&self, target: Target, domain: &str, op: &str) -> &[Kernel] {
+        self.kernels
+            .get(&(target, canonical_domain(domain).to_string(), op.to_string()))
+            .map_or(&[], Vec::as_slice)
+    }
+
+    /// The schema in effect for `op` at `opset` of its domain: the latest version <= opset.
+    pub fn schema(&self, domain: &str, op: &str, opset: i64) -> Option<&Schema> {
+        self.schemas
+            .get(&(canonical_domain(domain).to_string(), op.to_string()))?
+            .iter()
+            .rev()
+            .find(|s| s.since <= opset)
+    }
+
+    /// Whether the schema table knows the op at all (any version).
+    pub fn knows_op(&self, domain: &str, op: &str) -> bool {
+        self.schemas
+            .contains_key(&(canonical_domain(domain).to_string(), op.to_string()))
+    }
+
+    /// The version of `op` in effect at `opset`: from the ONNX schemas for ONNX domains; ORT's
+    /// own operators (`com.microsoft`: contrib and training ops) all have version 1 in 1.19.
+    pub fn op_version(&self, domain: &str, op: &str, opset: i64) -> Option<i64> {
+        if let Some(s) = self.schema(domain, op, opset) {
+            return Some(s.since);
+        }
+        (canonical_domain(domain) == "com.microsoft" && opset >= 1).then_some(1)
+    }
+}
+
+/// The embedded tables (parsed on first use).
+pub fn tables() -> &'static Tables {
+    static TABLES: OnceLock<Tables> = OnceLock::new();
+    TABLES.get_or_init(|| {
+        Tables::parse(KERNEL_TABLE, SCHEMA_TABLE).expect("embedded kernel tables parse")
+    })
+}
+
+// ------------------------------------------------------------------------------------------
+// types
+
+/// The ONNX name of a tensor element type (`float`, `int64`, ...).
+pub fn elem_type_name(dt: i32) -> Option<&'static str> {
+    let t = DataType::try_from(dt).ok()?;
+    Some(match t {
+        DataType::Float => "float",
+        DataType::Uint8 => "uint8",
+        DataType::Int8 => "int8",
+        DataType::Uint16 => "uint16",
+        DataType::Int16 => "int16",
+        DataType::Int32 => "int32",
+        DataType::Int64 => "int64",
+        DataType::String => "string",
+        DataType::Bool => "bool",
+        DataType::Float16 => "float16",
+        DataType::Double => "double",
+        DataType::Uint32 => "uint32",
+        DataType::Uint64 => "uint64",
+        DataType::Complex64 => "complex64",
+        DataType::Complex128 => "complex128",
+        DataType::Bfloat16 => "bfloat16",
+        DataType::Float8e4m3fn => "float8e4m3fn",
+        DataType::Float8e4m3fnuz => "float8e4m3fnuz",
+        DataType::Float8e5m2 => "float8e5m2",
+        DataType::Float8e5m2fnuz => "float8e5m2fnuz",
+        DataType::Uint4 => "uint4",
+        DataType::Int4 => "int4",
+        _ => return None,
+    })
+}
+
+/// `float`, `seq(float)`, `opt(float)` for a declared value type.
+fn type_proto_name(t: &TypeProto) -> Option<String> {
+    match t.value.as_ref()? {
+        type_proto::Value::TensorType(t) => elem_type_name(t.elem_type()).map(str::to_string),
+        type_proto::Value::SequenceType(s) => Some(format!(
+            "seq({})",
+            type_proto_name(s.elem_type.as_deref()?)?
+        )),
+        type_proto::Value::OptionalType(o) => Some(format!(
+            "opt({})",
+            type_proto_name(o.elem_type.as_deref()?)?
+        )),
+        _ => None,
+    }
+}
+
+/// Element types of the graph's tensors: declared ones (inputs, outputs, value_info,
+/// initializers) and, forward through the nodes, the ones the op schemas imply (an output typed
+/// `T` has the type of the first input typed `T`; `Cast` and friends read their attributes).
+pub fn infer_types(
+    graph: &GraphProto,
+    opsets: &HashMap<String, i64>,
+    tables: &Tables,
+) -> HashMap<String, String> {
+    let mut types: HashMap<String, String> = HashMap::new();
+    for vi in graph
+        .input
+        .iter()
+        .chain(&graph.output)
+        .chain(&graph.value_info)
+    {
+        if let Some(t) = vi.r#type.as_ref().and_then(type_proto_name) {
+            types.insert(vi.name().to_string(), t);
+        }
+    }
+    for init in &graph.initializer {
+        if let Some(t) = elem_type_name(init.data_type()) {
+            types.insert(init.name().to_string(), t.to_string());
+        }
+    }
+    // nodes are topologically sorted in a valid model; a few passes cover any that are not
+    for _ in 0..4 {
+        let mut changed = false;
+        for node in &graph.node {
+            let opset = opsets
+                .get(canonical_domain(node.domain()))
+                .copied()
+                .unwrap_or(0);
+            for (k, out) in node.output.iter().enumerate() {
+                if out.is_empty() || types.contains_key(out) {
+                    continue;
+                }
+                if let Some(t) = output_type(node, k, opset, &types, tables) {
+                    types.insert(out.clone(), t);
+                    changed = true;
+                }
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    types
+}
+
+fn dtype_attr(node: &NodeProto, name: &str) -> Option<String> {
+    attr_i(node, name)
+        .and_then(|d| elem_type_name(d as i32))
+        .map(str::to_string)
+}
+
+fn output_type(
+    node: &NodeProto,
+    k: usize,
+    opset: i64,
+    types: &HashMap<String, String>,
+    tables: &Tables,
+) -> Option<String> {
+    let input_type = |i: usize| {
+        node.input
+            .get(i)
+            .filter(|s| !s.is_empty())
+            .and_then(|n| types.get(n))
+            .cloned()
+    };
+    let domain = canonical_domain(node.domain());
+    if domain == "ai.onnx" {
+        match node.op_type() {
+            "Cast" => return dtype_attr(node, "to"),
+            "CastLike" => return input_type(1),
+            "RandomUniformLike" | "RandomNormalLike" | "EyeLike" => {
+                return dtype_attr(node, "dtype").or_else(|| input_type(0));
+            }
+            "RandomUniform" | "RandomNormal" => {
+                return dtype_attr(node, "dtype").or(Some("float".into()))
+            }
+            "Multinomial" => return dtype_attr(node, "dtype").or(Some("int32".into())),
+            "Constant" => {
+                if let Some(t) = attr(node, "value").and_then(|a| a.t.as_ref()) {
+                    return elem_type_name(t.data_type()).map(str::to_string);
+                }
+                for (name, t) in [
+                    ("value_float", "float"),
+                    ("value_floats", "float"),
+                    ("value_int", "int64"),
+                    ("value_ints", "int64"),
+                    ("value_string", "string"),
+                    ("value_strings", "string"),
+                ] {
+                    if attr(node, name).is_some() {
+                        return Some(t.into());
+                    }
+                }
+                return None;
+            }
+            "ConstantOfShape" => {
+                return Some(
+                    attr(node, "value")
+                        .and_then(|a| a.t.as_ref())
+                        .and_then(|t| elem_type_name(t.data_type()))
+                        .unwrap_or("float")
+                        .to_string(),
+                );
+            }
+            _ => {}
+        }
+    }
+    let schema = tables.schema(node.domain(), node.op_type(), opset)?;
+    let param = schema
+        .outputs
+        .get(k)
+        .or_else(|| schema.outputs.last().filter(|p| p.variadic))?;
+    if let Some(inner) = param
+        .type_str
+        .strip_prefix("tensor(")
+        .and_then(|s| s.strip_suffix(')'))
+    {
+        return Some(inner.to_string());
+    }
+    if let Some(t) = schema.fixed_type(&param.type_str) {
+        return Some(t.to_string());
+    }
+    // the first present input bound to the same type parameter
+    for (i, p) in schema.inputs.iter().enumerate() {
+        if p.type_str != param.type_str {
+            continue;
+        }
+        let n = if p.variadic {
+            node.input.len().saturating_sub(i)
+        } else {
+            1
+        };
+        for j in i..i + n {
+            if let Some(t) = input_type(j) {
+                return Some(t);
+            }
+        }
+    }
+    None
+}
+
+// ------------------------------------------------------------------------------------------
+// matching one node
+
+/// Why a node has no kernel on the target.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Missing {
+    /// The provider has no kernel for the op at all.
+    NoKernel,
+    /// Kernels exist, but none serves this op version.
+    Version { registered: Vec<String> },
+    /// Kernels serve the version, but none accepts the node's type for a type parameter.
+    Type {
+        param: String,
+        actual: String,
+        accepted: Vec<String>,
+    },
+    /// The provider refuses the node in GetCapability (CUDA: Cast to string).
+    Refused(String),
+}
+
+impl Missing {
+    pub fn describe(&self, target: Target, op: &str, version: Option<i64>) -> String {
+        let t = target.name();
+        match self {
+            Missing::NoKernel => format!("the {t} provider registers no {op} kernel"),
+            Missing::Version { registered } => format!(
+                "no {t} {op} kernel serves version {}; registered versions: {}",
+                version.map_or("?".into(), |v| v.to_string()),
+                registered.join(", ")
+            ),
+            Missing::Type {
+                param,
+                actual,
+                accepted,
+            } => format!(
+                "the {t} {op} kernels take {param} in {{{}}}, not {actual}",
+                accepted.join(", ")
+            ),
+            Missing::Refused(why) => why.clone(),
+        }
+    }
+
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Missing::NoKernel => "no_kernel",
+            Missing::Version { .. } => "version",
+            Missing::Type { .. } => "type",
+            Missing::Refused(_) => "refused",
+        }
+    }
+}
+
+/// The outcome for one node.
+#[derive(Debug, Clone)]
+pub enum Placement {
+    /// A kernel serves the node. `unchecked` names type parameters whose types were unknown.
+    Gpu {
+        kernel: Kernel,
+        unchecked: Vec<String>,
+    },
+    /// No kernel: ORT runs the node on the CPU provider.
+    Fallback(Missing),
+    /// Not checked: the op version cannot be told (unknown op, domain not imported).
+    Unknown(String),
+}
+
+/// The type each type parameter of `schema` takes in `node`, in ORT's order: the first present
+/// input bound to the parameter, else the first present output. `None`: present but unknown.
+fn bound_types(
+    node: &NodeProto,
+    schema: &Schema,
+    types: &HashMap<String, String>,
+) -> BTreeMap<String, Option<String>> {
+    let mut out: BTreeMap<String, Option<String>> = BTreeMap::new();
+    let mut visit = |params: &[Param], args: &[String]| {
+        for (i, p) in params.iter().enumerate() {
+            if p.type_str.contains('(') || out.get(&p.type_str).is_some_and(Option::is_some) {
+                continue;
+            }
+            // ORT checks the first actual argument of the formal parameter only
+            let arg = args.get(i).filter(|a| !a.is_empty());
+            if let Some(arg) = arg {
+                let t = types.get(arg).cloned();
+                let entry = out.entry(p.type_str.clone()).or_insert(None);
+                if entry.is_none() {
+                    *entry = t;
+                }
+            }
+        }
+    };
+    visit(&schema.inputs, &node.input);
+    visit(&schema.outputs, &node.output);
+    for (param, t) in out.iter_mut() {
+        if t.is_none() {
+            *t = schema.fixed_type(param).map(str::to_string);
+        }
+    }
+    out
+}
+
+/// Matches one node against `target`'s kernels.
+pub fn place_node(
+    node: &NodeProto,
+    target: Target,
+    opsets: &HashMap<String, i64>,
+    types: &HashMap<String, String>,
+    tables: &Tables,
+) -> (Option<i64>, BTreeMap<String, Option<String>>, Placement) {
+    let domain = canonical_domain(node.domain()).to_string();
+    let op = node.op_type();
+    let Some(&opset) = opsets.get(&domain) else {
+        return (
+            None,
+            BTreeMap::new(),
+            Placement::Unknown(format!("the model imports no opset for domain {domain}")),
+        );
+    };
+    let kernels = tables.kernels(target, &domain, op);
+    let Some(version) = tables.op_version(&domain, op, opset) else {
+        let why = if tables.knows_op(&domain, op) {
+            format!("{domain} {op} does not exist at opset {opset}")
+        } else if kernels.is_empty() && domain != "ai.onnx" {
+            // an operator of another domain with no GPU kernel at all: no schema needed to tell
+            return (
+                None,
+                BTreeMap::new(),
+                Placement::Fallback(Missing::NoKernel),
+            );
+        } else {
+            format!(
+                "{domain} {op} is not an operator ONNX {} / ORT {ORT_VERSION} knows",
+                "1.16"
+            )
+        };
+        return (None, BTreeMap::new(), Placement::Unknown(why));
+    };
+    let schema = tables.schema(&domain, op, opset);
+    let bound = schema
+        .map(|s| bound_types(node, s, types))
+        .unwrap_or_default();
+    if kernels.is_empty() {
+        return (Some(version), bound, Placement::Fallback(Missing::NoKernel));
+    }
+    let serving: Vec<&Kernel> = kernels
+        .iter()
+        .filter(|k| k.serves_version(version))
+        .collect();
+    if serving.is_empty() {
+        let mut registered: Vec<String> = kernels.iter().map(Kernel::range).collect();
+        registered.dedup();
+        return (
+            Some(version),
+            bound,
+            Placement::Fallback(Missing::Version { registered }),
+        );
+    }
+    // the first kernel whose every constraint accepts the node's types
+    let mut first_mismatch: Option<(String, String)> = None;
+    for k in &serving {
+        let mut unchecked = Vec::new();
+        let mut ok = true;
+        for (param, accepted) in &k.constraints {
+            let Some(accepted) = accepted else {
+                unchecked.push(param.clone());
+                continue;
+            };
+            match bound.get(param) {
+                Some(Some(actual)) => {
+                    if !accepted.iter().any(|a| a == actual) {
+                        ok = false;
+                        first_mismatch.get_or_insert((param.clone(), actual.clone()));
+                        break;
+                    }
+                }
+                Some(None) => unchecked.push(param.clone()),
+                // the node has no argument for the parameter (absent optional), or no schema
+                None => {
+                    if schema.is_none() {
+                        unchecked.push(param.clone());
+                    }
+                }
+            }
+        }
+        if ok {
+            if target == Target::Cuda
+                && op == "Cast"
+                && domain == "ai.onnx"
+                && attr_i(node, "to") == Some(DataType::String as i64)
+            {
+                return (
+                    Some(version),
+                    bound,
+                    Placement::Fallback(Missing::Refused(
+                        "the cuda provider refuses Cast to string (CastNeedFallbackToCPU)".into(),
+                    )),
+                );
+            }
+            return (
+                Some(version),
+                bound,
+                Placement::Gpu {
+                    kernel: (*k).clone(),
+                    unchecked,
+                },
+            );
+        }
+    }
+    let (param, actual) = first_mismatch.expect("a serving kernel rejected the node");
+    let mut accepted: Vec<String> = serving
+        .iter()
+        .flat_map(|k| k.constraints.iter())
+        .filter(|(p, _)| *p == param)
+        .flat_map(|(_, a)| a.iter().flatten().cloned())
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    accepted.sort_by_key(|t| type_rank(t));
+    (
+        Some(version),
+        bound,
+        Placement::Fallback(Missing::Type {
+            param,
+            actual,
+            accepted,
+        }),
+    )
+}
+
+/// A stable, readable order for type lists.
+fn type_rank(t: &str) -> (usize, String) {
+    const ORDER: [&str; 14] = [
+        "float", "float16", "bfloat16", "double", "int8", "int16", "int32", "int64", "uint8",
+        "uint16", "uint32", "uint64", "bool", "string",
+    ];
+    (
+        ORDER.iter().position(|o| *o == t).unwrap_or(ORDER.len()),
+        t.to_string(),
+    )
+}
+
+// ------------------------------------------------------------------------------------------
+// the whole graph
+
+/// What happens to one group of nodes: same op, version, types and outcome.
+#[derive(Debug, Clone)]
+pub struct OpGroup {
+    pub domain: String,
+    pub op: String,
+    pub version: Option<i64>,
+    /// Type parameter -> type (`?` when unknown).
+    pub types: BTreeMap<String, String>,
+    pub placement: Placement,
+    pub nodes: Vec<String>,
+    /// How many of `nodes` ntl-patch added.
+    pub ntl_nodes: usize,
+}
+
+impl OpGroup {
+    fn signature(&self) -> String {
+        let version = self.version.map_or("?".into(), |v| v.to_string());
+        let types: Vec<String> = self.types.iter().map(|(p, t)| format!("{p}={t}")).collect();
+        if types.is_empty() {
+            format!("{} v{version}", self.op_label())
+        } else {
+            format!("{} v{version} [{}]", self.op_label(), types.join(", "))
+        }
+    }
+
+    fn op_label(&self) -> String {
+        if self.domain == "ai.onnx" {
+            self.op.clone()
+        } else {
+            format!("{}:{}", self.domain, self.op)
+        }
+    }
+}
+
+/// The readiness of one model for one GPU provider.
+#[derive(Debug, Clone)]
+pub struct GpuReport {
+    pub target: Target,
+    pub opsets: BTreeMap<String, i64>,
+    pub nodes: usize,
+    pub ntl_nodes: usize,
+    pub groups: Vec<OpGroup>,
+    /// Nodes with a kernel that ORT's GetCpuPreferredNodes would likely still put on the CPU.
+    pub cpu_preferred: Vec<String>,
+    /// Nodes inside subgraphs (If/Loop/Scan bodies), not checked.
+    pub nested_nodes: usize,
+    pub notes: Vec<String>,
+}
+
+impl GpuReport {
+    pub fn fallbacks(&self) -> impl Iterator<Item = &OpGroup> {
+        self.groups
+            .iter()
+            .filter(|g| matches!(g.placement, Placement::Fallback(_)))
+    }
+
+    pub fn unknown(&self) -> impl Iterator<Item = &OpGroup> {
+        self.groups
+            .iter()
+            .filter(|g| matches!(g.placement, Placement::Unknown(_)))
+    }
+
+    /// Every checked node has a kernel on the target.
+    pub fn all_on_gpu(&self) -> bool {
+        self.fallbacks().next().is_none() && self.unknown().next().is_none()
+    }
+
+    pub fn verdict(&self) -> String {
+        let t = self.target.name();
+        let fallbacks: usize = self.fallbacks().map(|g| g.nodes.len()).sum();
+        let unknown: usize = self.unknown().map(|g| g.nodes.len()).sum();
+        if self.all_on_gpu() {
+            format!("all ops have {t} kernels")
+        } else if fallbacks > 0 {
+            let ops: BTreeSet<String> = self.fallbacks().map(OpGroup::op_label).collect();
+            format!(
+                "{fallbacks} node(s) would fall back to CPU: no {t} kernel for {}",
+                ops.into_iter().collect::<Vec<_>>().join(", ")
+            )
+        } else {
+            format!("{unknown} node(s) could not be checked (see below); every other op has a {t} kernel")
+        }
+    }
+
+    pub fn to_text(&self) -> String {
+        let t = self.target.name();
+        let mut out = format!(
+            "{t}: {}\n  checked against ONNX Runtime {ORT_VERSION} {} kernels (data/ort-1.19-kernels.tsv); {} node(s), {} added by ntl-patch\n",
+            self.verdict(),
+            self.target.provider(),
+            self.nodes,
+            self.ntl_nodes
+        );
+        let fallbacks: Vec<&OpGroup> = self.fallbacks().collect();
+        if !fallbacks.is_empty() {
+            out.push_str("  CPU fallbacks:\n");
+            for g in &fallbacks {
+                let Placement::Fallback(why) = &g.placement else {
+                    unreachable!()
+                };
+                out.push_str(&format!(
+                    "    {}: {}; {} node(s), {} added by ntl-patch: {}\n",
+                    g.signature(),
+                    why.describe(self.target, &g.op, g.version),
+                    g.nodes.len(),
+                    g.ntl_nodes,
+                    node_list(&g.nodes)
+                ));
+            }
+        }
+        let unknown: Vec<&OpGroup> = self.unknown().collect();
+        if !unknown.is_empty() {
+            out.push_str("  not checked:\n");
+            for g in &unknown {
+                let Placement::Unknown(why) = &g.placement else {
+                    unreachable!()
+                };
+                out.push_str(&format!(
+                    "    {}: {why}; {} node(s): {}\n",
+                    g.op_label(),
+                    g.nodes.len(),
+                    node_list(&g.nodes)
+                ));
+            }
+        }
+        let on_gpu: Vec<&OpGroup> = self
+            .groups
+            .iter()
+            .filter(|g| matches!(g.placement, Placement::Gpu { .. }))
+            .collect();
+        if !on_gpu.is_empty() {
+            out.push_str(&format!("  {t} kernels:\n"));
+            for g in on_gpu {
+                let Placement::Gpu { kernel, unchecked } = &g.placement else {
+                    unreachable!()
+                };
+                let mut extra = String::new();
+                if !unchecked.is_empty() {
+                    extra.push_str(&format!("; types of {} not checked", unchecked.join(", ")));
+                }
+                if let Some(c) = &kernel.condition {
+                    extra.push_str(&format!("; registered only if {c}"));
+                }
+                out.push_str(&format!(
+                    "    {}: kernel {}{extra}; {} node(s) ({} ntl-patch)\n",
+                    g.signature(),
+                    kernel.range(),
+                    g.nodes.len(),
+                    g.ntl_nodes
+                ));
+            }
+        }
+        if !self.cpu_preferred.is_empty() {
+            out.push_str(&format!(
+                "  likely on CPU by ORT's choice (GetCpuPreferredNodes: shape arithmetic fed from CPU memory; has a {t} kernel, not a fallback): {}\n",
+                node_list(&self.cpu_preferred)
+            ));
+        }
+        for n in &self.notes {
+            out.push_str(&format!("  note: {n}\n"));
+        }
+        out
+    }
+
+    pub fn to_json(&self) -> serde_json::Value {
+        let group = |g: &OpGroup| {
+            let mut v = serde_json::json!({
+                "domain": g.domain,
+                "op": g.op,
+                "version": g.version,
+                "types": g.types,
+                "nodes": g.nodes,
+                "ntl_nodes": g.ntl_nodes,
+            });
+            match &g.placement {
+                Placement::Gpu { kernel, unchecked } => {
+                    v["kernel"] = serde_json::json!({
+                        "since": kernel.since,
+                        "end": kernel.end,
+                        "class_type": kernel.class_type,
+                        "condition": kernel.condition,
+                        "source": kernel.source,
+                    });
+                    v["types_not_checked"] = serde_json::json!(unchecked);
+                }
+                Placement::Fallback(why) => {
+                    v["reason"] = why.kind().into();
+                    v["detail"] = why.describe(self.target, &g.op, g.version).into();
+                    if let Missing::Type {
+                        param,
+                        actual,
+                        accepted,
+                    } = why
+                    {
+                        v["param"] = param.clone().into();
+                        v["actual"] = actual.clone().into();
+                        v["accepted"] = serde_json::json!(accepted);
+                    }
+                    if let Missing::Version { registered } = why {
+                        v["registered_versions"] = serde_json::json!(registered);
+                    }
+                }
+                Placement::Unknown(why) => v["reason"] = why.clone().into(),
+            }
+            v
+        };
+        serde_json::json!({
+            "target": self.target.name(),
+            "provider": self.target.provider(),
+            "onnxruntime": ORT_VERSION,
+            "all_ops_on_gpu": self.all_on_gpu(),
+            "summary": self.verdict(),
+            "nodes": self.nodes,
+            "ntl_nodes": self.ntl_nodes,
+            "opsets": self.opsets,
+            "fallbacks": self.fallbacks().map(group).collect::<Vec<_>>(),
+            "not_checked": self.unknown().map(group).collect::<Vec<_>>(),
+            "gpu": self.groups.iter().filter(|g| matches!(g.placement, Placement::Gpu { .. })).map(group).collect::<Vec<_>>(),
+            "cpu_preferred": self.cpu_preferred,
+            "nested_nodes_not_checked": self.nested_nodes,
+            "notes": self.notes,
+        })
+    }
+}
+
+fn node_list(nodes: &[String]) -> String {
+    const SHOWN: usize = 6;
+    let mut s = nodes
+        .iter()
+        .take(SHOWN)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if nodes.len() > SHOWN {
+        s.push_str(&format!(", ... ({} more)", nodes.len() - SHOWN));
+    }
+    s
+}
+
+/// A node ntl-patch added: named under `ntl/`, or the cross-entropy it rewrote (output `ce_loss`).
+pub fn is_ntl_node(node: &NodeProto) -> bool {
+    node.name().starts_with("ntl/")
+        || (node.op_type() == "SoftmaxCrossEntropyLoss"
+            && node.output.first().is_some_and(|o| o == "ce_loss"))
+}
+
+fn node_label(node: &NodeProto, i: usize) -> String {
+    if node.name().is_empty() {
+        format!("#{i} ({})", node.output.first().map_or("", |s| s.as_str()))
+    } else {
+        node.name().to_string()
+    }
+}
+
+/// Opset per canonical domain.
+pub fn model_opsets(model: &ModelProto) -> HashMap<String, i64> {
+    model
+        .opset_import
+        .iter()
+        .map(|o| (canonical_domain(o.domain()).to_string(), o.version()))
+        .collect()
+}
+
+/// Checks every top-level node of `model` against `target`'s kernels.
+pub fn check_model(model: &ModelProto, target: Target) -> GpuReport {
+    check_model_with(model, target, tables())
+}
+
+pub fn check_model_with(model: &ModelProto, target: Target, tables: &Tables) -> GpuReport {
+    let empty = GraphProto::default();
+    let graph = model.graph.as_ref().unwrap_or(&empty);
+    let opsets = model_opsets(model);
+    let types = infer_types(graph, &opsets, tables);
+    let mut groups: Vec<OpGroup> = Vec::new();
+    let mut index: HashMap<String, usize> = HashMap::new();
+    let mut placed: Vec<Placement> = Vec::with_capacity(graph.node.len());
+    let mut ntl_total = 0;
+    for (i, node) in graph.node.iter().enumerate() {
+        let (version, bound, placement) = place_node(node, target, &opsets, &types, tables);
+        let ntl = is_ntl_node(node);
+        ntl_total += ntl as usize;
+        let types_shown: BTreeMap<String, String> = bound
+            .into_iter()
+            .map(|(p, t)| (p, t.unwrap_or_else(|| "?".into())))
+            .collect();
+        let key = format!(
+            "{}\u{1}{}\u{1}{:?}\u{1}{:?}\u{1}{}",
+            canonical_domain(node.domain()),
+            node.op_type(),
+            version,
+            types_shown,
+            placement_key(&placement)
+        );
+        let gi = *index.entry(key).or_insert_with(|| {
+            groups.push(OpGroup {
+                domain: canonical_domain(node.domain()).to_string(),
+                op: node.op_type().to_string(),
+                version,
+                types: types_shown.clone(),
+                placement: placement.clone(),
+                nodes: Vec::new(),
+                ntl_nodes: 0,
+            });
+            groups.len() - 1
+        });
+        groups[gi].nodes.push(node_label(node, i));
+        groups[gi].ntl_nodes += ntl as usize;
+        placed.push(placement);
+    }
+    groups.sort_by(|a, b| (&a.domain, &a.op, a.version).cmp(&(&b.domain, &b.op, b.version)));
+    let cpu_preferred = cpu_preferred_nodes(graph, &placed, &types);
+    let nested_nodes = graph
+        .node
+        .iter()
+        .flat_map(|n| n.attribute.iter())
+        .map(|a| {
+            a.g.iter()
+                .chain(a.graphs.iter())
+                .map(count_nodes)
+                .sum::<usize>()
+        })
+        .sum();
+    let mut notes = Vec::new();
+    if let Some(&o) = opsets.get("ai.onnx") {
+        if o > MAX_ONNX_OPSET {
+            notes.push(format!(
+                "the model's default opset {o} is newer than ONNX Runtime {ORT_VERSION} supports ({MAX_ONNX_OPSET}): it will not load"
+            ));
+        }
+    }
+    if nested_nodes > 0 {
+        notes.push(format!(
+            "{nested_nodes} node(s) inside subgraphs (If/Loop/Scan bodies) were not checked"
+        ));
+    }
+    GpuReport {
+        target,
+        opsets: opsets.into_iter().collect(),
+        nodes: graph.node.len(),
+        ntl_nodes: ntl_total,
+        groups,
+        cpu_preferred,
+        nested_nodes,
+        notes,
+    }
+}
+
+fn count_nodes(g: &GraphProto) -> usize {
+    g.node.len()
+        + g.node
+            .iter()
+            .flat_map(|n| n.attribute.iter())
+            .map(|a| {
+                a.g.iter()
+                    .chain(a.graphs.iter())
+                    .map(count_nodes)
+                    .sum::<usize>()
+            })
+            .sum::<usize>()
+}
+
+fn placement_key(p: &Placement) -> String {
+    match p {
+        Placement::Gpu { kernel, unchecked } => format!(
+            "gpu {} {:?} {unchecked:?}",
+            kernel.range(),
+            kernel.class_type
+        ),
+        Placement::Fallback(m) => format!("fallback {m:?}"),
+        Placement::Unknown(w) => format!("unknown {w}"),
+    }
+}
+
+/// ORT's `GetCpuPreferredNodes` (onnxruntime/core/framework/fallback_cpu_capability.cc) on the
+/// graph as written: starting from the outputs GPU kernels keep in CPU memory (`Shape`, ...) and
+/// the outputs of CPU-fallback nodes, a GPU-capable node moves to the CPU when every input is
+/// such a CPU value, a graph input, or an initializer of at most 100 elements, no input is a
+/// 16-bit or 8-bit float, and the kernel does not itself read that input from CPU memory.
+fn cpu_preferred_nodes(
+    graph: &GraphProto,
+    placed: &[Placement],
+    types: &HashMap<String, String>,
+) -> Vec<String> {
+    let mut consumers: HashMap<&str, Vec<usize>> = HashMap::new();
+    for (i, n) in graph.node.iter().enumerate() {
+        for inp in n.input.iter().filter(|s| !s.is_empty()) {
+            consumers.entry(inp.as_str()).or_default().push(i);
+        }
+    }
+    let graph_inputs: HashSet<&str> = graph.input.iter().map(|v| v.name()).collect();
+    let small_init: HashSet<&str> = graph
+        .initializer
+        .iter()
+        .filter(|t| t.dims.iter().product::<i64>() <= SMALL_INITIALIZER)
+        .map(|t| t.name())
+        .collect();
+    let mut cpu_args: HashSet<&str> = HashSet::new();
+    let mut candidates: BTreeSet<usize> = BTreeSet::new();
+    for (i, (node, p)) in graph.node.iter().zip(placed).enumerate() {
+        let _ = i;
+        if let Placement::Gpu { kernel, .. } = p {
+            for &o in &kernel.cpu_outputs {
+                if let Some(out) = node.output.get(o).filter(|s| !s.is_empty()) {
+                    cpu_args.insert(out);
+                    candidates.extend(consumers.get(out.as_str()).into_iter().flatten());
+                }
+            }
+        }
+    }
+    let mut visited: HashSet<usize> = HashSet::new();
+    let mut cpu_nodes: BTreeSet<usize> = BTreeSet::new();
+    while let Some(cur) = candidates.pop_first() {
+        if !visited.insert(cur) {
+            continue;
+        }
+        let node = &graph.node[cur];
+        let Placement::Gpu { kernel, .. } = &placed[cur] else {
+            // a CPU node: its outputs are CPU values
+            for out in node.output.iter().filter(|s| !s.is_empty()) {
+                cpu_args.insert(out);
+                candidates.extend(consumers.get(out.as_str()).into_iter().flatten());
+            }
+            continue;
+        };
+        let mut place_in_cpu = true;
+        for (i, inp) in node.input.iter().enumerate() {
+            let ty = types.get(inp).map(String::as_str);
+            if matches!(
+                ty,
+                Some(
+                    "float16"
+                        | "bfloat16"
+                        | "float8e4m3fn"
+                        | "float8e4m3fnuz"
+                        | "float8e5m2"
+                        | "float8e5m2fnuz"
+                )
+            ) {
+                place_in_cpu = false;
+                break;
+            }
+            if small_init.contains(inp.as_str()) || graph_inputs.contains(inp.as_str()) {
+                continue;
+            }
+            if !cpu_args.contains(inp.as_str()) || kernel.cpu_inputs.contains(&i) {
+                place_in_cpu = false;
+                break;
+            }
+        }
+        if place_in_cpu {
+            cpu_nodes.insert(cur);
+            for out in node.output.iter().filter(|s| !s.is_empty()) {
+                cpu_args.insert(out);
+                candidates.extend(consumers.get(out.as_str()).into_iter().flatten());
+            }
+        }
+    }
+    cpu_nodes
+        .into_iter()
+        .map(|i| node_label(&graph.node[i], i))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_tables_parse_and_cover_both_providers() {
+        let t = tables();
+        for target in [Target::Cuda, Target::Rocm] {
+            assert!(!t.kernels(target, "", "MatMul").is_empty());
+            assert!(!t
+                .kernels(target, "ai.onnx", "SoftmaxCrossEntropyLoss")
+                .is_empty());
+        }
+        assert!(t.kernel_provenance.contains("1.19.2"));
+    }
+
+    #[test]
+    fn version_in_effect_is_the_latest_at_or_below_the_opset() {
+        let t = tables();
+        assert_eq!(t.op_version("", "ReduceMax", 17), Some(13));
+        assert_eq!(t.op_version("", "ReduceMax", 18), Some(18));
+        assert_eq!(t.op_version("", "ArgMax", 17), Some(13));
+        assert_eq!(t.op_version("", "Softmax", 12), Some(11));
+        assert_eq!(
+            t.op_version("com.microsoft", "SoftmaxCrossEntropyLossGrad", 1),
+            Some(1)
+        );
+        assert_eq!(t.op_version("", "NoSuchOp", 17), None);
+    }
+
+    #[test]
+    fn open_ended_kernels_serve_only_their_start_version() {
+        let k = Kernel {
+            since: 13,
+            end: None,
+            class_type: None,
+            constraints: vec![],
+            cpu_inputs: vec![],
+            cpu_outputs: vec![],
+            condition: None,
+            source: String::new(),
+        };
+        assert!(k.serves_version(13));
+        assert!(!k.serves_version(14));
+        let closed = Kernel { end: Some(15), ..k };
+        assert!(
+            closed.serves_version(14) && closed.serves_version(13) && !closed.serves_version(16)
+        );
+    }
+}
