@@ -596,6 +596,8 @@ pub enum Placement {
     Fallback(Missing),
     /// Not checked: the op version cannot be told (unknown op, domain not imported).
     Unknown(String),
+    /// A `Constant`: ORT turns it into an initializer when it loads the graph; never executed.
+    Folded,
 }
 
 /// The type each type parameter of `schema` takes in `node`, in ORT's order: the first present
@@ -978,6 +980,7 @@ impl GpuReport {
                     }
                 }
                 Placement::Unknown(why) => v["reason"] = why.clone().into(),
+                Placement::Folded => {}
             }
             v
         };
@@ -1052,7 +1055,13 @@ pub fn check_model_with(model: &ModelProto, target: Target, tables: &Tables) -> 
     let mut index: HashMap<String, usize> = HashMap::new();
     let mut placed: Vec<Placement> = Vec::with_capacity(graph.node.len());
     let mut ntl_total = 0;
+    let mut constants = 0;
     for (i, node) in graph.node.iter().enumerate() {
+        if is_constant(node) {
+            constants += 1;
+            placed.push(Placement::Folded);
+            continue;
+        }
         let (version, bound, placement) = place_node(node, target, &opsets, &types, tables);
         let ntl = is_ntl_node(node);
         ntl_total += ntl as usize;
@@ -1105,6 +1114,11 @@ pub fn check_model_with(model: &ModelProto, target: Target, tables: &Tables) -> 
             ));
         }
     }
+    if constants > 0 {
+        notes.push(format!(
+            "{constants} Constant node(s) become initializers when ONNX Runtime loads the graph (never executed, not checked)"
+        ));
+    }
     if nested_nodes > 0 {
         notes.push(format!(
             "{nested_nodes} node(s) inside subgraphs (If/Loop/Scan bodies) were not checked"
@@ -1120,6 +1134,25 @@ pub fn check_model_with(model: &ModelProto, target: Target, tables: &Tables) -> 
         nested_nodes,
         notes,
     }
+}
+
+fn is_constant(node: &NodeProto) -> bool {
+    node.op_type() == "Constant" && canonical_domain(node.domain()) == "ai.onnx"
+}
+
+/// Elements of a Constant's value.
+fn constant_size(node: &NodeProto) -> i64 {
+    node.attribute
+        .iter()
+        .map(|a| match a.name() {
+            "value" => a.t.as_ref().map_or(1, |t| t.dims.iter().product::<i64>()),
+            "value_floats" => a.floats.len() as i64,
+            "value_ints" => a.ints.len() as i64,
+            "value_strings" => a.strings.len() as i64,
+            _ => 1,
+        })
+        .next()
+        .unwrap_or(1)
 }
 
 fn count_nodes(g: &GraphProto) -> usize {
@@ -1145,6 +1178,7 @@ fn placement_key(p: &Placement) -> String {
         ),
         Placement::Fallback(m) => format!("fallback {m:?}"),
         Placement::Unknown(w) => format!("unknown {w}"),
+        Placement::Folded => "folded".into(),
     }
 }
 
@@ -1165,12 +1199,18 @@ fn cpu_preferred_nodes(
         }
     }
     let graph_inputs: HashSet<&str> = graph.input.iter().map(|v| v.name()).collect();
-    let small_init: HashSet<&str> = graph
+    let mut small_init: HashSet<&str> = graph
         .initializer
         .iter()
         .filter(|t| t.dims.iter().product::<i64>() <= SMALL_INITIALIZER)
         .map(|t| t.name())
         .collect();
+    // Constant nodes are initializers by the time ORT partitions the graph
+    for node in graph.node.iter().filter(|n| is_constant(n)) {
+        if constant_size(node) <= SMALL_INITIALIZER {
+            small_init.extend(node.output.first().map(String::as_str));
+        }
+    }
     let mut cpu_args: HashSet<&str> = HashSet::new();
     let mut candidates: BTreeSet<usize> = BTreeSet::new();
     for (i, (node, p)) in graph.node.iter().zip(placed).enumerate() {
