@@ -135,7 +135,10 @@ pub struct Schema {
 
 impl Schema {
     fn fixed_type(&self, param: &str) -> Option<&str> {
-        self.fixed.iter().find(|(p, _)| p == param).map(|(_, t)| t.as_str())
+        self.fixed
+            .iter()
+            .find(|(p, _)| p == param)
+            .map(|(_, t)| t.as_str())
     }
 }
 

@@ -93,7 +93,11 @@ pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
 
 /// `inspect` plus, for each GPU target, whether ONNX Runtime 1.19's provider has a kernel for
 /// every op (`crate::gpu_kernels`). JSON: the inspect object with a `gpu` array.
-pub fn inspect_targets(path: &Path, json: bool, targets: &[crate::gpu_kernels::Target]) -> Result<String, Error> {
+pub fn inspect_targets(
+    path: &Path,
+    json: bool,
+    targets: &[crate::gpu_kernels::Target],
+) -> Result<String, Error> {
     let base = inspect(path, json)?;
     if targets.is_empty() {
         return Ok(base);

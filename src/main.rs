@@ -239,7 +239,11 @@ fn main() -> ExitCode {
         }
     };
     let result = match cli.command {
-        Some(Command::Inspect { model, json, target }) => {
+        Some(Command::Inspect {
+            model,
+            json,
+            target,
+        }) => {
             let targets: Vec<_> = target.iter().map(|t| t.target()).collect();
             ntl_patch::inspect::inspect_targets(&model, json, &targets)
         }

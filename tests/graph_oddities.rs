@@ -6,78 +6,12 @@ mod common;
 use common::*;
 use ntl_patch::onnx::proto::attribute_proto::AttributeType;
 use ntl_patch::onnx::proto::tensor_proto::DataType;
-use ntl_patch::onnx::proto::tensor_shape_proto::{dimension, Dimension};
-use ntl_patch::onnx::proto::{type_proto, OperatorSetIdProto, TensorShapeProto};
-use ntl_patch::onnx::{
-    i64_tensor, int_attr, string_attr, AttributeProto, GraphProto, ModelProto, NodeProto,
-    TypeProto, ValueInfoProto,
-};
+use ntl_patch::onnx::{i64_tensor, int_attr, AttributeProto, GraphProto, ModelProto};
 use prost::Message;
-
-fn node(op: &str, inputs: &[&str], outputs: &[&str], attrs: Vec<AttributeProto>) -> NodeProto {
-    NodeProto {
-        name: Some(format!("{op}_{}", outputs[0])),
-        op_type: Some(op.into()),
-        input: inputs.iter().map(|s| s.to_string()).collect(),
-        output: outputs.iter().map(|s| s.to_string()).collect(),
-        attribute: attrs,
-        ..Default::default()
-    }
-}
-
-/// A tensor value info; `None` dims are symbolic.
-fn value(name: &str, elem: DataType, dims: &[Option<i64>]) -> ValueInfoProto {
-    let dim = dims
-        .iter()
-        .enumerate()
-        .map(|(i, d)| Dimension {
-            value: Some(match d {
-                Some(v) => dimension::Value::DimValue(*v),
-                None => dimension::Value::DimParam(format!("d{i}")),
-            }),
-            ..Default::default()
-        })
-        .collect();
-    ValueInfoProto {
-        name: Some(name.into()),
-        r#type: Some(TypeProto {
-            value: Some(type_proto::Value::TensorType(type_proto::Tensor {
-                elem_type: Some(elem as i32),
-                shape: Some(TensorShapeProto { dim }),
-            })),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
-fn sce(scores: &str, labels: &str, out: &str) -> NodeProto {
-    node(
-        "SoftmaxCrossEntropyLoss",
-        &[scores, labels],
-        &[out],
-        vec![
-            string_attr("reduction", "mean"),
-            int_attr("ignore_index", -100),
-        ],
-    )
-}
-
-fn model(graph: GraphProto, opset: i64) -> ModelProto {
-    ModelProto {
-        ir_version: Some(8),
-        opset_import: vec![OperatorSetIdProto {
-            domain: Some(String::new()),
-            version: Some(opset),
-        }],
-        graph: Some(graph),
-        ..Default::default()
-    }
-}
 
 /// scores [N, 48] (float type `elem`) and labels [N] as inputs, SCE to `loss`.
 fn flat_model(elem: DataType, width: Option<i64>, opset: i64) -> ModelProto {
-    model(
+    model_proto(
         GraphProto {
             name: Some("g".into()),
             node: vec![sce("scores", "labels", "loss")],
@@ -142,7 +76,7 @@ fn ce_inside_if_is_reported_not_patched() {
         g: Some(g),
         ..Default::default()
     };
-    let m = model(
+    let m = model_proto(
         GraphProto {
             name: Some("g".into()),
             node: vec![node(

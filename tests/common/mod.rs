@@ -4,7 +4,13 @@
 use std::path::{Path, PathBuf};
 
 use assert_cmd::Command;
-use ntl_patch::onnx::ModelProto;
+use ntl_patch::onnx::proto::tensor_proto::DataType;
+use ntl_patch::onnx::proto::tensor_shape_proto::{dimension, Dimension};
+use ntl_patch::onnx::proto::{type_proto, OperatorSetIdProto, TensorShapeProto};
+use ntl_patch::onnx::{
+    int_attr, string_attr, AttributeProto, GraphProto, ModelProto, NodeProto, TypeProto,
+    ValueInfoProto,
+};
 use prost::Message;
 
 pub fn root() -> PathBuf {
@@ -46,4 +52,67 @@ pub const MODELS: [&str; 3] = ["lm_flat", "lm_bvt", "lm_nll"];
 
 pub fn model(name: &str) -> PathBuf {
     fixture(&format!("models/{name}.onnx"))
+}
+
+// ---- building small models in tests ----
+
+pub fn node(op: &str, inputs: &[&str], outputs: &[&str], attrs: Vec<AttributeProto>) -> NodeProto {
+    NodeProto {
+        name: Some(format!("{op}_{}", outputs[0])),
+        op_type: Some(op.into()),
+        input: inputs.iter().map(|s| s.to_string()).collect(),
+        output: outputs.iter().map(|s| s.to_string()).collect(),
+        attribute: attrs,
+        ..Default::default()
+    }
+}
+
+/// A tensor value info; `None` dims are symbolic.
+pub fn value(name: &str, elem: DataType, dims: &[Option<i64>]) -> ValueInfoProto {
+    let dim = dims
+        .iter()
+        .enumerate()
+        .map(|(i, d)| Dimension {
+            value: Some(match d {
+                Some(v) => dimension::Value::DimValue(*v),
+                None => dimension::Value::DimParam(format!("d{i}")),
+            }),
+            ..Default::default()
+        })
+        .collect();
+    ValueInfoProto {
+        name: Some(name.into()),
+        r#type: Some(TypeProto {
+            value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                elem_type: Some(elem as i32),
+                shape: Some(TensorShapeProto { dim }),
+            })),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+pub fn sce(scores: &str, labels: &str, out: &str) -> NodeProto {
+    node(
+        "SoftmaxCrossEntropyLoss",
+        &[scores, labels],
+        &[out],
+        vec![
+            string_attr("reduction", "mean"),
+            int_attr("ignore_index", -100),
+        ],
+    )
+}
+
+pub fn model_proto(graph: GraphProto, opset: i64) -> ModelProto {
+    ModelProto {
+        ir_version: Some(8),
+        opset_import: vec![OperatorSetIdProto {
+            domain: Some(String::new()),
+            version: Some(opset),
+        }],
+        graph: Some(graph),
+        ..Default::default()
+    }
 }
