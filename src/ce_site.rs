@@ -49,8 +49,6 @@ pub struct CeSite {
     pub loss_output: String,
     /// The second output (`log_prob`) when the node declares one.
     pub log_prob_output: Option<String>,
-    /// Rank of the scores when the graph tells it.
-    pub scores_rank: Option<usize>,
 }
 
 /// All cross-entropy nodes of the main graph, in node order.
@@ -126,17 +124,6 @@ fn is_layout_op(node: &NodeProto) -> bool {
 fn site(index: &GraphIndex, i: usize, node: &NodeProto, pattern: CePattern) -> CeSite {
     let scores = node.input[0].clone();
     let (logits, logits_class_last) = class_last_source(index, &scores);
-    let scores_rank = index
-        .declared_shape(&scores)
-        .map(|(_, d)| d.len())
-        .or_else(|| {
-            // A Transpose producer tells the rank through its permutation.
-            index
-                .producer(&scores)
-                .filter(|(_, n)| n.op_type() == "Transpose")
-                .and_then(|(_, n)| crate::onnx::attr_ints(n, "perm"))
-                .map(|p| p.len())
-        });
     CeSite {
         pattern,
         node_index: i,
@@ -150,7 +137,6 @@ fn site(index: &GraphIndex, i: usize, node: &NodeProto, pattern: CePattern) -> C
         reduction: attr_s(node, "reduction").unwrap_or_else(|| "mean".into()),
         loss_output: node.output[0].clone(),
         log_prob_output: node.output.get(1).filter(|o| !o.is_empty()).cloned(),
-        scores_rank,
     }
 }
 

@@ -163,7 +163,8 @@ impl<'g> GraphIndex<'g> {
         }
     }
 
-    /// The values of a constant int64 tensor (an initializer or a Constant node).
+    /// The values of a small constant int64 tensor (an initializer or a Constant node), such as
+    /// a Reshape target. Larger tensors are not read: weights are never touched.
     pub fn constant_i64(&self, tensor: &str) -> Option<Vec<i64>> {
         let t = match self.graph.initializer.iter().find(|t| t.name() == tensor) {
             Some(t) => t,
@@ -175,7 +176,7 @@ impl<'g> GraphIndex<'g> {
                 crate::onnx::attr(node, "value")?.t.as_ref()?
             }
         };
-        if t.data_type() != crate::onnx::INT64 {
+        if t.data_type() != crate::onnx::INT64 || t.dims.iter().product::<i64>() > 16 {
             return None;
         }
         if !t.int64_data.is_empty() {
