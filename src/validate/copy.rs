@@ -1,17 +1,22 @@
 //! The validation copy: the patched graph, in memory, with the flat logits and labels, the
 //! total loss tensor (and the CE's class weights, if any) as extra outputs, so the independent
 //! reference sees exactly the values the runtime used. For runtimes without
-//! `SoftmaxCrossEntropyLoss` every such node is replaced by its primitive-op form. The model
-//! file itself is never written.
+//! `SoftmaxCrossEntropyLoss` every such node is replaced by its primitive-op form. NTIL's
+//! random Gumbel noise is taken out (`noise`), so the copy computes the noise-0 forward. The
+//! model file itself is never written.
 
 use std::collections::HashSet;
 
 use crate::error::Error;
 use crate::graph::GraphIndex;
-use crate::onnx::{value_info_shape, GraphProto, ModelProto, NodeProto, ValueInfoProto, FLOAT};
-use crate::rewrite::CE_OUTPUT;
+use crate::onnx::{
+    attr_i, i64_tensor, value_info_shape, GraphProto, ModelProto, NodeProto, ValueInfoProto, FLOAT,
+    INT64,
+};
+use crate::rewrite::{CE_OUTPUT, PREFIX};
 use crate::validate::emit::{Emitter, Out};
 use crate::validate::meta::PatchMeta;
+use crate::validate::noise::{self, Removed};
 use crate::validate::primitive_ce::{self, CeSpec};
 
 pub struct ValidationCopy {
@@ -24,6 +29,8 @@ pub struct ValidationCopy {
     pub class_weights: Option<String>,
     /// The tensor the CE node reads its labels from (to find the labels graph input).
     pub ce_labels: String,
+    /// The Gumbel noise path taken out of the copy (empty when the patch draws no noise).
+    pub noise_removed: Removed,
 }
 
 const SCE: &str = "SoftmaxCrossEntropyLoss";
@@ -115,9 +122,15 @@ pub fn build(
         }
     }
     let ce_labels = ce_node.input.get(1).cloned().unwrap_or_default();
+    let int64_like = primitive_ce.then(|| e.fresh("int64_like"));
 
     let mut model = model.clone();
     let graph = model.graph.as_mut().expect("checked on load");
+    if let Some(like) = &int64_like {
+        if exact_int64_casts(graph, like) > 0 {
+            graph.initializer.push(i64_tensor(like, &[], &[0]));
+        }
+    }
     for i in replaced.into_iter().rev() {
         graph.node.remove(i);
     }
@@ -126,6 +139,8 @@ pub fn build(
     // The replacement reads the flat tensors, which the patch computes after the CE node, so
     // it cannot simply take the node's place: restore a topological order instead.
     topological_sort(graph);
+    // NTIL with --gumbel-noise > 0: validate the deterministic forward (noise scale 0)
+    let noise_removed = noise::remove_patch_noise(graph)?;
     let outputs = [&flat_logits, &flat_labels, &total_out];
     for name in outputs.into_iter().chain(class_weights.as_ref()) {
         graph.output.push(ValueInfoProto {
@@ -143,7 +158,30 @@ pub fn build(
         total: total_out,
         class_weights,
         ce_labels,
+        noise_removed,
     })
+}
+
+/// tract reads ONNX `Cast(to=INT64)` as a cast to its symbolic dimension type `TDim`, which
+/// fits shape arithmetic but not data: `CumSum` (and others) refuse TDim tensors. The integer
+/// label bookkeeping of the per-sequence losses casts to INT64 and feeds CumSum, so for tract
+/// every such Cast the patch wrote (outputs under `ntl/`) becomes `CastLike(x, <int64
+/// scalar>)`, the same value with a plain i64 result. The graph's own Casts are left alone.
+/// Returns how many were rewritten (the caller adds the `like` scalar if any).
+fn exact_int64_casts(graph: &mut GraphProto, like: &str) -> usize {
+    let ours = format!("{PREFIX}/");
+    let mut rewritten = 0;
+    for node in &mut graph.node {
+        let to_int64 = node.op_type() == "Cast" && attr_i(node, "to") == Some(INT64 as i64);
+        if to_int64 && node.output.iter().all(|o| o.starts_with(&ours)) {
+            node.op_type = Some("CastLike".into());
+            node.input.truncate(1);
+            node.input.push(like.to_string());
+            node.attribute.clear();
+            rewritten += 1;
+        }
+    }
+    rewritten
 }
 
 /// Element type of `ce_loss` as the graph declares it (float32 where it does not).

@@ -76,6 +76,18 @@ pub struct LabelPlan<'a> {
     pub input: &'a str,
     pub table: &'a NumberTable,
     pub ignore_index: Option<i64>,
+    pub style: LabelStyle,
+}
+
+/// How labels are drawn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LabelStyle {
+    /// Each position on its own: number ids, other ids, the ignore index (the NTL losses).
+    Tokens,
+    /// Along the last axis (a sequence): runs of digits of several lengths (multi-digit
+    /// numbers), sometimes joined by `dot` (`"."`, decimals), between other ids and the ignore
+    /// index (the per-sequence losses; the table's numbers are the ten digits).
+    DigitRuns { dot: Option<i64> },
 }
 
 pub struct Shape {
@@ -106,7 +118,14 @@ pub fn generate(
             let data = match labels.filter(|l| l.input == spec.name) {
                 Some(plan) => {
                     let n = dims.iter().product();
-                    int_data(spec.elem_type, label_values(&mut rng, n, width, plan))
+                    let ids = match plan.style {
+                        LabelStyle::Tokens => label_values(&mut rng, n, width, plan),
+                        LabelStyle::DigitRuns { dot } => {
+                            let seq = dims.last().copied().unwrap_or(1).max(1);
+                            digit_run_values(&mut rng, n, seq, width, plan, dot)
+                        }
+                    };
+                    int_data(spec.elem_type, ids)
                 }
                 None => values(spec, &dims, width, &mut rng)?,
             };
@@ -193,6 +212,79 @@ fn label_values(rng: &mut ChaCha8Rng, n: usize, width: usize, plan: &LabelPlan) 
             ids[slot] = pick(rng, kind);
         }
         ids.shuffle(rng);
+    }
+    ids
+}
+
+/// Labels for the per-sequence losses, sequence by sequence (rows of `seq`): after a digit,
+/// 50% another digit (numbers of one to several digits) and 15% `dot` when there is one;
+/// after a dot 70% a digit (a decimal `d.d`); else 40% digit. The rest are other ids and the
+/// ignore index. Redrawn (same stream) until there is a multi-digit number, a decimal (with a
+/// dot), an other id and the ignore index, where the size allows.
+fn digit_run_values(
+    rng: &mut ChaCha8Rng,
+    n: usize,
+    seq: usize,
+    width: usize,
+    plan: &LabelPlan,
+    dot: Option<i64>,
+) -> Vec<i64> {
+    let digits = plan.table.ids();
+    let others: Vec<i64> = (0..width as i64)
+        .filter(|&id| {
+            plan.table.value_of(id).is_none() && Some(id) != plan.ignore_index && Some(id) != dot
+        })
+        .collect();
+    let is_digit = |id: i64| plan.table.value_of(id).is_some();
+    let draw = |rng: &mut ChaCha8Rng| -> Vec<i64> {
+        let mut ids: Vec<i64> = Vec::with_capacity(n);
+        for i in 0..n {
+            let prev = (i % seq != 0).then(|| ids[i - 1]);
+            let r = rng.gen_range(0..100u32);
+            // (digit below, dot below, other below); the rest is the ignore index
+            let (digit, dot_to, other) = match prev {
+                Some(p) if is_digit(p) => (50, 65, 85),
+                Some(p) if Some(p) == dot => (70, 70, 85),
+                _ => (40, 40, 75),
+            };
+            let dot_to = if dot.is_some() { dot_to } else { digit };
+            ids.push(if r < digit {
+                *digits.choose(rng).expect("a number table is never empty")
+            } else if r < dot_to {
+                dot.expect("checked")
+            } else {
+                match (plan.ignore_index, others.choose(rng)) {
+                    (Some(ignore), _) if r >= other => ignore,
+                    (_, Some(&id)) => id,
+                    (_, None) => *digits.choose(rng).expect("never empty"),
+                }
+            });
+        }
+        ids
+    };
+    let complete = |ids: &[i64]| {
+        let rows = || ids.chunks(seq);
+        let long_number =
+            seq < 2 || rows().any(|row| row.windows(2).any(|w| is_digit(w[0]) && is_digit(w[1])));
+        let decimal = seq < 3
+            || dot.is_none()
+            || rows().any(|row| {
+                row.windows(3)
+                    .any(|w| is_digit(w[0]) && Some(w[1]) == dot && is_digit(w[2]))
+            });
+        let other = others.is_empty()
+            || ids
+                .iter()
+                .any(|&id| !is_digit(id) && Some(id) != plan.ignore_index && Some(id) != dot);
+        let ignored = plan.ignore_index.is_none_or(|ig| ids.contains(&ig));
+        n < 4 || (long_number && decimal && other && ignored)
+    };
+    let mut ids = draw(rng);
+    for _ in 0..1000 {
+        if complete(&ids) {
+            break;
+        }
+        ids = draw(rng);
     }
     ids
 }

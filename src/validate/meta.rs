@@ -7,10 +7,22 @@ use crate::number_table::NumberSet;
 use crate::onnx::ModelProto;
 use crate::patch::METADATA_KEY;
 use crate::validate::reference::{NtlKind, NtlSettings};
+use crate::validate::reference_ntil::{NtilSettings, NumberLevelSettings, SeqLoss};
+
+/// The number loss a patch computes, as the independent references name it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum LossSpec {
+    /// ntloss `NTLoss` / `NTLossDotProduct`, per position over the flat batch (`reference`).
+    Ntl(NtlSettings),
+    /// NTIL, EMD, number-level: per sequence (`reference_ntil`).
+    Sequence(SeqLoss),
+}
 
 #[derive(Debug, Clone)]
 pub struct PatchMeta {
-    pub ntl: NtlSettings,
+    pub loss: LossSpec,
+    /// NTIL's Gumbel noise scale as patched (0 when none; validation always runs at 0).
+    pub gumbel_noise: f64,
     /// λ in `CE + λ·NTL`.
     pub weight: f64,
     /// How the number loss joins the CE in the total.
@@ -58,12 +70,45 @@ impl PatchMeta {
         };
         let v: serde_json::Value = serde_json::from_str(text).map_err(|_| bad("not JSON"))?;
         let s = |k: &str| v[k].as_str().map(str::to_string).ok_or_else(|| bad(k));
-        let loss = s("loss")?;
-        let kind = NtlKind::parse(&loss).ok_or_else(|| {
-            Error::Validation(format!(
-                "validate checks the NTL losses (wasserstein, mse, l1, huber); this graph's loss '{loss}' has no independent reference here yet"
-            ))
-        })?;
+        let loss_name = s("loss")?;
+        let f = |x: &serde_json::Value, k: &str| x[k].as_f64().ok_or_else(|| bad(k));
+        let reweigh = v["reweigh"].as_bool().unwrap_or(false);
+        let mut gumbel_noise = 0.0;
+        let loss = match loss_name.as_str() {
+            "ntil" | "emd" => {
+                let n = &v["ntil"];
+                if !n.is_object() {
+                    return Err(bad("ntil"));
+                }
+                gumbel_noise = n["gumbel_noise"].as_f64().unwrap_or(0.0);
+                LossSpec::Sequence(if loss_name == "emd" {
+                    SeqLoss::Emd {
+                        digit_exp: f(n, "digit_exp")?,
+                    }
+                } else {
+                    SeqLoss::Ntil(NtilSettings {
+                        digit_exp: f(n, "digit_exp")?,
+                        abs_alpha: f(n, "abs_alpha")?,
+                        mag_alpha: f(n, "mag_alpha")?,
+                        digit_alpha: f(n, "digit_alpha")?,
+                        tau: f(n, "gumbel_tau")?,
+                    })
+                })
+            }
+            "number-level" => LossSpec::Sequence(SeqLoss::NumberLevel(NumberLevelSettings {
+                float_level: v["float_level"].as_bool().unwrap_or(false),
+                reweigh,
+            })),
+            name => LossSpec::Ntl(NtlSettings {
+                kind: NtlKind::parse(name).ok_or_else(|| {
+                    Error::Validation(format!(
+                        "this graph's loss '{name}' is not one validate knows (wasserstein, mse, l1, huber, ntil, emd, number-level); validate it with the ntl-patch that wrote it"
+                    ))
+                })?,
+                reweigh,
+                squash: v["squash"].as_f64(),
+            }),
+        };
         let combine = match v["combine"].as_str().unwrap_or("add") {
             "add" => Combine::Add,
             "scaled" => Combine::Scaled,
@@ -78,11 +123,8 @@ impl PatchMeta {
             .as_u64()
             .ok_or_else(|| bad("vocab_width"))? as usize;
         Ok(PatchMeta {
-            ntl: NtlSettings {
-                kind,
-                reweigh: v["reweigh"].as_bool().unwrap_or(false),
-                squash: v["squash"].as_f64(),
-            },
+            loss,
+            gumbel_noise,
             weight: v["weight"].as_f64().ok_or_else(|| bad("weight"))?,
             combine,
             numbers,
@@ -107,12 +149,35 @@ impl PatchMeta {
 
     /// A short description for the report.
     pub fn describe(&self) -> String {
-        let mut parts = vec![self.ntl.kind.name().to_string()];
-        if self.ntl.reweigh {
-            parts.push("reweigh".into());
-        }
-        if let Some(s) = self.ntl.squash {
-            parts.push(format!("squash {s}"));
+        let mut parts = Vec::new();
+        match &self.loss {
+            LossSpec::Ntl(ntl) => {
+                parts.push(ntl.kind.name().to_string());
+                if ntl.reweigh {
+                    parts.push("reweigh".into());
+                }
+                if let Some(s) = ntl.squash {
+                    parts.push(format!("squash {s}"));
+                }
+            }
+            LossSpec::Sequence(SeqLoss::Ntil(n)) => {
+                parts.push(format!(
+                    "ntil (digit_exp {}, abs_alpha {}, mag_alpha {}, digit_alpha {}, gumbel_tau {}, gumbel_noise {})",
+                    n.digit_exp, n.abs_alpha, n.mag_alpha, n.digit_alpha, n.tau, self.gumbel_noise
+                ));
+            }
+            LossSpec::Sequence(SeqLoss::Emd { digit_exp }) => {
+                parts.push(format!("emd (digit_exp {digit_exp})"));
+            }
+            LossSpec::Sequence(SeqLoss::NumberLevel(n)) => {
+                parts.push("number-level".into());
+                if n.float_level {
+                    parts.push("float-level".into());
+                }
+                if n.reweigh {
+                    parts.push("reweigh".into());
+                }
+            }
         }
         parts.push(
             match self.numbers {

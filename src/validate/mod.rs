@@ -7,16 +7,20 @@
 //! - `meta`: the `ntl_patch` metadata; `copy` (+ `emit`, `primitive_ce`): the graph that runs;
 //! - `inputs`, `testdata`, `tensor`: the values fed and read back;
 //! - `tract_run`, `ort_run` (+ `ort_lib`): the runtimes;
-//! - `reference`: the independent f64 losses; `report`: the checks and their rendering.
+//! - `noise`: takes NTIL's random Gumbel noise out of the copy (validation runs at noise 0);
+//! - `reference` (NTL) and `reference_ntil` (NTIL, EMD, number-level): the independent f64
+//!   losses; `report`: the checks and their rendering.
 
 mod copy;
 mod emit;
 pub mod inputs;
 pub mod meta;
+mod noise;
 mod ort_lib;
 mod ort_run;
 mod primitive_ce;
 pub mod reference;
+pub mod reference_ntil;
 pub mod report;
 pub mod tensor;
 pub mod testdata;
@@ -36,9 +40,10 @@ pub use ort_lib::HOW_TO_INSTALL as ORT_HOW_TO_INSTALL;
 pub use report::{Against, Check, Report};
 
 use copy::ValidationCopy;
-use inputs::{LabelPlan, Shape};
-use meta::PatchMeta;
+use inputs::{LabelPlan, LabelStyle, Shape};
+use meta::{LossSpec, PatchMeta};
 use reference::{Batch, CeReduction};
+use reference_ntil::{DigitTokens, Sequences};
 use tensor::HostTensor;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,10 +84,20 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
     }
     let model = load_model(&req.model)?;
     let meta = PatchMeta::from_model(&model)?;
-    let table = number_table(req, &meta)?;
+    let (vocab, table) = number_table(req, &meta)?;
     let loss_name = total_tensor(&model, &meta)?;
     let copy = copy::build(&model, &meta, &loss_name, req.runtime == Runtime::Tract)?;
-    let feeds = feeds(req, &meta, &table, &copy)?;
+    let label_input = inputs::labels_source(
+        copy.model.graph.as_ref().expect("checked on load"),
+        &copy.ce_labels,
+    );
+    let style = match &meta.loss {
+        LossSpec::Ntl(_) => LabelStyle::Tokens,
+        LossSpec::Sequence(_) => LabelStyle::DigitRuns {
+            dot: vocab.id_of("."),
+        },
+    };
+    let feeds = feeds(req, &meta, &table, &copy, label_input.as_deref(), style)?;
 
     let dir = model_dir(&req.model);
     let outputs = match req.runtime {
@@ -91,7 +106,18 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
     };
     let outputs = Outputs(outputs);
 
-    let ind = independent(&meta, &table, &copy, &outputs)?;
+    let sequences = match &meta.loss {
+        LossSpec::Ntl(_) => None,
+        LossSpec::Sequence(_) => Some(SequenceSetup {
+            batch: sequence_count(&feeds.inputs, label_input.as_deref())?,
+            tokens: DigitTokens::from_vocab(&vocab).map_err(|why| {
+                Error::Validation(format!(
+                    "{why}; pass the model's tokenizer with --tokenizer"
+                ))
+            })?,
+        }),
+    };
+    let ind = independent(&meta, &table, sequences.as_ref(), &copy, &outputs)?;
     let mut checks = Vec::new();
     // (report label, runtime output, independent value)
     for (name, output, expected) in [
@@ -111,6 +137,25 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
     }
     checks.extend(recorded_checks(req, &model, &feeds.recorded, &outputs));
 
+    let mut notes = Vec::new();
+    if !copy.noise_removed.is_empty() {
+        notes.push(format!(
+            "Gumbel noise disabled for validation: the patch draws noise (scale {}) in {} random node(s); the validation copy adds none ({} read the clean digit logits), so the forward is the deterministic argmax path (noise scale 0) that the reference computes",
+            meta.gumbel_noise,
+            copy.noise_removed.random_nodes.len(),
+            copy.noise_removed.noisy_tensors.join(", "),
+        ));
+    }
+    if let Some(s) = &sequences {
+        notes.push(format!(
+            "per-sequence loss: {} positions regrouped as {} sequences of {}, {} number(s)",
+            ind.positions,
+            s.batch,
+            ind.positions / s.batch.max(1),
+            ind.numbers.unwrap_or(0),
+        ));
+    }
+
     Ok(Report {
         model: req.model.clone(),
         runtime: req.runtime.name(),
@@ -122,7 +167,34 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
         rtol: req.rtol,
         atol: req.atol,
         checks,
+        notes,
     })
+}
+
+/// What the per-sequence references need beyond the flat tensors.
+struct SequenceSetup {
+    /// B: the flat `[B·T]` labels are regrouped into B sequences.
+    batch: usize,
+    tokens: DigitTokens,
+}
+
+/// B, the number of sequences: the first dim of the labels graph input as fed (generated or
+/// recorded), the `[B, T]` tensor the graph flattens for its cross-entropy.
+fn sequence_count(inputs: &[HostTensor], label_input: Option<&str>) -> Result<usize, Error> {
+    let input = label_input.ok_or_else(|| {
+        Error::Validation(
+            "cannot find the graph input the cross-entropy's labels come from, so the sequences of the per-sequence loss are unknown; re-patch the original model".into(),
+        )
+    })?;
+    let t = inputs.iter().find(|t| t.name == input).ok_or_else(|| {
+        Error::Validation(format!("no value was fed for the labels input '{input}'"))
+    })?;
+    match t.shape.as_slice() {
+        [b, _, ..] if *b > 0 => Ok(*b),
+        shape => Err(Error::Validation(format!(
+            "the labels input '{input}' has shape {shape:?}, not [B, T]; per-sequence losses need [B, T] labels"
+        ))),
+    }
 }
 
 /// What the runtime is fed, and what it should give (with `--reference`).
@@ -137,6 +209,8 @@ fn feeds(
     meta: &PatchMeta,
     table: &NumberTable,
     copy: &ValidationCopy,
+    label_input: Option<&str>,
+    style: LabelStyle,
 ) -> Result<Feeds, Error> {
     let graph = copy.model.graph.as_ref().expect("checked on load");
     let specs = inputs::feedable_inputs(graph)?;
@@ -148,11 +222,11 @@ fn feeds(
             description: format!("recorded in {}", dir.display()),
         });
     }
-    let label_input = inputs::labels_source(graph, &copy.ce_labels);
-    let plan = label_input.as_deref().map(|input| LabelPlan {
+    let plan = label_input.map(|input| LabelPlan {
         input,
         table,
         ignore_index: meta.ignore_index,
+        style,
     });
     let shape = Shape {
         batch: req.batch,
@@ -188,12 +262,15 @@ struct Independent {
     positions: usize,
     number_positions: usize,
     ignored_positions: usize,
+    /// Per-sequence losses: the numbers (digit runs) counted.
+    numbers: Option<usize>,
 }
 
 /// Computes the losses in `reference` from the very logits and labels the runtime's loss used.
 fn independent(
     meta: &PatchMeta,
     table: &NumberTable,
+    sequences: Option<&SequenceSetup>,
     copy: &ValidationCopy,
     outputs: &Outputs,
 ) -> Result<Independent, Error> {
@@ -213,14 +290,28 @@ fn independent(
     };
     let ce = reference::cross_entropy(&batch, meta.ignore_index, reduction, weights.as_deref())
         .map_err(flat_mismatch)?;
-    let ntl = reference::number_token_loss(&batch, table, &meta.ntl, meta.ignore_index)
-        .map_err(flat_mismatch)?;
+    let (number_loss, number_positions, numbers) = match (&meta.loss, sequences) {
+        (LossSpec::Ntl(settings), _) => {
+            let ntl = reference::number_token_loss(&batch, table, settings, meta.ignore_index)
+                .map_err(flat_mismatch)?;
+            (ntl.value, ntl.positions, None)
+        }
+        (LossSpec::Sequence(loss), Some(setup)) => {
+            let seqs = Sequences::new(&logits, &labels, setup.batch, meta.vocab_width)
+                .map_err(flat_mismatch)?;
+            let v =
+                reference_ntil::sequence_loss(&seqs, &setup.tokens, loss).map_err(flat_mismatch)?;
+            (v.value, v.digit_positions, Some(v.numbers))
+        }
+        (LossSpec::Sequence(_), None) => unreachable!("sequence setup made for sequence losses"),
+    };
     Ok(Independent {
         ce,
-        number_loss: ntl.value,
-        total: meta.total(ce, ntl.value),
+        number_loss,
+        total: meta.total(ce, number_loss),
         positions: labels.len(),
-        number_positions: ntl.positions,
+        number_positions,
+        numbers,
         ignored_positions: labels
             .iter()
             .filter(|&&l| Some(l) == meta.ignore_index)
@@ -265,7 +356,7 @@ fn recorded_checks(
 
 /// The number table, rebuilt from the tokenizer (not read from the graph), so the check does
 /// not trust what the patch wrote.
-fn number_table(req: &ValidateRequest, meta: &PatchMeta) -> Result<NumberTable, Error> {
+fn number_table(req: &ValidateRequest, meta: &PatchMeta) -> Result<(Vocab, NumberTable), Error> {
     let path = req
         .tokenizer
         .clone()
@@ -274,7 +365,8 @@ fn number_table(req: &ValidateRequest, meta: &PatchMeta) -> Result<NumberTable, 
         return Err(Error::TokenizerMissing(path));
     }
     let vocab = Vocab::from_file(&path)?;
-    Ok(NumberTable::build(&vocab, meta.numbers, meta.vocab_width)?)
+    let table = NumberTable::build(&vocab, meta.numbers, meta.vocab_width)?;
+    Ok((vocab, table))
 }
 
 /// The tensor holding the total: the metadata's `loss_output`, or (older patches) the first

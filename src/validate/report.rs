@@ -108,6 +108,8 @@ pub struct Report {
     pub rtol: f64,
     pub atol: f64,
     pub checks: Vec<Check>,
+    /// What the reader should know about how the run was made (e.g. noise disabled).
+    pub notes: Vec<String>,
 }
 
 impl Report {
@@ -135,6 +137,14 @@ impl Report {
             self.atol,
             self.rtol,
         );
+        if !self.notes.is_empty() {
+            let notes: Vec<String> = self
+                .notes
+                .iter()
+                .map(|n| format!("  note: {n}\n"))
+                .collect();
+            s.insert_str(s.len() - 1, &notes.concat());
+        }
         let width = self
             .checks
             .iter()
@@ -218,6 +228,7 @@ impl Report {
             "atol": self.atol,
             "passed": self.passed(),
             "checks": checks,
+            "notes": self.notes,
         })
         .to_string()
     }
