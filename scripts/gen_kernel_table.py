@@ -321,11 +321,37 @@ def class_ident(provider_const, domain, since, end, types, name):
     return ident
 
 
+def expand_local_macros(text: str) -> str:
+    """Expands the file's own function-like macros that wrap the class-name macros
+    (cuda_contrib_kernels.cc: `CUDA_MS_OP_TYPED_CLASS_NAME(ver, type, name)` and friends)."""
+    macros = {}
+    for _, line in logical_lines(text):
+        m = re.match(r"\s*#\s*define\s+(\w+)\(([^)]*)\)\s*(.*)", line)
+        if m and "_CLASS_NAME(" in m.group(3):
+            macros[m.group(1)] = ([p.strip() for p in m.group(2).split(",")], m.group(3).strip())
+    if not macros:
+        return text
+    call = re.compile(r"\b(" + "|".join(map(re.escape, macros)) + r")\s*\(")
+    out, pos = [], 0
+    for m in call.finditer(text):
+        if m.start() < pos or re.match(r"\s*#\s*define", text[text.rfind("\n", 0, m.start()) + 1:m.start()]):
+            continue
+        close = balanced(text, m.end() - 1)
+        params, body = macros[m.group(1)]
+        args = split_args(text[m.end():close - 1])
+        for p, a in zip(params, args):
+            body = re.sub(rf"\b{re.escape(p)}\b", a, body)
+        out.append(text[pos:m.start()])
+        out.append(body)
+        pos = close
+    out.append(text[pos:])
+    return "".join(out)
+
+
 def parse_registry(path: Path, defines: dict[str, str]):
     """Yields (ident, provider_const, domain, op, since, end, types, condition) for each entry of
     the kernel function table that the build `defines` compiles."""
-    text = strip_comments(path.read_text())
-    # only the function table(s): entries after the first `BuildKernelCreateInfo<void>,`
+    text = expand_local_macros(strip_comments(path.read_text()))
     stack: list[tuple[str, bool]] = []  # (condition text, active)
     chunk: list[str] = []
 
@@ -618,7 +644,8 @@ def kernel_sources(root: Path, provider: str) -> list[tuple[Path, Path, bool]]:
     hipify_cmake = (root / "cmake/onnxruntime_rocm_hipify.cmake").read_text() if provider == "rocm" else ""
     for tree, excl_name in KERNEL_TREES:
         own = root / tree / provider
-        out += [(p, p, False) for p in sorted(own.rglob("*.cc"))]
+        # .cc files, and .cu files that register kernels (ROCm's attention kernels do)
+        out += [(p, p, False) for p in sorted(own.rglob("*.cc")) + sorted(own.rglob("*.cu"))]
         if provider != "rocm":
             continue
         m = re.search(rf"set\({excl_name}\s*(.*?)\)", hipify_cmake, re.S)

@@ -131,6 +131,8 @@ pub struct Schema {
     pub outputs: Vec<Param>,
     /// Type parameters that allow exactly one type (Equal's `T1` is `bool`).
     pub fixed: Vec<(String, String)>,
+    /// ONNX defines the op by a function body (ORT can inline it).
+    pub function: bool,
 }
 
 impl Schema {
@@ -145,7 +147,7 @@ impl Schema {
 /// The embedded tables, parsed once.
 pub struct Tables {
     /// (provider, domain, op) -> kernels
-    kernels: HashMap<(Target, String, String), Vec<Kernel>>,
+    kernels: HashMap<(String, String, String), Vec<Kernel>>,
     /// (domain, op) -> schemas by ascending version
     schemas: HashMap<(String, String), Vec<Schema>>,
     /// The header comment of the kernel table (version and commit).
@@ -192,7 +194,7 @@ fn parse_indices(s: &str, key: &str) -> Vec<usize> {
 
 impl Tables {
     pub fn parse(kernel_tsv: &str, schema_tsv: &str) -> Result<Tables, String> {
-        let mut kernels: HashMap<(Target, String, String), Vec<Kernel>> = HashMap::new();
+        let mut kernels: HashMap<(String, String, String), Vec<Kernel>> = HashMap::new();
         let mut provenance = Vec::new();
         let mut header_seen = false;
         for (no, line) in kernel_tsv.lines().enumerate() {
@@ -217,8 +219,9 @@ impl Tables {
                     f.len()
                 ));
             }
-            let target = Target::parse(f[0])
-                .ok_or_else(|| format!("kernel table line {}: provider '{}'", no + 1, f[0]))?;
+            if !matches!(f[0], "cuda" | "rocm" | "cpu") {
+                return Err(format!("kernel table line {}: provider '{}'", no + 1, f[0]));
+            }
             let num = |s: &str| {
                 s.parse::<i64>()
                     .map_err(|_| format!("kernel table line {}: version '{s}'", no + 1))
@@ -250,7 +253,7 @@ impl Tables {
                 source: f[9].to_string(),
             };
             kernels
-                .entry((target, f[1].to_string(), f[2].to_string()))
+                .entry((f[0].to_string(), f[1].to_string(), f[2].to_string()))
                 .or_default()
                 .push(kernel);
         }
@@ -267,9 +270,9 @@ impl Tables {
                 }
             }
             let f: Vec<&str> = line.split('\t').collect();
-            if f.len() != 6 {
+            if f.len() != 7 {
                 return Err(format!(
-                    "schema table line {}: {} fields, want 6",
+                    "schema table line {}: {} fields, want 7",
                     no + 1,
                     f.len()
                 ));
@@ -289,6 +292,7 @@ impl Tables {
                         .filter_map(|c| c.split_once('='))
                         .map(|(p, t)| (p.to_string(), t.to_string()))
                         .collect(),
+                    function: f[6] == "y",
                 });
         }
         for v in schemas.values_mut() {
@@ -301,10 +305,14 @@ impl Tables {
         })
     }
 
-    /// The kernels `target` registers for an op (any version).
-    pub fn kernels(&self, target: Target, domain: &str, op: &str) -> &[Kernel] {
+    /// The kernels a provider (`cuda`, `rocm`, `cpu`) registers for an op (any version).
+    pub fn kernels(&self, provider: &str, domain: &str, op: &str) -> &[Kernel] {
         self.kernels
-            .get(&(target, canonical_domain(domain).to_string(), op.to_string()))
+            .get(&(
+                provider.to_string(),
+                canonical_domain(domain).to_string(),
+                op.to_string(),
+            ))
             .map_or(&[], Vec::as_slice)
     }
 
@@ -595,8 +603,13 @@ pub enum Placement {
         kernel: Kernel,
         unchecked: Vec<String>,
     },
-    /// No kernel: ORT runs the node on the CPU provider.
-    Fallback(Missing),
+    /// No kernel: ORT runs the node on the CPU provider (`cpu`: the CPU provider has a kernel
+    /// for it; when it has none either, the session cannot run the node at all).
+    Fallback { why: Missing, cpu: bool },
+    /// No kernel anywhere, but the op is a function (an ONNX function op like `CastLike`, or a
+    /// model-local function): ORT replaces the node by its function body, whose ops are placed
+    /// one by one (not checked here).
+    Inlined,
     /// Not checked: the op version cannot be told (unknown op, domain not imported).
     Unknown(String),
     /// A `Constant`: ORT turns it into an initializer when it loads the graph; never executed.
@@ -637,48 +650,16 @@ fn bound_types(
     out
 }
 
-/// Matches one node against `target`'s kernels.
-pub fn place_node(
-    node: &NodeProto,
-    target: Target,
-    opsets: &HashMap<String, i64>,
-    types: &HashMap<String, String>,
-    tables: &Tables,
-) -> (Option<i64>, BTreeMap<String, Option<String>>, Placement) {
-    let domain = canonical_domain(node.domain()).to_string();
-    let op = node.op_type();
-    let Some(&opset) = opsets.get(&domain) else {
-        return (
-            None,
-            BTreeMap::new(),
-            Placement::Unknown(format!("the model imports no opset for domain {domain}")),
-        );
-    };
-    let kernels = tables.kernels(target, &domain, op);
-    let Some(version) = tables.op_version(&domain, op, opset) else {
-        let why = if tables.knows_op(&domain, op) {
-            format!("{domain} {op} does not exist at opset {opset}")
-        } else if kernels.is_empty() && domain != "ai.onnx" {
-            // an operator of another domain with no GPU kernel at all: no schema needed to tell
-            return (
-                None,
-                BTreeMap::new(),
-                Placement::Fallback(Missing::NoKernel),
-            );
-        } else {
-            format!(
-                "{domain} {op} is not an operator ONNX {} / ORT {ORT_VERSION} knows",
-                "1.16"
-            )
-        };
-        return (None, BTreeMap::new(), Placement::Unknown(why));
-    };
-    let schema = tables.schema(&domain, op, opset);
-    let bound = schema
-        .map(|s| bound_types(node, s, types))
-        .unwrap_or_default();
+/// The first kernel serving `version` whose every constraint accepts the node's types, with the
+/// type parameters it could not check; else why none fits.
+fn match_kernels(
+    kernels: &[Kernel],
+    version: i64,
+    bound: &BTreeMap<String, Option<String>>,
+    have_schema: bool,
+) -> Result<(Kernel, Vec<String>), Missing> {
     if kernels.is_empty() {
-        return (Some(version), bound, Placement::Fallback(Missing::NoKernel));
+        return Err(Missing::NoKernel);
     }
     let serving: Vec<&Kernel> = kernels
         .iter()
@@ -687,13 +668,8 @@ pub fn place_node(
     if serving.is_empty() {
         let mut registered: Vec<String> = kernels.iter().map(Kernel::range).collect();
         registered.dedup();
-        return (
-            Some(version),
-            bound,
-            Placement::Fallback(Missing::Version { registered }),
-        );
+        return Err(Missing::Version { registered });
     }
-    // the first kernel whose every constraint accepts the node's types
     let mut first_mismatch: Option<(String, String)> = None;
     for k in &serving {
         let mut unchecked = Vec::new();
@@ -712,36 +688,17 @@ pub fn place_node(
                     }
                 }
                 Some(None) => unchecked.push(param.clone()),
-                // the node has no argument for the parameter (absent optional), or no schema
+                // no argument for the parameter (an absent optional input): ORT skips it; without
+                // a schema the argument cannot be told
                 None => {
-                    if schema.is_none() {
+                    if !have_schema {
                         unchecked.push(param.clone());
                     }
                 }
             }
         }
         if ok {
-            if target == Target::Cuda
-                && op == "Cast"
-                && domain == "ai.onnx"
-                && attr_i(node, "to") == Some(DataType::String as i64)
-            {
-                return (
-                    Some(version),
-                    bound,
-                    Placement::Fallback(Missing::Refused(
-                        "the cuda provider refuses Cast to string (CastNeedFallbackToCPU)".into(),
-                    )),
-                );
-            }
-            return (
-                Some(version),
-                bound,
-                Placement::Gpu {
-                    kernel: (*k).clone(),
-                    unchecked,
-                },
-            );
+            return Ok(((*k).clone(), unchecked));
         }
     }
     let (param, actual) = first_mismatch.expect("a serving kernel rejected the node");
@@ -754,15 +711,87 @@ pub fn place_node(
         .into_iter()
         .collect();
     accepted.sort_by_key(|t| type_rank(t));
-    (
-        Some(version),
-        bound,
-        Placement::Fallback(Missing::Type {
-            param,
-            actual,
-            accepted,
-        }),
+    Err(Missing::Type {
+        param,
+        actual,
+        accepted,
+    })
+}
+
+/// Matches one node against `target`'s kernels (and, when none fits, the CPU provider's).
+/// `local_functions` are the model's own functions (`domain`, `name`): ORT inlines their nodes.
+pub fn place_node(
+    node: &NodeProto,
+    target: Target,
+    opsets: &HashMap<String, i64>,
+    types: &HashMap<String, String>,
+    tables: &Tables,
+    local_functions: &HashSet<(String, String)>,
+) -> (Option<i64>, BTreeMap<String, Option<String>>, Placement) {
+    let domain = canonical_domain(node.domain()).to_string();
+    let op = node.op_type();
+    let local = local_functions.contains(&(domain.clone(), op.to_string()));
+    let Some(&opset) = opsets.get(&domain) else {
+        return (
+            None,
+            BTreeMap::new(),
+            Placement::Unknown(format!("the model imports no opset for domain {domain}")),
+        );
+    };
+    let kernels = tables.kernels(target.name(), &domain, op);
+    let Some(version) = tables.op_version(&domain, op, opset) else {
+        if local && kernels.is_empty() {
+            return (None, BTreeMap::new(), Placement::Inlined);
+        }
+        let why = if tables.knows_op(&domain, op) {
+            format!("{domain} {op} does not exist at opset {opset}")
+        } else if kernels.is_empty() && domain != "ai.onnx" {
+            // an operator of another domain with no GPU kernel at all: no schema needed to tell
+            let cpu = !tables.kernels("cpu", &domain, op).is_empty();
+            return (
+                None,
+                BTreeMap::new(),
+                Placement::Fallback {
+                    why: Missing::NoKernel,
+                    cpu,
+                },
+            );
+        } else {
+            format!("{domain} {op} is not an operator ONNX 1.16 / ORT {ORT_VERSION} knows")
+        };
+        return (None, BTreeMap::new(), Placement::Unknown(why));
+    };
+    let schema = tables.schema(&domain, op, opset);
+    let bound = schema
+        .map(|s| bound_types(node, s, types))
+        .unwrap_or_default();
+    let refused = target == Target::Cuda
+        && op == "Cast"
+        && domain == "ai.onnx"
+        && attr_i(node, "to") == Some(DataType::String as i64);
+    let why = match match_kernels(kernels, version, &bound, schema.is_some()) {
+        Ok(_) if refused => Missing::Refused(
+            "the cuda provider refuses Cast to string (CastNeedFallbackToCPU)".into(),
+        ),
+        Ok((kernel, unchecked)) => {
+            return (Some(version), bound, Placement::Gpu { kernel, unchecked })
+        }
+        Err(why) => why,
+    };
+    // no GPU kernel: the CPU provider takes the node, unless no provider claims it and it is a
+    // function (ONNX function op or model-local function), which ORT then inlines
+    // (graph_partitioner.cc InlineFunctionsAOT)
+    let cpu = match_kernels(
+        tables.kernels("cpu", &domain, op),
+        version,
+        &bound,
+        schema.is_some(),
     )
+    .is_ok();
+    if !cpu && (local || schema.is_some_and(|s| s.function)) {
+        return (Some(version), bound, Placement::Inlined);
+    }
+    (Some(version), bound, Placement::Fallback { why, cpu })
 }
 
 /// A stable, readable order for type lists.
@@ -833,7 +862,7 @@ impl GpuReport {
     pub fn fallbacks(&self) -> impl Iterator<Item = &OpGroup> {
         self.groups
             .iter()
-            .filter(|g| matches!(g.placement, Placement::Fallback(_)))
+            .filter(|g| matches!(g.placement, Placement::Fallback { .. }))
     }
 
     pub fn unknown(&self) -> impl Iterator<Item = &OpGroup> {
@@ -877,13 +906,18 @@ impl GpuReport {
         if !fallbacks.is_empty() {
             out.push_str("  CPU fallbacks:\n");
             for g in &fallbacks {
-                let Placement::Fallback(why) = &g.placement else {
+                let Placement::Fallback { why, cpu } = &g.placement else {
                     unreachable!()
                 };
                 out.push_str(&format!(
-                    "    {}: {}; {} node(s), {} added by ntl-patch: {}\n",
+                    "    {}: {}{}; {} node(s), {} added by ntl-patch: {}\n",
                     g.signature(),
                     why.describe(self.target, &g.op, g.version),
+                    if *cpu {
+                        ""
+                    } else {
+                        " (and the CPU provider has none either: ORT cannot run it)"
+                    },
                     g.nodes.len(),
                     g.ntl_nodes,
                     node_list(&g.nodes)
@@ -932,6 +966,19 @@ impl GpuReport {
                 ));
             }
         }
+        let inlined: Vec<&OpGroup> = self
+            .groups
+            .iter()
+            .filter(|g| matches!(g.placement, Placement::Inlined))
+            .collect();
+        for g in inlined {
+            out.push_str(&format!(
+                "  inlined by ORT (a function with no kernel on any provider; its body ops are placed instead): {}; {} node(s): {}\n",
+                g.signature(),
+                g.nodes.len(),
+                node_list(&g.nodes)
+            ));
+        }
         if !self.cpu_preferred.is_empty() {
             out.push_str(&format!(
                 "  likely on CPU by ORT's choice (GetCpuPreferredNodes: shape arithmetic fed from CPU memory; has a {t} kernel, not a fallback): {}\n",
@@ -965,7 +1012,8 @@ impl GpuReport {
                     });
                     v["types_not_checked"] = serde_json::json!(unchecked);
                 }
-                Placement::Fallback(why) => {
+                Placement::Fallback { why, cpu } => {
+                    v["cpu_kernel"] = (*cpu).into();
                     v["reason"] = why.kind().into();
                     v["detail"] = why.describe(self.target, &g.op, g.version).into();
                     if let Missing::Type {
@@ -983,6 +1031,7 @@ impl GpuReport {
                     }
                 }
                 Placement::Unknown(why) => v["reason"] = why.clone().into(),
+                Placement::Inlined => v["inlined"] = true.into(),
                 Placement::Folded => {}
             }
             v
@@ -999,6 +1048,7 @@ impl GpuReport {
             "fallbacks": self.fallbacks().map(group).collect::<Vec<_>>(),
             "not_checked": self.unknown().map(group).collect::<Vec<_>>(),
             "gpu": self.groups.iter().filter(|g| matches!(g.placement, Placement::Gpu { .. })).map(group).collect::<Vec<_>>(),
+            "inlined": self.groups.iter().filter(|g| matches!(g.placement, Placement::Inlined)).map(group).collect::<Vec<_>>(),
             "cpu_preferred": self.cpu_preferred,
             "nested_nodes_not_checked": self.nested_nodes,
             "notes": self.notes,
@@ -1054,6 +1104,17 @@ pub fn check_model_with(model: &ModelProto, target: Target, tables: &Tables) -> 
     let graph = model.graph.as_ref().unwrap_or(&empty);
     let opsets = model_opsets(model);
     let types = infer_types(graph, &opsets, tables);
+    let local_functions: HashSet<(String, String)> = model
+        .functions
+        .iter()
+        .map(|f| {
+            (
+                canonical_domain(f.domain()).to_string(),
+                f.name().to_string(),
+            )
+        })
+        .collect();
+
     let mut groups: Vec<OpGroup> = Vec::new();
     let mut index: HashMap<String, usize> = HashMap::new();
     let mut placed: Vec<Placement> = Vec::with_capacity(graph.node.len());
@@ -1065,7 +1126,9 @@ pub fn check_model_with(model: &ModelProto, target: Target, tables: &Tables) -> 
             placed.push(Placement::Folded);
             continue;
         }
-        let (version, bound, placement) = place_node(node, target, &opsets, &types, tables);
+        let (version, bound, placement) =
+            place_node(node, target, &opsets, &types, tables, &local_functions);
+
         let ntl = is_ntl_node(node);
         ntl_total += ntl as usize;
         let types_shown: BTreeMap<String, String> = bound
@@ -1179,7 +1242,8 @@ fn placement_key(p: &Placement) -> String {
             kernel.range(),
             kernel.class_type
         ),
-        Placement::Fallback(m) => format!("fallback {m:?}"),
+        Placement::Fallback { why, cpu } => format!("fallback {why:?} {cpu}"),
+        Placement::Inlined => "inlined".into(),
         Placement::Unknown(w) => format!("unknown {w}"),
         Placement::Folded => "folded".into(),
     }
@@ -1235,6 +1299,9 @@ fn cpu_preferred_nodes(
         }
         let node = &graph.node[cur];
         let Placement::Gpu { kernel, .. } = &placed[cur] else {
+            if !matches!(placed[cur], Placement::Fallback { .. }) {
+                continue; // inlined, not checked: where it runs is not known here
+            }
             // a CPU node: its outputs are CPU values
             for out in node.output.iter().filter(|s| !s.is_empty()) {
                 cpu_args.insert(out);
@@ -1289,9 +1356,9 @@ mod tests {
     fn embedded_tables_parse_and_cover_both_providers() {
         let t = tables();
         for target in [Target::Cuda, Target::Rocm] {
-            assert!(!t.kernels(target, "", "MatMul").is_empty());
+            assert!(!t.kernels(target.name(), "", "MatMul").is_empty());
             assert!(!t
-                .kernels(target, "ai.onnx", "SoftmaxCrossEntropyLoss")
+                .kernels(target.name(), "ai.onnx", "SoftmaxCrossEntropyLoss")
                 .is_empty());
         }
         assert!(t.kernel_provenance.contains("1.19.2"));

@@ -1,0 +1,559 @@
+//! `ntl-patch inspect --target cuda|rocm`: every patched fixture gets a GPU readiness report, and
+//! ops without a kernel in ONNX Runtime 1.19's CUDA / ROCm tables are named (exit code 0 either way).
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::*;
+use ntl_patch::gpu_kernels::{check_model, tables, GpuReport, Missing, Placement, Target};
+use ntl_patch::onnx::proto::tensor_proto::DataType;
+use ntl_patch::onnx::proto::{type_proto, OperatorSetIdProto, TensorShapeProto};
+use ntl_patch::onnx::{int_attr, GraphProto, ModelProto, NodeProto, TypeProto, ValueInfoProto};
+
+const LOSSES: [&str; 7] = [
+    "wasserstein",
+    "mse",
+    "l1",
+    "huber",
+    "ntil",
+    "emd",
+    "number-level",
+];
+
+fn inspect_json(path: &std::path::Path, targets: &[&str]) -> serde_json::Value {
+    let mut cmd = bin();
+    cmd.arg("inspect").arg(path).arg("--json");
+    for t in targets {
+        cmd.arg("--target").arg(t);
+    }
+    let out = cmd.output().expect("run ntl-patch");
+    assert!(
+        out.status.success(),
+        "inspect failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("inspect --json prints JSON")
+}
+
+#[test]
+fn every_patched_fixture_gets_a_cuda_and_a_rocm_report() {
+    let tmp = tempfile::tempdir().unwrap();
+    for model in MODELS {
+        for loss in LOSSES {
+            let dir = tmp.path().join(format!("{model}-{loss}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            let out = patch(&self::model(model), &dir, &["--loss", loss]);
+            let v = inspect_json(&out, &["cuda", "rocm"]);
+            let gpu = v["gpu"].as_array().expect("gpu array");
+            assert_eq!(gpu.len(), 2, "{model} {loss}");
+            for (report, target) in gpu.iter().zip(["cuda", "rocm"]) {
+                let ctx = format!("{model} {loss} {target}");
+                assert_eq!(report["target"], target, "{ctx}");
+                assert!(report["nodes"].as_u64().unwrap() > 0, "{ctx}");
+                assert!(
+                    report["ntl_nodes"].as_u64().unwrap() > 0,
+                    "{ctx}: ntl-patch's nodes are recognised"
+                );
+                let summary = report["summary"].as_str().unwrap();
+                let all = report["all_ops_on_gpu"].as_bool().unwrap();
+                let fallbacks = report["fallbacks"].as_array().unwrap();
+                if all {
+                    assert_eq!(summary, format!("all ops have {target} kernels"), "{ctx}");
+                    assert!(fallbacks.is_empty(), "{ctx}");
+                } else {
+                    assert!(
+                        summary.contains("fall back to CPU")
+                            || summary.contains("could not be checked"),
+                        "{ctx}: {summary}"
+                    );
+                    for f in fallbacks {
+                        assert!(
+                            f["op"].is_string()
+                                && f["reason"].is_string()
+                                && !f["nodes"].as_array().unwrap().is_empty(),
+                            "{ctx}: {f}"
+                        );
+                        assert!(
+                            summary.contains(f["op"].as_str().unwrap()),
+                            "{ctx}: the summary names {}",
+                            f["op"]
+                        );
+                    }
+                }
+                // the trainable cross-entropy ntl-patch writes has a kernel on both providers
+                let sce = report["gpu"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|g| g["op"] == "SoftmaxCrossEntropyLoss")
+                    .unwrap_or_else(|| panic!("{ctx}: SoftmaxCrossEntropyLoss not on the GPU"));
+                assert_eq!(sce["types"]["T"], "float", "{ctx}");
+                assert_eq!(sce["types"]["Tind"], "int64", "{ctx}");
+                // every type of an ntl-patch node is known, so each was checked
+                for g in report["gpu"].as_array().unwrap() {
+                    if g["ntl_nodes"].as_u64().unwrap() > 0 && g["domain"] == "ai.onnx" {
+                        assert!(
+                            g["types"].as_object().unwrap().values().all(|t| t != "?"),
+                            "{ctx}: unknown type in {g}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn ntl_family_runs_entirely_on_cuda_and_rocm_at_opset_17() {
+    // lm_flat is opset 17: every op of NTL-WAS/MSE/L1/Huber has a CUDA and a ROCm kernel
+    let tmp = tempfile::tempdir().unwrap();
+    for loss in ["wasserstein", "mse", "l1", "huber"] {
+        let dir = tmp.path().join(loss);
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = patch(&model("lm_flat"), &dir, &["--loss", loss]);
+        let model = read_model(&out);
+        for target in [Target::Cuda, Target::Rocm] {
+            let r = check_model(&model, target);
+            let ntl_fallbacks: Vec<_> = r
+                .fallbacks()
+                .filter(|g| g.ntl_nodes > 0)
+                .map(|g| g.op.clone())
+                .collect();
+            assert!(
+                ntl_fallbacks.is_empty(),
+                "{loss} on {}: {ntl_fallbacks:?}\n{}",
+                target.name(),
+                r.to_text()
+            );
+        }
+    }
+}
+
+#[test]
+fn text_report_says_all_or_lists_fallbacks_and_exits_0() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = patch(&model("lm_flat"), tmp.path(), &["--loss", "wasserstein"]);
+    let text = bin()
+        .arg("inspect")
+        .arg(&out)
+        .args(["--target", "cuda"])
+        .output()
+        .unwrap();
+    assert!(text.status.success());
+    let text = String::from_utf8(text.stdout).unwrap();
+    assert!(
+        text.contains("already patched by ntl-patch: yes"),
+        "the plain inspect report comes first:\n{text}"
+    );
+    assert!(text.contains("cuda: all ops have cuda kernels"), "{text}");
+
+    // a model with a known-missing kernel: ArgMax at opset 13 (CUDA registers ArgMax 1-11 only)
+    let path = tmp.path().join("argmax.onnx");
+    write_model(
+        &path,
+        &tiny_model(
+            13,
+            &[node("ArgMax", &["x"], &["y"], vec![int_attr("axis", 1)])],
+            &[("x", DataType::Float)],
+        ),
+    );
+    let out = bin()
+        .arg("inspect")
+        .arg(&path)
+        .args(["--target", "cuda", "--target", "rocm"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "exit code 0 with fallbacks too");
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains("cuda: 1 node(s) would fall back to CPU: no cuda kernel for ArgMax"),
+        "{text}"
+    );
+    assert!(
+        text.contains("rocm: 1 node(s) would fall back to CPU: no rocm kernel for ArgMax"),
+        "{text}"
+    );
+    assert!(
+        text.contains("no cuda ArgMax kernel serves version 13; registered versions: 1-11"),
+        "{text}"
+    );
+    let v = inspect_json(&path, &["cuda"]);
+    let f = &v["gpu"][0]["fallbacks"][0];
+    assert_eq!(f["op"], "ArgMax");
+    assert_eq!(f["version"], 13);
+    assert_eq!(f["reason"], "version");
+    assert_eq!(f["cpu_kernel"], true);
+    assert_eq!(v["gpu"][0]["all_ops_on_gpu"], false);
+}
+
+// ---- the table API on tiny models ---------------------------------------------------------
+
+fn node(
+    op: &str,
+    inputs: &[&str],
+    outputs: &[&str],
+    attribute: Vec<ntl_patch::onnx::AttributeProto>,
+) -> NodeProto {
+    NodeProto {
+        name: Some(format!("n_{op}_{}", outputs[0])),
+        op_type: Some(op.into()),
+        input: inputs.iter().map(|s| s.to_string()).collect(),
+        output: outputs.iter().map(|s| s.to_string()).collect(),
+        attribute,
+        ..Default::default()
+    }
+}
+
+fn tensor_input(name: &str, dt: DataType) -> ValueInfoProto {
+    ValueInfoProto {
+        name: Some(name.into()),
+        r#type: Some(TypeProto {
+            value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                elem_type: Some(dt as i32),
+                shape: Some(TensorShapeProto { dim: vec![] }),
+            })),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn tiny_model(opset: i64, nodes: &[NodeProto], inputs: &[(&str, DataType)]) -> ModelProto {
+    ModelProto {
+        ir_version: Some(8),
+        opset_import: vec![
+            OperatorSetIdProto {
+                domain: Some(String::new()),
+                version: Some(opset),
+            },
+            OperatorSetIdProto {
+                domain: Some("com.microsoft".into()),
+                version: Some(1),
+            },
+        ],
+        graph: Some(GraphProto {
+            name: Some("tiny".into()),
+            node: nodes.to_vec(),
+            input: inputs.iter().map(|(n, t)| tensor_input(n, *t)).collect(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn write_model(path: &std::path::Path, m: &ModelProto) {
+    use prost::Message;
+    std::fs::write(path, m.encode_to_vec()).unwrap();
+}
+
+fn placement(r: &GpuReport, op: &str) -> Placement {
+    r.groups
+        .iter()
+        .find(|g| g.op == op)
+        .unwrap_or_else(|| panic!("no {op} in\n{}", r.to_text()))
+        .placement
+        .clone()
+}
+
+#[test]
+fn open_ended_kernels_do_not_serve_newer_versions() {
+    // ReduceMax-18: CUDA registers 18 (open-ended), ROCm stops at 13
+    let m = tiny_model(
+        18,
+        &[node("ReduceMax", &["x"], &["y"], vec![])],
+        &[("x", DataType::Float)],
+    );
+    assert!(matches!(
+        placement(&check_model(&m, Target::Cuda), "ReduceMax"),
+        Placement::Gpu { .. }
+    ));
+    match placement(&check_model(&m, Target::Rocm), "ReduceMax") {
+        Placement::Fallback {
+            why: Missing::Version { registered },
+            cpu: true,
+        } => {
+            assert_eq!(
+                registered.last().map(String::as_str),
+                Some("13"),
+                "{registered:?}"
+            )
+        }
+        p => panic!("ReduceMax-18 on ROCm: {p:?}"),
+    }
+    // opset 21: Cast resolves to Cast-21; the CUDA Cast kernel registered at 19 is open-ended
+    let m = tiny_model(
+        21,
+        &[node(
+            "Cast",
+            &["x"],
+            &["y"],
+            vec![int_attr("to", DataType::Int64 as i64)],
+        )],
+        &[("x", DataType::Float)],
+    );
+    assert!(matches!(
+        placement(&check_model(&m, Target::Cuda), "Cast"),
+        Placement::Fallback {
+            why: Missing::Version { .. },
+            ..
+        }
+    ));
+    let m = tiny_model(
+        19,
+        &[node(
+            "Cast",
+            &["x"],
+            &["y"],
+            vec![int_attr("to", DataType::Int64 as i64)],
+        )],
+        &[("x", DataType::Float)],
+    );
+    assert!(matches!(
+        placement(&check_model(&m, Target::Cuda), "Cast"),
+        Placement::Gpu { .. }
+    ));
+}
+
+#[test]
+fn input_types_are_checked_per_type_constraint() {
+    // Equal on strings: CUDA's Equal kernels take bool/int/float types only
+    let m = tiny_model(
+        13,
+        &[node("Equal", &["a", "b"], &["y"], vec![])],
+        &[("a", DataType::String), ("b", DataType::String)],
+    );
+    match placement(&check_model(&m, Target::Cuda), "Equal") {
+        Placement::Fallback {
+            why:
+                Missing::Type {
+                    param,
+                    actual,
+                    accepted,
+                },
+            ..
+        } => {
+            assert_eq!((param.as_str(), actual.as_str()), ("T", "string"));
+            assert!(
+                accepted.contains(&"int64".to_string()) && accepted.contains(&"float".to_string()),
+                "{accepted:?}"
+            );
+        }
+        p => panic!("Equal(string) on CUDA: {p:?}"),
+    }
+    // the same op on int64 has a kernel; CumSum int64, Range int64, OneHot int64/int64/float too
+    let m = tiny_model(
+        14,
+        &[
+            node("Equal", &["i", "j"], &["e"], vec![]),
+            node("CumSum", &["i", "ax"], &["c"], vec![]),
+            node("Range", &["s", "l", "d"], &["r"], vec![]),
+            node("OneHot", &["i", "depth", "vals"], &["o"], vec![]),
+        ],
+        &[
+            ("i", DataType::Int64),
+            ("j", DataType::Int64),
+            ("ax", DataType::Int64),
+            ("s", DataType::Int64),
+            ("l", DataType::Int64),
+            ("d", DataType::Int64),
+            ("depth", DataType::Int64),
+            ("vals", DataType::Float),
+        ],
+    );
+    for target in [Target::Cuda, Target::Rocm] {
+        let r = check_model(&m, target);
+        assert!(r.all_on_gpu(), "{}", r.to_text());
+    }
+    // OneHot with float indices: no kernel takes T1 = float
+    let m = tiny_model(
+        11,
+        &[node("OneHot", &["f", "depth", "vals"], &["o"], vec![])],
+        &[
+            ("f", DataType::Float),
+            ("depth", DataType::Int64),
+            ("vals", DataType::Float),
+        ],
+    );
+    assert!(matches!(
+        placement(&check_model(&m, Target::Cuda), "OneHot"),
+        Placement::Fallback {
+            why: Missing::Type { .. },
+            ..
+        }
+    ));
+}
+
+#[test]
+fn types_flow_through_the_graph() {
+    // x:int64 -> Cast(float) -> Log: Log sees float (CUDA has no int64 Log)
+    let m = tiny_model(
+        13,
+        &[
+            node(
+                "Cast",
+                &["x"],
+                &["f"],
+                vec![int_attr("to", DataType::Float as i64)],
+            ),
+            node("Log", &["f"], &["p"], vec![]),
+            node("Log", &["x"], &["q"], vec![]),
+        ],
+        &[("x", DataType::Int64)],
+    );
+    let r = check_model(&m, Target::Cuda);
+    let log: HashMap<String, &Placement> = r
+        .groups
+        .iter()
+        .filter(|g| g.op == "Log")
+        .map(|g| (g.types["T"].clone(), &g.placement))
+        .collect();
+    assert!(
+        matches!(log["float"], Placement::Gpu { .. }),
+        "{}",
+        r.to_text()
+    );
+    assert!(
+        matches!(
+            log["int64"],
+            Placement::Fallback {
+                why: Missing::Type { .. },
+                ..
+            }
+        ),
+        "{}",
+        r.to_text()
+    );
+}
+
+#[test]
+fn special_cases_constants_functions_refusals_and_contrib_ops() {
+    let value = ntl_patch::onnx::tensor_attr("value", ntl_patch::onnx::i64_tensor("c", &[1], &[3]));
+    let m = tiny_model(
+        15,
+        &[
+            node("Constant", &[], &["k"], vec![value]),
+            // CastLike has no kernel on any provider: ORT inlines its function body
+            node("CastLike", &["x", "k"], &["xl"], vec![]),
+            // the CUDA Cast kernels cannot write strings (and GetCapability refuses Cast to string)
+            node(
+                "Cast",
+                &["x"],
+                &["s"],
+                vec![int_attr("to", DataType::String as i64)],
+            ),
+            // a training op ROCm lacks
+            node_in(
+                "com.microsoft",
+                "InPlaceAccumulatorV2",
+                &["x", "x"],
+                &["acc", "acc_out"],
+            ),
+            // an op nobody knows
+            node_in("org.example", "Mystery", &["x"], &["m"]),
+        ],
+        &[("x", DataType::Float)],
+    );
+    let cuda = check_model(&m, Target::Cuda);
+    assert!(
+        cuda.groups.iter().all(|g| g.op != "Constant"),
+        "Constants become initializers: {}",
+        cuda.to_text()
+    );
+    assert!(
+        cuda.notes.iter().any(|n| n.contains("Constant")),
+        "{:?}",
+        cuda.notes
+    );
+    assert!(matches!(placement(&cuda, "CastLike"), Placement::Inlined));
+    assert!(matches!(
+        placement(&cuda, "Cast"),
+        Placement::Fallback { cpu: true, .. }
+    ));
+    assert!(matches!(
+        placement(&cuda, "InPlaceAccumulatorV2"),
+        Placement::Gpu { .. }
+    ));
+    assert!(matches!(placement(&cuda, "Mystery"), Placement::Unknown(_)));
+    let rocm = check_model(&m, Target::Rocm);
+    assert!(matches!(
+        placement(&rocm, "InPlaceAccumulatorV2"),
+        Placement::Fallback {
+            why: Missing::NoKernel,
+            cpu: true
+        }
+    ));
+    assert!(matches!(
+        placement(&rocm, "Cast"),
+        Placement::Fallback { cpu: true, .. }
+    ));
+    assert!(rocm
+        .to_text()
+        .contains("com.microsoft:InPlaceAccumulatorV2"));
+}
+
+fn node_in(domain: &str, op: &str, inputs: &[&str], outputs: &[&str]) -> NodeProto {
+    NodeProto {
+        domain: Some(domain.into()),
+        ..node(op, inputs, outputs, vec![])
+    }
+}
+
+#[test]
+fn every_op_ntl_patch_emits_is_in_the_tables() {
+    // the schema table resolves each op's version at opsets 13..=21, and both GPU tables know it
+    let t = tables();
+    let ops = [
+        "Gather",
+        "Softmax",
+        "Unsqueeze",
+        "Equal",
+        "Cast",
+        "ReduceSum",
+        "Mul",
+        "Sub",
+        "Abs",
+        "Pow",
+        "Where",
+        "Less",
+        "Max",
+        "Min",
+        "Div",
+        "Add",
+        "Identity",
+        "Reshape",
+        "Transpose",
+        "Not",
+        "Concat",
+        "Slice",
+        "Shape",
+        "CumSum",
+        "ReduceMax",
+        "ReduceMean",
+        "Range",
+        "MatMul",
+        "Squeeze",
+        "Log",
+        "Neg",
+        "ArgMax",
+        "OneHot",
+        "RandomUniformLike",
+        "Clip",
+        "SoftmaxCrossEntropyLoss",
+    ];
+    for op in ops {
+        for opset in 13..=21 {
+            assert!(
+                t.op_version("", op, opset).is_some(),
+                "{op} at opset {opset}"
+            );
+        }
+        for target in [Target::Cuda, Target::Rocm] {
+            assert!(
+                !t.kernels(target.name(), "", op).is_empty(),
+                "{op} on {}",
+                target.name()
+            );
+        }
+    }
+}
