@@ -952,7 +952,17 @@ impl GpuReport {
                 };
                 let mut extra = String::new();
                 if !unchecked.is_empty() {
-                    extra.push_str(&format!("; types of {} not checked", unchecked.join(", ")));
+                    let params: Vec<&str> = unchecked
+                        .iter()
+                        .map(|p| {
+                            if p == "?" {
+                                "all parameters (unresolved in the table)"
+                            } else {
+                                p.as_str()
+                            }
+                        })
+                        .collect();
+                    extra.push_str(&format!("; types of {} not checked", params.join(", ")));
                 }
                 if let Some(c) = &kernel.condition {
                     extra.push_str(&format!("; registered only if {c}"));
