@@ -135,7 +135,7 @@ fn vjp(b: &mut Builder, node: &NodeProto, i: usize, g: &str) -> Result<String, E
             };
             let wins = b.binary(cmp, x, other(1 - i), &format!("{h}_wins"));
             let wins = b.cast(&wins, FLOAT, &format!("{h}_wins_f"));
-            let tie = b.binary("Equal", x, other(1 - i), &format!("{h}_tie"));
+            let tie = b.equal(x, other(1 - i), &format!("{h}_tie"));
             let tie = b.cast(&tie, FLOAT, &format!("{h}_tie_f"));
             let half = b.scalar_f32(&format!("{h}_half"), 0.5);
             let tie = b.binary("Mul", &tie, &half, &format!("{h}_tie_half"));

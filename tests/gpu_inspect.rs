@@ -130,6 +130,59 @@ fn ntl_family_runs_entirely_on_cuda_and_rocm_at_opset_17() {
     }
 }
 
+/// Every loss, at every opset ORT 1.19's GPU providers serve (13–20; at 21 they register no
+/// kernels for Cast/Reshape/Squeeze/... at all), adds only ops with CUDA and ROCm kernels.
+#[test]
+fn every_loss_runs_entirely_on_cuda_and_rocm_at_opsets_13_to_20() {
+    use ntl_patch::onnx::proto::tensor_proto::DataType as D;
+    let tmp = tempfile::tempdir().unwrap();
+    let losses: [&[&str]; 7] = [
+        &["--loss", "wasserstein", "--squash", "3", "--reweigh"],
+        &["--loss", "mse"],
+        &["--loss", "huber"],
+        &["--loss", "ntil"],
+        &["--loss", "emd", "--combine", "add"],
+        &["--loss", "number-level", "--float-level", "--reweigh"],
+        &["--loss", "ntil", "--combine", "add", "--gumbel-noise", "0"],
+    ];
+    for opset in 13..=20 {
+        // logits [B, T, 48] -> Reshape -> SCE, labels [B, T] -> Reshape
+        let m = common::model_proto(
+            ntl_patch::onnx::GraphProto {
+                name: Some("g".into()),
+                node: vec![
+                    common::node("Reshape", &["logits", "shape_nv"], &["scores"], vec![]),
+                    common::node("Reshape", &["labels", "shape_n"], &["labels_flat"], vec![]),
+                    common::sce("scores", "labels_flat", "loss"),
+                ],
+                initializer: vec![
+                    ntl_patch::onnx::i64_tensor("shape_nv", &[2], &[-1, 48]),
+                    ntl_patch::onnx::i64_tensor("shape_n", &[1], &[-1]),
+                ],
+                input: vec![
+                    common::value("logits", D::Float, &[None, None, Some(48)]),
+                    common::value("labels", D::Int64, &[None, None]),
+                ],
+                output: vec![common::value("loss", D::Float, &[])],
+                ..Default::default()
+            },
+            opset,
+        );
+        let src = tmp.path().join(format!("m{opset}.onnx"));
+        std::fs::write(&src, prost::Message::encode_to_vec(&m)).unwrap();
+        for (k, args) in losses.iter().enumerate() {
+            let dir = tmp.path().join(format!("o{opset}_{k}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            let patched = read_model(&patch(&src, &dir, args));
+            for target in [Target::Cuda, Target::Rocm] {
+                let r = check_model(&patched, target);
+                let ntl: Vec<_> = r.fallbacks().filter(|g| g.ntl_nodes > 0).map(|g| g.op.clone()).collect();
+                assert!(ntl.is_empty(), "opset {opset} {args:?} on {}: {ntl:?}", target.name());
+            }
+        }
+    }
+}
+
 #[test]
 fn text_report_says_all_or_lists_fallbacks_and_exits_0() {
     let tmp = tempfile::tempdir().unwrap();

@@ -33,12 +33,14 @@ const DIFFERENTIABLE: &[&str] = &[
     "Log",
     "ReduceMean",
     "Clip",
+    "TopK",
 ];
 
 /// Ops whose outputs carry no gradient in ORT (booleans, indices, integer casts).
 fn stops_gradient(node: &ntl_patch::onnx::NodeProto) -> bool {
     match node.op_type() {
-        "Less" | "Equal" | "Greater" | "Not" | "ArgMax" => true,
+        // OneHot: all its inputs are stop-gradient edges in ORT's gradient builder.
+        "Less" | "Equal" | "Greater" | "Not" | "Or" | "ArgMax" | "OneHot" => true,
         "Cast" => ntl_patch::onnx::attr_i(node, "to") != Some(ntl_patch::onnx::FLOAT as i64),
         _ => false,
     }

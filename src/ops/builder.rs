@@ -182,6 +182,41 @@ impl Builder {
         self.node("Transpose", &[x], hint, vec![ints_attr("perm", perm)])
     }
 
+    /// `a == b` for numbers. Equal gained a version at opset 19 (string inputs) for which ORT
+    /// 1.19's CUDA and ROCm providers register no kernel, so from 19 on it is written as
+    /// `Not(Or(Less, Greater))`, whose versions they do serve (exact for non-NaN inputs).
+    pub fn equal(&mut self, a: &str, b: &str, hint: &str) -> String {
+        if self.opset < 19 {
+            return self.binary("Equal", a, b, hint);
+        }
+        let lt = self.binary("Less", a, b, &format!("{hint}_lt"));
+        let gt = self.binary("Greater", a, b, &format!("{hint}_gt"));
+        let ne = self.binary("Or", &lt, &gt, &format!("{hint}_ne"));
+        self.unary("Not", &ne, hint)
+    }
+
+    /// Index of the largest value along the last axis (the first one on ties), as int64 with
+    /// that axis removed. TopK rather than ArgMax: ORT 1.19's GPU providers register ArgMax only
+    /// up to version 11.
+    pub fn argmax_last(&mut self, x: &str, hint: &str) -> String {
+        let (_, index) = self.top1(x, hint);
+        self.squeeze(&index, &[-1], hint)
+    }
+
+    /// `TopK(x, 1)` along the last axis: (values, indices), that axis kept with size 1.
+    pub fn top1(&mut self, x: &str, hint: &str) -> (String, String) {
+        let k = self.const_i64(&format!("{hint}_k"), &[1], &[1]);
+        let values = self.fresh(&format!("{hint}_top"));
+        let index = self.fresh(&format!("{hint}_index"));
+        self.node_to(
+            "TopK",
+            &[x, &k],
+            &[&values, &index],
+            vec![int_attr("axis", -1), int_attr("largest", 1), int_attr("sorted", 1)],
+        );
+        (values, index)
+    }
+
     pub fn where_(&mut self, cond: &str, a: &str, b: &str, hint: &str) -> String {
         self.node("Where", &[cond, a, b], hint, vec![])
     }

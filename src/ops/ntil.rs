@@ -84,8 +84,12 @@ pub fn build(
         let sum = b.binary("Add", &emd, &abs, "ntil_emd_abs");
         b.binary("Add", &sum, &mag, "ntil_per_sequence")
     };
-    // Mean over all B sequences; sequences without digits count as 0.
-    b.reduce("ReduceMean", &per_sequence, &[], false, "ntil")
+    // Mean over all B sequences; sequences without digits count as 0. (ReduceSum / B: ORT
+    // 1.19's ROCm provider has no ReduceMean from opset 18.)
+    let total = b.reduce_sum(&per_sequence, &[], false, "ntil_sum");
+    let batch = b.cast(&seq.batch, FLOAT, "ntil_batch_f");
+    let batch = b.reshape(&batch, &[], "ntil_batch");
+    b.binary("Div", &total, &batch, "ntil")
 }
 
 /// `[3]` int64 `[B, -1, 10]`.
@@ -167,12 +171,7 @@ fn number_estimate(
     let tau = b.scalar_f32(&format!("{hint}_tau"), tau as f32);
     let tempered = b.binary("Div", &noisy, &tau, &format!("{hint}_tempered"));
     let soft = b.softmax(&tempered, -1, &format!("{hint}_soft_digits"));
-    let index = b.node(
-        "ArgMax",
-        &[&soft],
-        &format!("{hint}_argmax"),
-        vec![int_attr("axis", -1), int_attr("keepdims", 0)],
-    );
+    let index = b.argmax_last(&soft, &format!("{hint}_argmax"));
     let depth = b.const_i64(&format!("{hint}_depth"), &[], &[10]);
     let onoff = b.const_f32(&format!("{hint}_onoff"), &[2], &[0.0, 1.0]);
     let hard = b.node(
@@ -224,7 +223,7 @@ fn abs_term(b: &mut Builder, est: &str, target: &str, scale: &str, count: &str) 
     let diff = b.binary("Mul", &diff, scale, "abs_diff_scaled");
     let hi = b.binary("Mul", &hi, scale, "abs_max_scaled");
     let rel = b.binary("Div", &diff, &hi, "abs_relative");
-    let same = b.binary("Equal", est, target, "abs_exact");
+    let same = b.equal(est, target, "abs_exact");
     let rel = b.where_(&same, &zero, &rel, "abs_per_number");
     mean_over_numbers(b, &rel, count, "abs")
 }

@@ -77,13 +77,13 @@ struct LabelSide {
 impl LabelSide {
     fn build(b: &mut Builder, inp: &FlatInputs, ids: &str, vals: &str) -> LabelSide {
         let labels_col = b.unsqueeze(&inp.labels, &[1], "labels_col");
-        let onehot = b.binary("Equal", &labels_col, ids, "label_is_token");
+        let onehot = b.equal(&labels_col, ids, "label_is_token");
         let onehot = b.cast(&onehot, FLOAT, "label_onehot");
         let mut is_number = b.reduce_sum(&onehot, &[1], false, "label_is_number");
         if let Some(ignore) = inp.ignore_index.filter(|&i| i >= 0) {
             // ntloss masks the ignore index before the lookup; only a non-negative one can hit a token.
             let ignore = b.const_i64("ignore_index", &[], &[ignore]);
-            let ignored = b.binary("Equal", &inp.labels, &ignore, "label_ignored");
+            let ignored = b.equal(&inp.labels, &ignore, "label_ignored");
             let kept = b.unary("Not", &ignored, "label_kept");
             let kept = b.cast(&kept, FLOAT, "label_kept_f");
             is_number = b.binary("Mul", &is_number, &kept, "label_is_counted");
@@ -125,7 +125,7 @@ fn squash(b: &mut Builder, dist: &str, values: &[f32], s: f64) -> String {
     let shifted = b.binary("Sub", dist, &min_c, "squash_shifted");
     let scaled = b.binary("Mul", &shifted, &scale_c, "squash_scaled");
     let squashed = b.binary("Add", &scaled, &one, "squash_value");
-    let exact = b.binary("Equal", dist, &zero, "squash_exact");
+    let exact = b.equal(dist, &zero, "squash_exact");
     b.where_(&exact, &zero, &squashed, "squashed_distance")
 }
 

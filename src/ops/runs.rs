@@ -1,6 +1,7 @@
 //! Label-side bookkeeping for the per-sequence losses: where the digits are, which maximal
 //! runs of digits form numbers, and each digit's place. Nothing here carries a gradient, so
-//! any standard op may be used (CumSum, ReduceMax, ...).
+//! any standard op may be used (CumSum, Range, TopK, ...) — as long as ORT's CUDA and ROCm
+//! providers have kernels for it (no ReduceMax: ROCm lacks it from opset 18).
 //!
 //! Runs never cross sequences: everything is computed on `[B, T]` labels, along T.
 
@@ -42,7 +43,7 @@ pub fn digits(b: &mut Builder, seq: &SeqInputs, digit_ids: &[i64; 10]) -> Digits
     let arange: Vec<f32> = (0..10).map(|d| d as f32).collect();
     let arange = b.const_f32("digit_values", &[10], &arange);
     let labels = b.unsqueeze(&seq.labels, &[2], "labels_bt1");
-    let onehot = b.binary("Equal", &labels, &ids, "label_digit_match");
+    let onehot = b.equal(&labels, &ids, "label_digit_match");
     let onehot = b.cast(&onehot, FLOAT, "label_digit_onehot");
     let is_digit = b.reduce_sum(&onehot, &[2], false, "label_is_digit");
     let value = b.binary("Mul", &onehot, &arange, "label_digit_parts");
@@ -64,7 +65,7 @@ pub fn runs(b: &mut Builder, seq: &SeqInputs, digits: &Digits, dot: Option<i64>)
         None => (d.clone(), prev.clone()),
         Some(dot) => {
             let dot_id = b.const_i64("dot_id", &[], &[dot]);
-            let is_dot = b.binary("Equal", &seq.labels, &dot_id, "run_is_dot_b");
+            let is_dot = b.equal(&seq.labels, &dot_id, "run_is_dot_b");
             let is_dot = b.cast(&is_dot, INT64, "run_is_dot");
             let next = shift(b, &d, &zero_col, -1, "run_next_digit");
             let between = b.binary("Mul", &is_dot, &prev, "run_dot_after_digit");
@@ -85,35 +86,49 @@ pub fn runs(b: &mut Builder, seq: &SeqInputs, digits: &Digits, dot: Option<i64>)
     let run_id = b.binary("Mul", &run_id, &in_run, "run_index");
 
     // R = max(1, most runs in a sequence); membership[b, r, t] = (run_id[b, t] == r + 1).
-    let most = b.reduce("ReduceMax", &run_id, &[], false, "run_most");
-    let most = b.binary("Max", &most, &one, "run_most_at_least_1");
+    let per_row = b.reduce_sum(&start, &[1], false, "run_per_row");
+    let per_row = b.cast(&per_row, FLOAT, "run_per_row_f");
+    let per_row = b.unsqueeze(&per_row, &[0], "run_per_row_1b");
+    let (most, _) = b.top1(&per_row, "run_busiest_row");
+    let most = b.reshape(&most, &[], "run_most_f");
+    let one_f = b.scalar_f32("run_one_f", 1.0);
+    let most = b.binary("Max", &most, &one_f, "run_most_at_least_1_f");
+    let most = b.cast(&most, INT64, "run_most_at_least_1");
     let limit = b.binary("Add", &most, &one, "run_limit");
     let ids = b.node("Range", &[&one, &limit, &one], "run_ids", vec![]);
     let ids = b.reshape(&ids, &[1, -1, 1], "run_ids_col");
     let run_id_row = b.unsqueeze(&run_id, &[1], "run_index_row");
-    let member = b.binary("Equal", &run_id_row, &ids, "run_member_b");
+    let member = b.equal(&run_id_row, &ids, "run_member_b");
     let membership = b.cast(&member, FLOAT, "run_membership");
 
-    // digits after t = (digit count at the run's end) − (digit count at t).
+    let start_f = b.cast(&start, FLOAT, "run_start_f");
+    // A run starts with a digit: a joining dot always has a digit before it.
+    let first_digit = b.binary("Mul", &start_f, &digits.is_digit, "run_first_digit");
+    let digit_row = b.unsqueeze(&digits.is_digit, &[1], "run_digit_row");
+    let run_digits = b.binary("Mul", &membership, &digit_row, "run_digit_members");
+    let digit_count = b.reduce_sum(&run_digits, &[2], false, "run_digit_count_per_run");
+
+    // digits after t = (digit count at the run's end) − (digit count at t), where the count at
+    // the end is the count at the run's first digit − 1 + the run's digits.
     let counted = b.node("CumSum", &[&d, &axis], "run_digit_count_i", vec![]);
     let counted = b.cast(&counted, FLOAT, "run_digit_count");
-    let counted_row = b.unsqueeze(&counted, &[1], "run_digit_count_row");
-    let at_member = b.binary("Mul", &membership, &counted_row, "run_count_in_run");
-    let at_end = b.reduce("ReduceMax", &at_member, &[2], true, "run_count_at_end");
+    let at_first = b.binary("Mul", &counted, &first_digit, "run_count_at_first_t");
+    let at_first = b.unsqueeze(&at_first, &[1], "run_count_at_first_row");
+    let at_first = b.binary("Mul", &membership, &at_first, "run_count_at_first_spread");
+    let at_first = b.reduce_sum(&at_first, &[2], false, "run_count_at_first");
+    let at_end = b.binary("Add", &at_first, &digit_count, "run_count_at_end_plus_1");
+    let at_end = b.binary("Sub", &at_end, &one_f, "run_count_at_end");
+    let at_end = b.unsqueeze(&at_end, &[2], "run_count_at_end_col");
     let end_at_t = b.binary("Mul", &membership, &at_end, "run_end_spread");
     let end_at_t = b.reduce_sum(&end_at_t, &[1], false, "run_end_at_t");
     let after = b.binary("Sub", &end_at_t, &counted, "run_after_raw");
     let digits_after = b.binary("Mul", &after, &digits.is_digit, "run_digits_after");
 
-    let exists = b.reduce("ReduceMax", &membership, &[2], false, "run_exists");
+    // Every run holds at least one digit.
+    let half = b.scalar_f32("run_half", 0.5);
+    let exists = b.binary("Greater", &digit_count, &half, "run_exists_b");
+    let exists = b.cast(&exists, FLOAT, "run_exists");
     let count = b.reduce_sum(&exists, &[1], false, "run_count");
-    let start_f = b.cast(&start, FLOAT, "run_start_f");
-    // A float-level run may not start with a digit only if it starts with a dot, which the
-    // definition excludes (a joining dot has a digit before it), so starts are first digits.
-    let first_digit = b.binary("Mul", &start_f, &digits.is_digit, "run_first_digit");
-    let digit_row = b.unsqueeze(&digits.is_digit, &[1], "run_digit_row");
-    let run_digits = b.binary("Mul", &membership, &digit_row, "run_digit_members");
-    let digit_count = b.reduce_sum(&run_digits, &[2], false, "run_digit_count_per_run");
     Runs {
         membership,
         digits_after,

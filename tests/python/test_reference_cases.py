@@ -43,7 +43,7 @@ def test_ntloss_case_through_ort_training(case, index):
     assert rel_err(grad, r["grad"]) <= 1e-4
 
 
-@pytest.mark.parametrize("opset", [13, 15, 17, 18, 21])
+@pytest.mark.parametrize("opset", [13, 15, 17, 18, 19, 20, 21])
 @pytest.mark.parametrize("layout", ["flat", "bvt"])
 def test_opsets_and_layouts(opset, layout):
     """The same case at every supported opset and both CE layouts."""
@@ -113,4 +113,23 @@ def test_number_level_case_through_ort_training(case, index):
     outs, grad = ort_step(logits, labels, args)
     assert abs(outs["number_loss"] - r["raw"]) <= 1e-5 * max(abs(r["raw"]), 1e-6), (outs, r["raw"])
     assert abs(outs["loss"] - r["total"]) <= 1e-5 * abs(r["total"])
+    assert rel_err(grad, r["grad_total"]) <= 1e-4
+
+
+@pytest.mark.parametrize("opset", [13, 17, 18, 19, 20, 21])
+def test_ntil_and_number_level_across_opsets(opset):
+    """The per-sequence losses at every opset: op forms change at 18 (ReduceMax axes), 19
+    (Equal written as Not(Or(Less, Greater)) for the GPU providers)."""
+    c = next(x for x in NTIL["cases"] if x["name"] == "runs")
+    r = c["results"][0]
+    logits, labels = _case_arrays(c)
+    outs, grad = ort_step(logits, labels, _ntil_args(r, "scaled"), opset=opset)
+    assert abs(outs["number_loss"] - r["raw"]) <= 1e-5 * abs(r["raw"])
+    assert rel_err(grad, r["grad_scaled"]) <= 1e-4
+    c = next(x for x in NUMBER_LEVEL["cases"] if x["name"] == "decimal_exact")
+    r = next(x for x in c["results"] if x["float_level"] and x["reweigh"])
+    logits, labels = _case_arrays(c)
+    outs, grad = ort_step(logits, labels, ["--loss", "number-level", "--float-level", "--reweigh"],
+                          opset=opset)
+    assert abs(outs["number_loss"] - r["raw"]) <= 1e-5 * max(abs(r["raw"]), 1e-6)
     assert rel_err(grad, r["grad_total"]) <= 1e-4
