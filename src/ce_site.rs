@@ -72,6 +72,26 @@ pub fn find_ce_sites(index: &GraphIndex) -> Vec<CeSite> {
         .collect()
 }
 
+/// A loss node without the inputs and output its op requires (ONNX: scores, labels[, weights]
+/// → loss[, log_prob]), described for an error message.
+pub fn malformed_ce_node(index: &GraphIndex) -> Option<String> {
+    index
+        .graph
+        .node
+        .iter()
+        .filter(|n| is_ce_op(n))
+        .find(|n| n.input.len() < 2 || n.input[..2].iter().any(String::is_empty) || n.output.first().is_none_or(String::is_empty))
+        .map(|n| {
+            format!(
+                "{} node '{}' has {} input(s) and {} output(s), it needs scores and labels in and a loss out",
+                n.op_type(),
+                n.name(),
+                n.input.len(),
+                n.output.len()
+            )
+        })
+}
+
 /// Cross-entropy-like nodes inside subgraphs (If/Loop/Scan bodies), which are not patched.
 pub fn nested_ce_nodes(index: &GraphIndex) -> Vec<String> {
     fn walk(graph: &crate::onnx::GraphProto, path: &str, found: &mut Vec<String>) {

@@ -258,7 +258,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln!("error: {}", e.one_line());
             ExitCode::from(e.exit_code() as u8)
         }
     }
@@ -429,7 +429,7 @@ fn run_validate(args: ValidateArgs) -> ExitCode {
     let report = match validate::run(&req) {
         Ok(report) => report,
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln!("error: {}", e.one_line());
             return ExitCode::from(e.exit_code() as u8);
         }
     };

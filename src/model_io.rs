@@ -31,6 +31,8 @@ const GRAPH_INITIALIZER: u32 = 5;
 const TENSOR_RAW_DATA: u32 = 9;
 /// `raw_data` at least this long is streamed; shorter payloads are encoded in memory.
 const STREAM_MIN: usize = 4096;
+/// External data files are copied in steps of this many bytes.
+const COPY_STEP: u64 = 256 << 20;
 
 /// The memory-mapped input a model was decoded from: payloads that are slices of it are
 /// copied file-to-file on save instead of through this process's memory.
@@ -64,6 +66,9 @@ pub fn load_model_source(path: &Path) -> Result<(ModelProto, ModelSource), Error
     let file = File::open(path).map_err(read_err)?;
     // SAFETY: the map is read-only; the file is never written by this process.
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(read_err)?;
+    // Decoding touches only the small fields between payloads: no read-ahead around them (on a
+    // cold cache each field read would otherwise pull megabytes of payload from disk).
+    let _ = map.advise(memmap2::Advice::Random);
     let map = Bytes::from_owner(map);
     let model = ModelProto::decode(map.clone()).map_err(|e| Error::NotOnnx {
         path: path.to_path_buf(),
@@ -90,46 +95,54 @@ pub fn model_dir(path: &Path) -> PathBuf {
 // Every tensor of a graph, subgraphs included
 
 fn visit_tensors<'a>(graph: &'a GraphProto, f: &mut dyn FnMut(&'a TensorProto)) {
-    let sparse = |s: &'a SparseTensorProto, f: &mut dyn FnMut(&'a TensorProto)| {
-        s.values.iter().chain(s.indices.iter()).for_each(|t| f(t))
-    };
-    graph.initializer.iter().for_each(|t| f(t));
-    graph.sparse_initializer.iter().for_each(|s| sparse(s, f));
+    let sparse = |s: &'a SparseTensorProto| s.values.iter().chain(s.indices.iter());
+    for t in &graph.initializer {
+        f(t);
+    }
+    for t in graph.sparse_initializer.iter().flat_map(sparse) {
+        f(t);
+    }
     for a in graph.node.iter().flat_map(|n| n.attribute.iter()) {
-        a.t.iter().chain(a.tensors.iter()).for_each(|t| f(t));
-        a.sparse_tensor
+        let sparse_tensors = a
+            .sparse_tensor
             .iter()
             .chain(a.sparse_tensors.iter())
-            .for_each(|s| sparse(s, f));
-        a.g.iter()
-            .chain(a.graphs.iter())
-            .for_each(|g| visit_tensors(g, f));
+            .flat_map(sparse);
+        for t in a.t.iter().chain(a.tensors.iter()).chain(sparse_tensors) {
+            f(t);
+        }
+        for g in a.g.iter().chain(a.graphs.iter()) {
+            visit_tensors(g, f);
+        }
     }
 }
 
 fn visit_tensors_mut(graph: &mut GraphProto, f: &mut dyn FnMut(&mut TensorProto)) {
-    fn sparse(s: &mut SparseTensorProto, f: &mut dyn FnMut(&mut TensorProto)) {
-        s.values
-            .iter_mut()
-            .chain(s.indices.iter_mut())
-            .for_each(|t| f(t))
+    fn sparse(s: &mut SparseTensorProto) -> impl Iterator<Item = &mut TensorProto> {
+        s.values.iter_mut().chain(s.indices.iter_mut())
     }
-    graph.initializer.iter_mut().for_each(|t| f(t));
-    graph
-        .sparse_initializer
-        .iter_mut()
-        .for_each(|s| sparse(s, f));
+    for t in &mut graph.initializer {
+        f(t);
+    }
+    for t in graph.sparse_initializer.iter_mut().flat_map(sparse) {
+        f(t);
+    }
     for a in graph.node.iter_mut().flat_map(|n| n.attribute.iter_mut()) {
-        a.t.iter_mut()
-            .chain(a.tensors.iter_mut())
-            .for_each(|t| f(t));
-        a.sparse_tensor
+        let sparse_tensors = a
+            .sparse_tensor
             .iter_mut()
             .chain(a.sparse_tensors.iter_mut())
-            .for_each(|s| sparse(s, f));
-        a.g.iter_mut()
-            .chain(a.graphs.iter_mut())
-            .for_each(|g| visit_tensors_mut(g, f));
+            .flat_map(sparse);
+        for t in
+            a.t.iter_mut()
+                .chain(a.tensors.iter_mut())
+                .chain(sparse_tensors)
+        {
+            f(t);
+        }
+        for g in a.g.iter_mut().chain(a.graphs.iter_mut()) {
+            visit_tensors_mut(g, f);
+        }
     }
 }
 
@@ -318,6 +331,16 @@ pub fn plan_external_data(
     };
     let from = canon(model_dir(model), false)?;
     let to = canon(model_dir(output), true)?;
+    // The output must not replace a data file the model (and so the output) reads.
+    let target = output.file_name().map(|n| to.join(n));
+    for location in &locations {
+        let data = from.join(normal_location(location)).canonicalize().ok();
+        if data.is_some()
+            && (data == target || data == target.as_ref().and_then(|t| t.canonicalize().ok()))
+        {
+            return Err(Error::OutputIsInput(output.to_path_buf()));
+        }
+    }
     if from == to {
         return Ok(ExternalDataPlan::unchanged(ExternalDataAction::Kept));
     }
@@ -330,7 +353,7 @@ pub fn plan_external_data(
         let rel = normal_location(&location);
         let data = from.join(&rel);
         match data.strip_prefix(&to) {
-            Ok(inside) if !force_copy => {
+            Ok(inside) if !force_copy && inside.to_str().is_some() => {
                 plan.relocate
                     .insert(location.clone(), location_string(inside));
             }
@@ -421,8 +444,16 @@ fn copy_external_files(plan: &ExternalDataPlan) -> Result<Vec<PathBuf>, Error> {
                 path: src.clone(),
                 source,
             })?;
-            done += std::io::copy(&mut input, tmp.as_file_mut()).map_err(write_err)?;
-            progress.set(done);
+            loop {
+                // in steps, for the progress; each is a kernel copy (copy_file_range)
+                let n = std::io::copy(&mut (&mut input).take(COPY_STEP), tmp.as_file_mut())
+                    .map_err(write_err)?;
+                done += n;
+                progress.set(done);
+                if n < COPY_STEP {
+                    break;
+                }
+            }
             tmp.as_file().sync_all().map_err(write_err)?;
             set_readable(tmp.as_file()).map_err(write_err)?;
             match tmp.persist_noclobber(dest) {
@@ -677,7 +708,6 @@ pub fn save_model_from(
         let mut w =
             BufWriter::with_capacity(1 << 20, tmp.as_file().try_clone().map_err(write_err)?);
         write_pieces(&pieces, &mut w, source, &progress).map_err(write_err)?;
-        drop(progress);
         let file = w.into_inner().map_err(|e| write_err(e.into_error()))?;
         file.sync_all().map_err(write_err)?;
         set_readable(&file).map_err(write_err)?;

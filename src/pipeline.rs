@@ -173,6 +173,9 @@ fn check_opset(model: &ModelProto) -> Result<(), Error> {
 /// The one cross-entropy to patch: the only one, or the one `--ce-node` names (by node name
 /// or loss output name).
 pub fn select_site(index: &GraphIndex, wanted: Option<&str>) -> Result<CeSite, Error> {
+    if let Some(why) = crate::ce_site::malformed_ce_node(index) {
+        return Err(Error::MalformedGraph(why));
+    }
     let mut sites = find_ce_sites(index);
     if let Some(wanted) = wanted {
         let found = describe_sites(&sites);

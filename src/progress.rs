@@ -95,9 +95,10 @@ fn show(shared: &Shared, label: &str, total: Option<u64>) {
     }
     let bar = match total {
         Some(total) => {
-            let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+            let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr())
+                .with_position(shared.position.load(Ordering::Relaxed));
             if let Ok(style) = ProgressStyle::with_template(
-                "{msg} [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} {eta}",
+                "[{bar:25}] {binary_bytes}/{binary_total_bytes} {wide_msg}",
             ) {
                 bar.set_style(style.progress_chars("=> "));
             }
@@ -105,7 +106,7 @@ fn show(shared: &Shared, label: &str, total: Option<u64>) {
         }
         None => {
             let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
-            if let Ok(style) = ProgressStyle::with_template("{spinner} {msg} {elapsed}") {
+            if let Ok(style) = ProgressStyle::with_template("{spinner} {elapsed} {wide_msg}") {
                 bar.set_style(style);
             }
             bar

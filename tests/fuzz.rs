@@ -132,7 +132,7 @@ fn patch_bytes(bytes: &[u8], loss: LossKind, outcomes: &Outcomes) -> Result<(), 
             bump(&outcomes.ok);
         }
         Err(e) => {
-            let message = e.to_string();
+            let message = e.one_line();
             prop_assert!(
                 !matches!(e, Error::Inconsistent(_)),
                 "internal error: {}",

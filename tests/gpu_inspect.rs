@@ -176,8 +176,16 @@ fn every_loss_runs_entirely_on_cuda_and_rocm_at_opsets_13_to_20() {
             let patched = read_model(&patch(&src, &dir, args));
             for target in [Target::Cuda, Target::Rocm] {
                 let r = check_model(&patched, target);
-                let ntl: Vec<_> = r.fallbacks().filter(|g| g.ntl_nodes > 0).map(|g| g.op.clone()).collect();
-                assert!(ntl.is_empty(), "opset {opset} {args:?} on {}: {ntl:?}", target.name());
+                let ntl: Vec<_> = r
+                    .fallbacks()
+                    .filter(|g| g.ntl_nodes > 0)
+                    .map(|g| g.op.clone())
+                    .collect();
+                assert!(
+                    ntl.is_empty(),
+                    "opset {opset} {args:?} on {}: {ntl:?}",
+                    target.name()
+                );
             }
         }
     }

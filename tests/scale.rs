@@ -277,6 +277,20 @@ fn a_different_existing_data_file_is_not_replaced() {
 }
 
 #[test]
+fn the_output_never_replaces_a_data_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = external_model(dir.path());
+    let before = std::fs::read(dir.path().join("b.bin")).unwrap();
+    bin()
+        .arg(&m)
+        .arg("-o")
+        .arg(dir.path().join("b.bin"))
+        .assert()
+        .code(1);
+    assert_eq!(std::fs::read(dir.path().join("b.bin")).unwrap(), before);
+}
+
+#[test]
 fn the_patched_copy_validates_with_tract() {
     let dir = tempfile::tempdir().unwrap();
     let m = external_model(&dir.path().join("model"));
@@ -397,4 +411,52 @@ fn escaping_locations_are_refused_wherever_the_output_goes() {
         }
     }
     assert!(!root.path().join("x/outside.bin").exists());
+}
+
+/// Tensors inside subgraphs (an If branch's Constant) are checked too.
+#[test]
+fn escaping_locations_in_subgraphs_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut m = read_model(&model("lm_flat"));
+    let mut t = ntl_patch::onnx::f32_tensor("c", &[1], &[]);
+    t.data_location = Some(DataLocation::External as i32);
+    t.external_data = vec![StringStringEntryProto {
+        key: Some("location".into()),
+        value: Some("../../etc/passwd".into()),
+    }];
+    let branch = ntl_patch::onnx::GraphProto {
+        name: Some("branch".into()),
+        node: vec![ntl_patch::onnx::NodeProto {
+            op_type: Some("Constant".into()),
+            output: vec!["c_out".into()],
+            attribute: vec![ntl_patch::onnx::tensor_attr("value", t)],
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let g = m.graph.as_mut().unwrap();
+    g.node[0].attribute.push(ntl_patch::onnx::AttributeProto {
+        name: Some("then_branch".into()),
+        r#type: Some(5),
+        g: Some(branch),
+        ..Default::default()
+    });
+    assert_eq!(external_locations(g).len(), 1);
+    let path = dir.path().join("model.onnx");
+    std::fs::write(&path, m.encode_to_vec()).unwrap();
+    let out = dir.path().join("out.onnx");
+    let assert = bin()
+        .arg(&path)
+        .arg("--tokenizer")
+        .arg(tokenizer())
+        .arg("-o")
+        .arg(&out)
+        .assert()
+        .code(1);
+    let stderr = String::from_utf8_lossy(&assert.get_output().stderr).to_string();
+    assert!(
+        stderr.contains("external data location '../../etc/passwd'"),
+        "{stderr}"
+    );
+    assert!(!out.exists());
 }

@@ -212,7 +212,11 @@ impl Builder {
             "TopK",
             &[x, &k],
             &[&values, &index],
-            vec![int_attr("axis", -1), int_attr("largest", 1), int_attr("sorted", 1)],
+            vec![
+                int_attr("axis", -1),
+                int_attr("largest", 1),
+                int_attr("sorted", 1),
+            ],
         );
         (values, index)
     }
