@@ -85,23 +85,26 @@ pub fn run_artifacts(req: &ArtifactsRequest) -> Result<ArtifactsSummary, Error> 
     refuse_patched(&eval, &req.dir.join(EVAL))?;
 
     let (train_patch, tokens_len, grad) = {
-        let graph = training.graph.as_ref().expect("checked on load");
-        let index = GraphIndex::new(graph);
-        let site = select_site(&index, req.ce_node.as_deref())?;
-        let width = logits_width(&index, &site, req.vocab_size)?;
-        let tokens = number_tokens(&vocab, &req.loss, width)?;
-        let opset = default_opset(&training).ok_or(Error::NoOpset)?;
-        let (patch, grad) = training_patch(&index, opset, &site, &tokens, &req.loss)?;
-        (patch, tokens.table.len(), grad)
+        let target = Target::locate(&training, req, &vocab)?;
+        let (patch, grad) = training_patch(
+            &target.index,
+            target.opset,
+            &target.site,
+            &target.tokens,
+            &req.loss,
+        )?;
+        (patch, target.tokens.table.len(), grad)
     };
     let eval_patch = {
-        let graph = eval.graph.as_ref().expect("checked on load");
-        let index = GraphIndex::new(graph);
-        let site = select_site(&index, req.ce_node.as_deref())?;
-        let width = logits_width(&index, &site, req.vocab_size)?;
-        let tokens = number_tokens(&vocab, &req.loss, width)?;
-        let opset = default_opset(&eval).ok_or(Error::NoOpset)?;
-        build_patch(&index, opset, &site, &[], &tokens, &req.loss)?
+        let target = Target::locate(&eval, req, &vocab)?;
+        build_patch(
+            &target.index,
+            target.opset,
+            &target.site,
+            &[],
+            &target.tokens,
+            &req.loss,
+        )?
     };
     apply(&mut training, train_patch)?;
     apply(&mut eval, eval_patch)?;
@@ -112,6 +115,30 @@ pub fn run_artifacts(req: &ArtifactsRequest) -> Result<ArtifactsSummary, Error> 
         sparse_updates: grad.0,
         dense_updates: grad.1,
     })
+}
+
+/// What a patch of one artifact graph needs: its cross-entropy, width, token ids and opset.
+struct Target<'m> {
+    index: GraphIndex<'m>,
+    site: CeSite,
+    tokens: crate::ops::NumberTokens,
+    opset: i64,
+}
+
+impl<'m> Target<'m> {
+    fn locate(model: &'m ModelProto, req: &ArtifactsRequest, vocab: &Vocab) -> Result<Self, Error> {
+        let index = GraphIndex::new(model.graph.as_ref().expect("checked on load"));
+        let site = select_site(&index, req.ce_node.as_deref())?;
+        let width = logits_width(&index, &site, req.vocab_size)?;
+        let tokens = number_tokens(vocab, &req.loss, width)?;
+        let opset = default_opset(model).ok_or(Error::NoOpset)?;
+        Ok(Target {
+            index,
+            site,
+            tokens,
+            opset,
+        })
+    }
 }
 
 /// Writes the four artifacts into a temporary folder beside `output`, then renames it.

@@ -53,15 +53,8 @@ struct PatchArgs {
     model: Option<PathBuf>,
     #[command(flatten)]
     loss: LossArgs,
-    /// tokenizer.json (Hugging Face) or a one-token-per-line vocab file [default: tokenizer.json beside the model].
-    #[arg(long)]
-    tokenizer: Option<PathBuf>,
-    /// Logits width, where the graph leaves it symbolic.
-    #[arg(long, value_name = "V")]
-    vocab_size: Option<usize>,
-    /// The cross-entropy node to patch (node name or loss output), when there are several.
-    #[arg(long, value_name = "NAME")]
-    ce_node: Option<String>,
+    #[command(flatten)]
+    source: SourceArgs,
     /// Output path [default: MODEL.ntl.onnx beside the model].
     #[arg(short, long)]
     output: Option<PathBuf>,
@@ -72,6 +65,20 @@ struct PatchArgs {
     /// Print the summary as JSON.
     #[arg(long)]
     json: bool,
+}
+
+/// How to read the model's cross-entropy and vocabulary, shared by both patch commands.
+#[derive(Args)]
+struct SourceArgs {
+    /// tokenizer.json (Hugging Face) or a one-token-per-line vocab file [default: tokenizer.json beside the model, or in DIR].
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Logits width, where the graph leaves it symbolic.
+    #[arg(long, value_name = "V")]
+    vocab_size: Option<usize>,
+    /// The cross-entropy node to patch (node name or loss output), when there are several.
+    #[arg(long, value_name = "NAME")]
+    ce_node: Option<String>,
 }
 
 /// The loss and its options, shared by patching a graph and patching artifacts.
@@ -127,15 +134,8 @@ struct ArtifactsArgs {
     dir: PathBuf,
     #[command(flatten)]
     loss: LossArgs,
-    /// tokenizer.json (Hugging Face) or a one-token-per-line vocab file [default: tokenizer.json beside the model].
-    #[arg(long)]
-    tokenizer: Option<PathBuf>,
-    /// Logits width, where the graph leaves it symbolic.
-    #[arg(long, value_name = "V")]
-    vocab_size: Option<usize>,
-    /// The cross-entropy node to patch, when there are several.
-    #[arg(long, value_name = "NAME")]
-    ce_node: Option<String>,
+    #[command(flatten)]
+    source: SourceArgs,
     /// Output folder [default: DIR-ntl beside DIR].
     #[arg(short, long)]
     output: Option<PathBuf>,
@@ -339,9 +339,9 @@ fn run_patch_cli(args: PatchArgs) -> Result<String, ntl_patch::Error> {
     let req = PatchRequest {
         model: args.model.expect("clap requires MODEL"),
         output: args.output,
-        tokenizer: args.tokenizer,
-        vocab_size: args.vocab_size,
-        ce_node: args.ce_node,
+        tokenizer: args.source.tokenizer,
+        vocab_size: args.source.vocab_size,
+        ce_node: args.source.ce_node,
         copy_external_data: args.copy_external_data,
         loss: loss_options(&args.loss)?,
     };
@@ -385,9 +385,9 @@ fn run_artifacts_cli(args: ArtifactsArgs) -> Result<String, ntl_patch::Error> {
     let req = ArtifactsRequest {
         dir: args.dir,
         output: args.output,
-        tokenizer: args.tokenizer,
-        vocab_size: args.vocab_size,
-        ce_node: args.ce_node,
+        tokenizer: args.source.tokenizer,
+        vocab_size: args.source.vocab_size,
+        ce_node: args.source.ce_node,
         loss: loss_options(&args.loss)?,
     };
     let s = run_artifacts(&req)?;
