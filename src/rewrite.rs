@@ -26,9 +26,6 @@ pub fn build_patch(
     tokens: &NumberTokens,
     opts: &LossOptions,
 ) -> Result<Patch, Error> {
-    if !matches!(site.reduction.as_str(), "mean" | "sum") {
-        return Err(Error::UnsupportedReduction(site.reduction.clone()));
-    }
     let mut b = Builder::new(PREFIX, opset, index.taken_names());
 
     let forward = build_forward(&mut b, index, site, tokens, opts, true)?;
@@ -68,6 +65,9 @@ pub fn build_forward(
     opts: &LossOptions,
     peel: bool,
 ) -> Result<Forward, Error> {
+    if !matches!(site.reduction.as_str(), "mean" | "sum") {
+        return Err(Error::UnsupportedReduction(site.reduction.clone()));
+    }
     for name in [CE_OUTPUT, NUMBER_OUTPUT] {
         if !b.claim(name) {
             return Err(Error::OutputNameTaken(name.into()));
