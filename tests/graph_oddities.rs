@@ -192,3 +192,14 @@ fn opsets_13_to_21_patch_and_12_is_refused() {
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("opset"), "{}", stderr(&out));
 }
+
+#[test]
+fn reduction_none_is_refused() {
+    let mut m = flat_model(DataType::Float, Some(48), 17);
+    let sce = &mut m.graph.as_mut().unwrap().node[0];
+    sce.attribute = vec![ntl_patch::onnx::string_attr("reduction", "none")];
+    let (out, dir) = run(&m, &[]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("reduction 'none'"), "{}", stderr(&out));
+    assert!(!dir.path().join("out.onnx").exists());
+}
