@@ -265,6 +265,8 @@ fn main() -> ExitCode {
 }
 
 /// Checks the loss arguments and turns them into options.
+// `!(x > 0.0)` on purpose: NaN must be refused too.
+#[allow(clippy::neg_cmp_op_on_partial_ord)]
 fn loss_options(args: &LossArgs) -> Result<LossOptions, ntl_patch::Error> {
     let kind = match args.loss {
         LossArg::Wasserstein => LossKind::Wasserstein,
