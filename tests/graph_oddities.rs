@@ -200,6 +200,10 @@ fn reduction_none_is_refused() {
     sce.attribute = vec![ntl_patch::onnx::string_attr("reduction", "none")];
     let (out, dir) = run(&m, &[]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(stderr(&out).contains("reduction 'none'"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("reduction 'none'"),
+        "{}",
+        stderr(&out)
+    );
     assert!(!dir.path().join("out.onnx").exists());
 }
