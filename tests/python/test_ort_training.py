@@ -90,6 +90,27 @@ def _patch(model: str, loss: str, extra: list[str], out: Path) -> onnx.ModelProt
     return after
 
 
+def assert_param_grads(state, params, want_grads) -> tuple[float, str, float]:
+    """ORT's parameter gradients after one step against a float64 reference, norm-relative
+    (see the module docstring for the floor), per parameter and over all parameters. Returns
+    (all-parameter error, worst parameter, its error) for the log."""
+    got_grads = {}
+    for name in params:
+        g = state.parameters[name].grad
+        assert g is not None, f"no gradient for {name}"
+        assert g.shape == want_grads[name].shape, (name, g.shape, want_grads[name].shape)
+        got_grads[name] = g.astype(np.float64)
+    all_want = np.concatenate([want_grads[p].ravel() for p in params])
+    all_got = np.concatenate([got_grads[p].ravel() for p in params])
+    floor = 1e-3 * float(np.linalg.norm(all_want))
+    errs = {p: _norm_rel(got_grads[p], want_grads[p], floor) for p in params}
+    worst = max(errs, key=errs.get)
+    total_err = _norm_rel(all_got, all_want, 0.0)
+    assert total_err <= GRAD_RTOL, f"all-parameter gradient error {total_err:.3g}; per parameter {errs}"
+    assert errs[worst] <= GRAD_RTOL, f"gradient of {worst}: error {errs[worst]:.3g}; all: {errs}"
+    return total_err, worst, errs[worst]
+
+
 def _norm_rel(got: np.ndarray, want: np.ndarray, floor: float) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), floor, 1e-30))
 
@@ -142,20 +163,7 @@ def test_patched_model_trains_in_ort(case, weights, tmp_path):
     np.testing.assert_allclose(got_ntl, want_ntl, rtol=FWD_RTOL, err_msg="number_loss")
     np.testing.assert_allclose(got_total, want_total, rtol=FWD_RTOL, err_msg="loss")
 
-    got_grads = {}
-    for name in params:
-        g = state.parameters[name].grad
-        assert g is not None, f"no gradient for {name}"
-        assert g.shape == want_grads[name].shape, (name, g.shape, want_grads[name].shape)
-        got_grads[name] = g.astype(np.float64)
-    all_want = np.concatenate([want_grads[p].ravel() for p in params])
-    all_got = np.concatenate([got_grads[p].ravel() for p in params])
-    floor = 1e-3 * float(np.linalg.norm(all_want))
-    errs = {p: _norm_rel(got_grads[p], want_grads[p], floor) for p in params}
-    worst = max(errs, key=errs.get)
-    total_err = _norm_rel(all_got, all_want, 0.0)
-    assert total_err <= GRAD_RTOL, f"all-parameter gradient error {total_err:.3g}; per parameter {errs}"
-    assert errs[worst] <= GRAD_RTOL, f"gradient of {worst}: error {errs[worst]:.3g}; all: {errs}"
+    total_err, worst, worst_err = assert_param_grads(state, params, want_grads)
 
     # -- 4. 30 AdamW steps on the fixed batch
     module.lazy_reset_grad()
@@ -170,7 +178,7 @@ def test_patched_model_trains_in_ort(case, weights, tmp_path):
     assert np.isfinite(losses).all(), losses
     assert losses[0] == pytest.approx(got_total, rel=1e-6)
     assert losses[-1] < 0.7 * losses[0], f"loss did not go down clearly: {losses}"
-    print(f"{_case_id(case)}: grad err {total_err:.2e} (worst {worst} {errs[worst]:.2e}); "
+    print(f"{_case_id(case)}: grad err {total_err:.2e} (worst {worst} {worst_err:.2e}); "
           f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; {time.perf_counter() - t0:.1f}s")
 
 

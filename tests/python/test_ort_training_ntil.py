@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_ort_training import FWD_RTOL, GRAD_RTOL, LR, TRAIN_STEPS, WEIGHT, _norm_rel, _patch, _quiet_ort
+from test_ort_training import FWD_RTOL, LR, TRAIN_STEPS, WEIGHT, _patch, _quiet_ort, assert_param_grads
 
 import ntil_torch  # noqa: E402  (fixtures/ is on sys.path, see conftest)
 
@@ -153,20 +153,7 @@ def test_patched_model_trains_in_ort(case, weights, tmp_path):
         np.testing.assert_allclose(got_total, (1 + WEIGHT) * got_ce, rtol=FWD_RTOL,
                                    err_msg="scaled: loss must be (1 + lambda) * ce_loss")
 
-    got_grads = {}
-    for name in params:
-        g = state.parameters[name].grad
-        assert g is not None, f"no gradient for {name}"
-        assert g.shape == want_grads[name].shape, (name, g.shape, want_grads[name].shape)
-        got_grads[name] = g.astype(np.float64)
-    all_want = np.concatenate([want_grads[p].ravel() for p in params])
-    all_got = np.concatenate([got_grads[p].ravel() for p in params])
-    floor = 1e-3 * float(np.linalg.norm(all_want))
-    errs = {p: _norm_rel(got_grads[p], want_grads[p], floor) for p in params}
-    worst = max(errs, key=errs.get)
-    total_err = _norm_rel(all_got, all_want, 0.0)
-    assert total_err <= GRAD_RTOL, f"all-parameter gradient error {total_err:.3g}; per parameter {errs}"
-    assert errs[worst] <= GRAD_RTOL, f"gradient of {worst}: error {errs[worst]:.3g}; all: {errs}"
+    total_err, worst, worst_err = assert_param_grads(state, params, want_grads)
 
     # -- 30 AdamW steps on the fixed batch
     module.lazy_reset_grad()
@@ -185,7 +172,7 @@ def test_patched_model_trains_in_ort(case, weights, tmp_path):
         np.testing.assert_allclose(losses, (1 + WEIGHT) * np.array(ces), rtol=FWD_RTOL)
     assert losses[-1] < 0.7 * losses[0], f"loss did not go down clearly: {losses}"
     assert nums[-1] < nums[0], f"number loss did not go down: {nums}"
-    print(f"{_case_id(case)}: grad err {total_err:.2e} (worst {worst} {errs[worst]:.2e}); "
+    print(f"{_case_id(case)}: grad err {total_err:.2e} (worst {worst} {worst_err:.2e}); "
           f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; number {nums[0]:.4f} -> {nums[-1]:.4f}; "
           f"{time.perf_counter() - t0:.1f}s")
 
