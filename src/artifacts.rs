@@ -14,12 +14,15 @@ use crate::autodiff::{differentiate, LogitsGradient};
 use crate::ce_site::CeSite;
 use crate::error::Error;
 use crate::graph::GraphIndex;
-use crate::model_io::{load_model, save_model_atomic};
+use crate::model_io::{
+    check_external_data, load_model_source, model_dir, plan_external_data, save_model_from,
+    ModelSource,
+};
 use crate::number_table::Vocab;
 use crate::onnx::{default_opset, int_attr, string_attr, ModelProto};
 use crate::ops::{Builder, Combine, LossOptions};
 use crate::patch::{apply, Patch, METADATA_KEY};
-use crate::pipeline::{logits_width, number_tokens, refuse_patched, select_site};
+use crate::pipeline::{check_opset, logits_width, number_tokens, refuse_patched, select_site};
 use crate::rewrite::{
     added_outputs, build_forward, build_patch, metadata, CE_OUTPUT, NUMBER_OUTPUT, PREFIX,
 };
@@ -79,10 +82,8 @@ pub fn run_artifacts(req: &ArtifactsRequest) -> Result<ArtifactsSummary, Error> 
     }
     let vocab = Vocab::from_file(&tokenizer)?;
 
-    let mut training = load_model(&req.dir.join(TRAINING))?;
-    refuse_patched(&training, &req.dir.join(TRAINING))?;
-    let mut eval = load_model(&req.dir.join(EVAL))?;
-    refuse_patched(&eval, &req.dir.join(EVAL))?;
+    let (mut training, training_source) = load_artifact(&req.dir.join(TRAINING))?;
+    let (mut eval, eval_source) = load_artifact(&req.dir.join(EVAL))?;
 
     let (train_patch, tokens_len, grad) = {
         let target = Target::locate(&training, req, &vocab)?;
@@ -108,7 +109,14 @@ pub fn run_artifacts(req: &ArtifactsRequest) -> Result<ArtifactsSummary, Error> 
     };
     apply(&mut training, train_patch)?;
     apply(&mut eval, eval_patch)?;
-    write_folder(&req.dir, &output, &training, &eval)?;
+    write_folder(
+        &req.dir,
+        &output,
+        [
+            (TRAINING, &training, &training_source),
+            (EVAL, &eval, &eval_source),
+        ],
+    )?;
     Ok(ArtifactsSummary {
         output,
         number_tokens: tokens_len,
@@ -141,12 +149,25 @@ impl<'m> Target<'m> {
     }
 }
 
-/// Writes the four artifacts into a temporary folder beside `output`, then renames it.
+/// Loads one artifact graph read-only and checks it can be patched.
+fn load_artifact(path: &Path) -> Result<(ModelProto, ModelSource), Error> {
+    let (model, source) = load_model_source(path)?;
+    refuse_patched(&model, path)?;
+    check_opset(&model)?;
+    crate::patch::check_consistency(&model).map_err(Error::MalformedGraph)?;
+    check_external_data(
+        model.graph.as_ref().expect("checked on load"),
+        &model_dir(path),
+    )?;
+    Ok((model, source))
+}
+
+/// Writes the four artifacts into a temporary folder beside `output`, then renames it. The
+/// graphs' external data files (large models) are copied along, as the folder is new.
 fn write_folder(
     src: &Path,
     output: &Path,
-    training: &ModelProto,
-    eval: &ModelProto,
+    graphs: [(&str, &ModelProto, &ModelSource); 2],
 ) -> Result<(), Error> {
     let write_err = |source| Error::Write {
         path: output.to_path_buf(),
@@ -157,8 +178,14 @@ fn write_folder(
         .prefix(".ntl-patch-")
         .tempdir_in(&parent)
         .map_err(write_err)?;
-    save_model_atomic(training, &tmp.path().join(TRAINING))?;
-    save_model_atomic(eval, &tmp.path().join(EVAL))?;
+    for (name, model, source) in graphs {
+        let out = tmp.path().join(name);
+        let graph = model.graph.as_ref().expect("checked on load");
+        let external = plan_external_data(graph, &src.join(name), &out, true)?;
+        let mut model = model.clone();
+        external.apply(&mut model);
+        save_model_from(&model, &out, Some(source), Some(&external))?;
+    }
     for f in [OPTIMIZER, CHECKPOINT] {
         std::fs::copy(src.join(f), tmp.path().join(f)).map_err(write_err)?;
     }

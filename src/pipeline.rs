@@ -159,7 +159,7 @@ pub fn refuse_patched(model: &ModelProto, path: &Path) -> Result<(), Error> {
     }
 }
 
-fn check_opset(model: &ModelProto) -> Result<(), Error> {
+pub fn check_opset(model: &ModelProto) -> Result<(), Error> {
     match default_opset(model) {
         None => Err(Error::NoOpset),
         Some(v) if v < MIN_OPSET => Err(Error::OpsetTooOld {
