@@ -192,33 +192,44 @@ fn parse_indices(s: &str, key: &str) -> Vec<usize> {
         .collect()
 }
 
+/// The data rows of a generated TSV table, as `(line index, fields)`: comment (`#`) and blank
+/// lines skipped, an optional header (the first row, starting with `header`) too, and every row
+/// checked to have `width` fields.
+fn tsv_rows<'a>(
+    text: &'a str,
+    header: &'a str,
+    width: usize,
+    what: &'a str,
+) -> impl Iterator<Item = Result<(usize, Vec<&'a str>), String>> + 'a {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.starts_with('#') && !l.trim().is_empty())
+        .enumerate()
+        .filter(move |(row, (_, l))| !(*row == 0 && l.starts_with(header)))
+        .map(move |(_, (no, line))| {
+            let f: Vec<&str> = line.split('\t').collect();
+            if f.len() == width {
+                Ok((no, f))
+            } else {
+                Err(format!(
+                    "{what} table line {}: {} fields, want {width}",
+                    no + 1,
+                    f.len()
+                ))
+            }
+        })
+}
+
 impl Tables {
     pub fn parse(kernel_tsv: &str, schema_tsv: &str) -> Result<Tables, String> {
         let mut kernels: HashMap<(String, String, String), Vec<Kernel>> = HashMap::new();
-        let mut provenance = Vec::new();
-        let mut header_seen = false;
-        for (no, line) in kernel_tsv.lines().enumerate() {
-            if let Some(c) = line.strip_prefix('#') {
-                provenance.push(c.trim().to_string());
-                continue;
-            }
-            if line.trim().is_empty() {
-                continue;
-            }
-            if !header_seen {
-                header_seen = true;
-                if line.starts_with("provider\t") {
-                    continue;
-                }
-            }
-            let f: Vec<&str> = line.split('\t').collect();
-            if f.len() != 10 {
-                return Err(format!(
-                    "kernel table line {}: {} fields, want 10",
-                    no + 1,
-                    f.len()
-                ));
-            }
+        let provenance: Vec<String> = kernel_tsv
+            .lines()
+            .filter_map(|l| l.strip_prefix('#'))
+            .map(|c| c.trim().to_string())
+            .collect();
+        for row in tsv_rows(kernel_tsv, "provider\t", 10, "kernel") {
+            let (no, f) = row?;
             if !matches!(f[0], "cuda" | "rocm" | "cpu") {
                 return Err(format!("kernel table line {}: provider '{}'", no + 1, f[0]));
             }
@@ -258,25 +269,8 @@ impl Tables {
                 .push(kernel);
         }
         let mut schemas: HashMap<(String, String), Vec<Schema>> = HashMap::new();
-        let mut header_seen = false;
-        for (no, line) in schema_tsv.lines().enumerate() {
-            if line.starts_with('#') || line.trim().is_empty() {
-                continue;
-            }
-            if !header_seen {
-                header_seen = true;
-                if line.starts_with("domain\t") {
-                    continue;
-                }
-            }
-            let f: Vec<&str> = line.split('\t').collect();
-            if f.len() != 7 {
-                return Err(format!(
-                    "schema table line {}: {} fields, want 7",
-                    no + 1,
-                    f.len()
-                ));
-            }
+        for row in tsv_rows(schema_tsv, "domain\t", 7, "schema") {
+            let (no, f) = row?;
             let since = f[2]
                 .parse::<i64>()
                 .map_err(|_| format!("schema table line {}: version '{}'", no + 1, f[2]))?;
