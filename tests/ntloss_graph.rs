@@ -46,17 +46,7 @@ fn patched_graph_matches_ntloss_on_every_case() {
     let mut checked = 0;
     for case in cases["cases"].as_array().unwrap() {
         let (b, t) = (case["B"].as_i64().unwrap(), case["T"].as_i64().unwrap());
-        let logits: Vec<f32> = case["logits"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .flat_map(|row| {
-                row.as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.as_f64().unwrap() as f32)
-            })
-            .collect();
+        let logits = json_f32_matrix(&case["logits"]);
         let v = logits.len() as i64 / (b * t);
         let labels: Vec<i64> = case["labels"]
             .as_array()

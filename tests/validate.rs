@@ -600,16 +600,9 @@ mod sequence_reference {
     /// (name, B, flat logits [B*T*V], labels [B*T] row-major). The logits are float32 values
     /// written with 9 significant digits: rounding to float32 recovers them exactly.
     fn case_data(case: &Value) -> (String, usize, Vec<f64>, Vec<i64>) {
-        let logits = case["logits"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .flat_map(|row| {
-                row.as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.as_f64().unwrap() as f32 as f64)
-            })
+        let logits = common::json_f32_matrix(&case["logits"])
+            .into_iter()
+            .map(f64::from)
             .collect();
         let labels = case["labels"]
             .as_array()

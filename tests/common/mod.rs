@@ -54,6 +54,21 @@ pub fn model(name: &str) -> PathBuf {
     fixture(&format!("models/{name}.onnx"))
 }
 
+/// A recorded `[rows][cols]` JSON matrix of float32 values (written with 9 significant
+/// digits, so rounding to float32 recovers them exactly), flattened row-major.
+pub fn json_f32_matrix(m: &serde_json::Value) -> Vec<f32> {
+    m.as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|row| {
+            row.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+        })
+        .collect()
+}
+
 // ---- building small models in tests ----
 
 pub fn node(op: &str, inputs: &[&str], outputs: &[&str], attrs: Vec<AttributeProto>) -> NodeProto {
