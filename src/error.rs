@@ -74,6 +74,16 @@ pub enum Error {
     NoLossGradient,
     #[error("cannot find the [B, T] labels that '{labels}' was flattened from; per-sequence losses (ntil, emd, number-level) need the sequence grouping: export labels as [B, T] and flatten them in the graph")]
     NoSequenceShape { labels: String },
+    #[error("the model is an ONNX Runtime training graph (it has {op} nodes: its backward is already built, so a loss added to its forward would get no gradient); patch the artifacts folder with `ntl-patch artifacts DIR`, or patch the exported forward graph")]
+    TrainingGraph { op: String },
+    #[error("'{path}' is already a step graph written by ntl-patch step (metadata 'ntl_step'); run ntl-patch step on the original export")]
+    AlreadyStepGraph { path: PathBuf },
+    #[error("cannot differentiate {op} node '{node}' on the path from parameter '{param}' to the loss: ntl-patch has no gradient rule for {op}; freeze that parameter with --freeze PREFIX or re-export the model without {op}")]
+    NoGradientRule {
+        op: String,
+        node: String,
+        param: String,
+    },
     #[error("--float-level needs a \".\" token in the tokenizer and it has none; drop --float-level or pass the model's tokenizer")]
     NoDotToken,
 }

@@ -6,6 +6,7 @@ pub mod autodiff;
 pub mod ce_site;
 pub mod error;
 pub mod gpu_kernels;
+pub mod grad;
 pub mod graph;
 pub mod inspect;
 pub mod model_io;
@@ -17,6 +18,7 @@ pub mod pipeline;
 pub mod progress;
 mod python_float;
 pub mod rewrite;
+pub mod step;
 mod unicode_digits;
 pub mod validate;
 

@@ -9,6 +9,7 @@ use ntl_patch::model_io::ExternalDataAction;
 use ntl_patch::number_table::NumberSet;
 use ntl_patch::ops::{Combine, LossKind, LossOptions, NtilOptions};
 use ntl_patch::pipeline::{run_patch, PatchRequest};
+use ntl_patch::step::{run_step, OptimizerKind, OptimizerOptions, StepRequest};
 use ntl_patch::validate::{self, Runtime, ValidateRequest};
 
 /// Splice a number-aware loss into the cross-entropy of an exported ONNX training graph, so
@@ -44,6 +45,66 @@ enum Command {
     Validate(ValidateArgs),
     /// Add the number loss to ONNX Runtime training artifacts (forward and analytic backward).
     Artifacts(ArtifactsArgs),
+    /// Write a standard-ONNX training step: patched forward, whole-model backward and the
+    /// optimizer update in one graph that any ONNX runtime trains (docs/STEP_GRAPH.md).
+    Step(StepArgs),
+}
+
+#[derive(Args)]
+struct StepArgs {
+    /// The exported ONNX training graph (its first output is the loss).
+    model: PathBuf,
+    #[command(flatten)]
+    loss: LossArgs,
+    #[command(flatten)]
+    source: SourceArgs,
+    /// Optimizer.
+    #[arg(long, value_enum, default_value_t = OptimizerArg::Adamw)]
+    optimizer: OptimizerArg,
+    /// Learning rate (the default value of the graph's `ntl/lr` input).
+    #[arg(long, default_value_t = 1e-3, allow_negative_numbers = true)]
+    lr: f64,
+    /// AdamW β1.
+    #[arg(long, default_value_t = 0.9, allow_negative_numbers = true)]
+    beta1: f64,
+    /// AdamW β2.
+    #[arg(long, default_value_t = 0.999, allow_negative_numbers = true)]
+    beta2: f64,
+    /// AdamW ε.
+    #[arg(long, default_value_t = 1e-8, allow_negative_numbers = true)]
+    eps: f64,
+    /// Weight decay (decoupled for AdamW, L2 for SGD, as in torch) [default: 0.01 adamw, 0 sgd].
+    #[arg(long, allow_negative_numbers = true)]
+    weight_decay: Option<f64>,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    momentum: f64,
+    /// Clip the gradient norm over all trained parameters (torch clip_grad_norm_).
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    max_grad_norm: Option<f64>,
+    /// Do not train the initializers whose names start with PREFIX (repeatable).
+    #[arg(long, value_name = "PREFIX")]
+    freeze: Vec<String>,
+    /// Write a gradient graph (MODEL.grad.onnx) and an update graph (MODEL.update.onnx).
+    #[arg(long)]
+    split: bool,
+    /// Output path [default: MODEL.step.onnx beside the model; with --split MODEL.grad.onnx].
+    #[arg(short, long)]
+    output: Option<PathBuf>,
+    /// With -o in another folder: copy the model's external data files next to the output.
+    #[arg(long)]
+    copy_external_data: bool,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum OptimizerArg {
+    /// torch.optim.AdamW (decoupled weight decay).
+    Adamw,
+    /// torch.optim.SGD (momentum, L2 weight decay).
+    Sgd,
 }
 
 #[derive(Args)]
@@ -250,6 +311,7 @@ fn main() -> ExitCode {
         // validate prints its report itself: on stdout, passed or not (exit 1 when not)
         Some(Command::Validate(args)) => return run_validate(args),
         Some(Command::Artifacts(args)) => run_artifacts_cli(args),
+        Some(Command::Step(args)) => run_step_cli(args),
         None => run_patch_cli(cli.patch),
     };
     match result {
@@ -379,6 +441,86 @@ fn run_patch_cli(args: PatchArgs) -> Result<String, ntl_patch::Error> {
             s.logits_width,
             req.loss.weight,
             external
+        )
+    })
+}
+
+fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
+    let kind = match args.optimizer {
+        OptimizerArg::Adamw => OptimizerKind::AdamW,
+        OptimizerArg::Sgd => OptimizerKind::Sgd,
+    };
+    let req = StepRequest {
+        patch: PatchRequest {
+            model: args.model,
+            output: args.output,
+            tokenizer: args.source.tokenizer,
+            vocab_size: args.source.vocab_size,
+            ce_node: args.source.ce_node,
+            copy_external_data: args.copy_external_data,
+            loss: loss_options(&args.loss)?,
+        },
+        optimizer: OptimizerOptions {
+            kind,
+            lr: args.lr,
+            beta1: args.beta1,
+            beta2: args.beta2,
+            eps: args.eps,
+            weight_decay: args.weight_decay.unwrap_or(match kind {
+                OptimizerKind::AdamW => 0.01,
+                OptimizerKind::Sgd => 0.0,
+            }),
+            momentum: args.momentum,
+            max_grad_norm: args.max_grad_norm,
+        },
+        freeze: args.freeze,
+        split: args.split,
+    };
+    let s = run_step(&req)?;
+    for w in &s.warnings {
+        eprintln!("warning: {w}");
+    }
+    let outputs: Vec<String> = s.outputs.iter().map(|o| o.display().to_string()).collect();
+    Ok(if args.json {
+        serde_json::json!({
+            "outputs": outputs,
+            "ce_node": s.patch.ce_node,
+            "pattern": s.patch.pattern,
+            "loss": req.patch.loss.kind.name(),
+            "weight": req.patch.loss.weight,
+            "number_tokens": s.patch.number_tokens,
+            "optimizer": req.optimizer.to_json(),
+            "parameters": s.parameters,
+            "parameter_elements": s.parameter_elements,
+            "frozen": s.frozen,
+            "buffers": s.buffers,
+            "warnings": s.warnings,
+        })
+        .to_string()
+    } else {
+        let buffers = if s.buffers.is_empty() {
+            String::new()
+        } else {
+            format!("; buffers kept constant: {}", s.buffers.join(", "))
+        };
+        let frozen = if s.frozen.is_empty() {
+            String::new()
+        } else {
+            format!("; {} frozen", s.frozen.len())
+        };
+        format!(
+            "wrote {} ({} on {}, {} parameters / {} values trained with {}{}{})",
+            outputs.join(" and "),
+            req.patch.loss.kind.name(),
+            s.patch.ce_node,
+            s.parameters.len(),
+            s.parameter_elements,
+            match kind {
+                OptimizerKind::AdamW => "adamw",
+                OptimizerKind::Sgd => "sgd",
+            },
+            frozen,
+            buffers
         )
     })
 }

@@ -7,7 +7,7 @@ use crate::error::Error;
 use crate::graph::GraphIndex;
 use crate::model_io::{
     check_external_data, load_model_source, model_dir, plan_external_data, same_file,
-    save_model_from, ExternalDataAction,
+    save_model_from, ExternalDataAction, ExternalDataPlan, ModelSource,
 };
 use crate::number_table::{NumberSet, NumberTable, Vocab};
 use crate::onnx::{default_opset, ModelProto};
@@ -58,16 +58,38 @@ pub fn run_patch(req: &PatchRequest) -> Result<PatchSummary, Error> {
         .output
         .clone()
         .unwrap_or_else(|| default_output(&req.model));
-    if same_file(&req.model, &output) {
-        return Err(Error::OutputIsInput(output));
+    let patched = patch_model(req, &output)?;
+    save_model_from(
+        &patched.model,
+        &output,
+        Some(&patched.source),
+        Some(&patched.external),
+    )?;
+    Ok(patched.summary)
+}
+
+/// A patched model in memory, with what saving it needs.
+pub struct Patched {
+    pub model: ModelProto,
+    /// The input file: initializer payloads are copied from it on save.
+    pub source: ModelSource,
+    pub external: ExternalDataPlan,
+    pub summary: PatchSummary,
+}
+
+/// Loads, checks and patches `req.model` for writing to `output` (not written here).
+pub fn patch_model(req: &PatchRequest, output: &Path) -> Result<Patched, Error> {
+    if same_file(&req.model, output) {
+        return Err(Error::OutputIsInput(output.to_path_buf()));
     }
     let (mut model, source) = load_model_source(&req.model)?;
     refuse_patched(&model, &req.model)?;
+    refuse_training_graph(&model)?;
     check_opset(&model)?;
     crate::patch::check_consistency(&model).map_err(Error::MalformedGraph)?;
     let graph = model.graph.as_ref().expect("checked on load");
     check_external_data(graph, &model_dir(&req.model))?;
-    let external = plan_external_data(graph, &req.model, &output, req.copy_external_data)?;
+    let external = plan_external_data(graph, &req.model, output, req.copy_external_data)?;
 
     let index = GraphIndex::new(graph);
     let site = select_site(&index, req.ce_node.as_deref())?;
@@ -90,16 +112,37 @@ pub fn run_patch(req: &PatchRequest) -> Result<PatchSummary, Error> {
     let patch = build_patch(&index, opset, &site, &others, &tokens, &req.loss)?;
     apply(&mut model, patch)?;
     external.apply(&mut model);
-    save_model_from(&model, &output, Some(&source), Some(&external))?;
-    Ok(PatchSummary {
-        output,
+    let summary = PatchSummary {
+        output: output.to_path_buf(),
         ce_node: site_label(&site),
         pattern: site.pattern.describe(),
         logits_width: width,
         number_tokens: tokens.table.len(),
         tokenizer,
         external_data: external.action,
+    };
+    Ok(Patched {
+        model,
+        source,
+        external,
+        summary,
     })
+}
+
+/// Refuses an ONNX Runtime training graph (`training_model.onnx`: the backward is already in
+/// it, so a loss added to its forward would get no gradient).
+pub fn refuse_training_graph(model: &ModelProto) -> Result<(), Error> {
+    let graph = model.graph.as_ref().expect("loaded models have a graph");
+    let grad_node = graph.node.iter().find(|n| {
+        n.domain() == "com.microsoft" && n.op_type().ends_with("Grad")
+            || n.op_type() == "SoftmaxCrossEntropyLossGrad"
+    });
+    match grad_node {
+        Some(n) => Err(Error::TrainingGraph {
+            op: n.op_type().to_string(),
+        }),
+        None => Ok(()),
+    }
 }
 
 /// The token ids the chosen loss reads. Per-sequence losses work on the digits "0".."9"

@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use common::*;
 use ntl_patch::onnx::{default_opset, ModelProto};
 
-/// Ops ORT 1.19.2 has gradient builders for (measured, see ../shared/ORT_TRAINING.md).
+/// Ops ORT 1.19.2 has gradient builders for (measured, see docs/LOSSES.md, "Ops on the gradient path").
 const DIFFERENTIABLE: &[&str] = &[
     "Gather",
     "Softmax",

@@ -1,0 +1,105 @@
+//! The gradient rules, one module per op family, and the one table that maps an op type to
+//! its rule. A new op's rule goes into the family module and one line here.
+
+mod elementwise;
+mod linalg;
+mod nn;
+mod reduce;
+mod shape;
+
+use super::Ctx;
+use crate::error::Error;
+use crate::onnx::NodeProto;
+
+/// `vjp(ctx, node, gy, wants) -> gx`: `gy[k]` is the gradient of output k (None where no
+/// gradient reaches it); `gx[i]` must be Some for every input i with `wants[i]`.
+pub type Vjp = fn(&mut Ctx, &NodeProto, &[Option<String>], &[bool]) -> Result<Grads, Error>;
+pub type Grads = Vec<Option<String>>;
+
+pub struct Rule {
+    /// Input positions a gradient flows through (ONNX Runtime's stop edges otherwise).
+    pub inputs: fn(&NodeProto) -> Vec<usize>,
+    pub vjp: Vjp,
+}
+
+fn first(_: &NodeProto) -> Vec<usize> {
+    vec![0]
+}
+
+fn first_two(_: &NodeProto) -> Vec<usize> {
+    vec![0, 1]
+}
+
+fn all(node: &NodeProto) -> Vec<usize> {
+    (0..node.input.len()).collect()
+}
+
+/// The rule for an op type, if ntl-patch has one.
+pub fn rule(op: &str) -> Option<Rule> {
+    use elementwise as e;
+    let r = |inputs: fn(&NodeProto) -> Vec<usize>, vjp: Vjp| Some(Rule { inputs, vjp });
+    match op {
+        "Add" | "Sub" | "Mul" | "Div" | "Pow" => r(first_two, e::binary),
+        "Max" | "Min" => r(first_two, e::max_min),
+        "Sum" => r(all, e::sum),
+        "Neg" | "Exp" | "Log" | "Sqrt" | "Tanh" | "Sigmoid" | "Erf" | "Relu" | "Abs"
+        | "Reciprocal" | "Identity" => r(first, e::unary),
+        "Cast" | "CastLike" => r(e::cast_inputs, e::cast),
+        "Where" => r(|_| vec![1, 2], e::where_),
+        "Clip" => r(first, e::clip),
+        "Dropout" => r(first, e::dropout),
+        "MatMul" => r(first_two, linalg::matmul),
+        "Gemm" => r(all, linalg::gemm),
+        "Softmax" | "LogSoftmax" => r(first, nn::softmax),
+        "LayerNormalization" => r(all, nn::layer_norm),
+        "SoftmaxCrossEntropyLoss" | "NegativeLogLikelihoodLoss" => r(first, nn::cross_entropy),
+        "ReduceSum" | "ReduceMean" => r(first, reduce::reduce),
+        "Reshape" | "Squeeze" | "Unsqueeze" | "Flatten" => r(first, shape::reshape),
+        "Transpose" => r(first, shape::transpose),
+        "Expand" => r(first, shape::expand),
+        "Slice" => r(first, shape::slice),
+        "Concat" => r(all, shape::concat),
+        "Split" => r(first, shape::split),
+        "Gather" | "GatherElements" => r(first, shape::gather),
+        _ => None,
+    }
+}
+
+/// Ops whose outputs carry no gradient (integer, boolean, piecewise constant or random).
+pub fn non_differentiable(op: &str) -> bool {
+    matches!(
+        op,
+        "Shape"
+            | "Size"
+            | "Range"
+            | "NonZero"
+            | "ConstantOfShape"
+            | "Constant"
+            | "Equal"
+            | "Less"
+            | "LessOrEqual"
+            | "Greater"
+            | "GreaterOrEqual"
+            | "And"
+            | "Or"
+            | "Xor"
+            | "Not"
+            | "ArgMax"
+            | "ArgMin"
+            | "OneHot"
+            | "Sign"
+            | "Floor"
+            | "Ceil"
+            | "Round"
+            | "IsNaN"
+            | "IsInf"
+            | "RandomUniform"
+            | "RandomUniformLike"
+            | "RandomNormal"
+            | "RandomNormalLike"
+            | "EyeLike"
+            | "BitShift"
+            | "Mod"
+            | "Unique"
+    )
+}

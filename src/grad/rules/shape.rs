@@ -1,0 +1,263 @@
+//! Layout ops: the gradient is the forward's layout change undone (reshape, transpose,
+//! slice, concat, split), summed where the forward copied (expand, gather).
+
+use super::Grads;
+use crate::error::Error;
+use crate::grad::Ctx;
+use crate::onnx::{attr_i, attr_ints, int_attr, string_attr, NodeProto};
+
+fn g0(gy: &[Option<String>]) -> String {
+    gy[0].clone().expect("gradient")
+}
+
+/// Reshape, Squeeze, Unsqueeze, Flatten: back to the input's shape.
+pub fn reshape(
+    ctx: &mut Ctx,
+    node: &NodeProto,
+    gy: &[Option<String>],
+    _: &[bool],
+) -> Result<Grads, Error> {
+    let x = node.input[0].as_str();
+    let s = ctx.shape(x);
+    let gx = ctx.op("Reshape", &[&g0(gy), &s], "grad/reshape");
+    if let Some(r) = ctx.ranks.get(x) {
+        ctx.ranks.set(&gx, r);
+    }
+    Ok(vec![Some(gx)])
+}
+
+pub fn transpose(
+    ctx: &mut Ctx,
+    node: &NodeProto,
+    gy: &[Option<String>],
+    _: &[bool],
+) -> Result<Grads, Error> {
+    let perm = match attr_ints(node, "perm") {
+        Some(p) => p,
+        None => (0..ctx.rank(&node.input[0], node)? as i64).rev().collect(),
+    };
+    let mut inverse = vec![0i64; perm.len()];
+    for (k, &p) in perm.iter().enumerate() {
+        let slot = usize::try_from(p).ok().and_then(|p| inverse.get_mut(p));
+        match slot {
+            Some(s) => *s = k as i64,
+            None => {
+                return Err(Error::MalformedGraph(format!(
+                    "Transpose node '{}' has an invalid perm",
+                    node.name()
+                )))
+            }
+        }
+    }
+    let gx = ctx.b.transpose(&g0(gy), &inverse, "grad/transpose");
+    ctx.ranks.set(&gx, perm.len());
+    Ok(vec![Some(gx)])
+}
+
+pub fn expand(
+    ctx: &mut Ctx,
+    node: &NodeProto,
+    gy: &[Option<String>],
+    _: &[bool],
+) -> Result<Grads, Error> {
+    let rank = ctx.ranks.get(&node.output[0]);
+    Ok(vec![Some(ctx.unbroadcast(&g0(gy), &node.input[0], rank))])
+}
+
+/// The gradient lands where the slice read: the same Slice applied to the flat element
+/// indices of the input says where, and a ScatterElements puts it there.
+pub fn slice(
+    ctx: &mut Ctx,
+    node: &NodeProto,
+    gy: &[Option<String>],
+    _: &[bool],
+) -> Result<Grads, Error> {
+    let x = node.input[0].as_str();
+    let n = ctx.op("Size", &[x], "grad/slice_n");
+    let zero = ctx.b.const_i64("grad/c", &[], &[0]);
+    let one = ctx.b.const_i64("grad/c", &[], &[1]);
+    let flat_idx = ctx.op("Range", &[&zero, &n, &one], "grad/slice_flat_idx");
+    let shape = ctx.shape(x);
+    let idx = ctx.op("Reshape", &[&flat_idx, &shape], "grad/slice_idx");
+    let mut inputs: Vec<&str> = vec![&idx];
+    inputs.extend(node.input.iter().skip(1).map(|s| s.as_str()));
+    let picked = ctx.b.node("Slice", &inputs, "grad/slice_picked", vec![]);
+    let minus_one = ctx.i64s(&[-1]);
+    let picked = ctx.op("Reshape", &[&picked, &minus_one], "grad/slice_picked_flat");
+    let g = ctx.op("Reshape", &[&g0(gy), &minus_one], "grad/slice_g_flat");
+    let one_d = ctx.i64s(&[1]);
+    let n1 = ctx.op("Reshape", &[&n, &one_d], "grad/slice_n_1d");
+    let zeros = ctx.zeros(&n1);
+    let flat = ctx.b.node(
+        "ScatterElements",
+        &[&zeros, &picked, &g],
+        "grad/slice_flat",
+        vec![int_attr("axis", 0)],
+    );
+    let gx = ctx.op("Reshape", &[&flat, &shape], "grad/slice");
+    if let Some(r) = ctx.ranks.get(x) {
+        ctx.ranks.set(&gx, r);
+    }
+    Ok(vec![Some(gx)])
+}
+
+/// Each input's part of the output gradient, sliced along the concat axis.
+pub fn concat(
+    ctx: &mut Ctx,
+    node: &NodeProto,
+    gy: &[Option<String>],
+    wants: &[bool],
+) -> Result<Grads, Error> {
+    let g = g0(gy);
+    let axis = attr_i(node, "axis").unwrap_or(0);
+    let axis_t = ctx.i64s(&[axis]);
+    let mut start = ctx.i64s(&[0]);
+    let mut out = vec![None; node.input.len()];
+    for (i, x) in node.input.iter().enumerate() {
+        let s = ctx.shape(x);
+        let len = ctx.b.gather(&s, &axis_t, 0, "grad/concat_len");
+        let end = ctx.op("Add", &[&start, &len], "grad/concat_end");
+        if wants[i] {
+            let part = ctx
+                .b
+                .node("Slice", &[&g, &start, &end, &axis_t], "grad/concat", vec![]);
+            if let Some(r) = ctx.ranks.get(x) {
+                ctx.ranks.set(&part, r);
+            }
+            out[i] = Some(part);
+        }
+        start = end;
+    }
+    Ok(out)
+}
+
+/// The output gradients concatenated back (zeros for outputs no gradient reached).
+pub fn split(
+    ctx: &mut Ctx,
+    node: &NodeProto,
+    gy: &[Option<String>],
+    _: &[bool],
+) -> Result<Grads, Error> {
+    let axis = attr_i(node, "axis").unwrap_or(0);
+    let parts: Vec<String> = node
+        .output
+        .iter()
+        .zip(gy)
+        .map(|(o, g)| match g {
+            Some(g) => g.clone(),
+            None => ctx.zeros_like(o),
+        })
+        .collect();
+    let refs: Vec<&str> = parts.iter().map(|s| s.as_str()).collect();
+    let gx = ctx.b.concat(&refs, axis, "grad/split");
+    if let Some(r) = ctx.ranks.get(&node.input[0]) {
+        ctx.ranks.set(&gx, r);
+    }
+    Ok(vec![Some(gx)])
+}
+
+/// Gather / GatherElements: the gradient is scattered back with addition (repeated indices
+/// add up). Gather along axis a works on the data with axis a moved to the front, so an
+/// embedding (a = 0) needs no transpose and its gradient costs one ScatterND over the batch's
+/// rows, not a dense one-hot product. Below opset 16 (no ScatterND reduction) Gather uses a
+/// one-hot MatMul, linear in the batch.
+pub fn gather(
+    ctx: &mut Ctx,
+    node: &NodeProto,
+    gy: &[Option<String>],
+    _: &[bool],
+) -> Result<Grads, Error> {
+    let g = g0(gy);
+    let data = node.input[0].as_str();
+    let idx = node.input[1].as_str();
+    let axis = attr_i(node, "axis").unwrap_or(0);
+    if node.op_type() == "GatherElements" {
+        if ctx.opset < 16 {
+            return Err(Error::Usage(format!(
+                "GatherElements node '{}': its gradient needs ScatterElements with reduction (opset >= 16); re-export with opset 16 or newer",
+                node.name()
+            )));
+        }
+        let zeros = ctx.zeros_like(data);
+        let gx = ctx.b.node(
+            "ScatterElements",
+            &[&zeros, idx, &g],
+            "grad/gather_elements",
+            vec![int_attr("axis", axis), string_attr("reduction", "add")],
+        );
+        return Ok(vec![Some(gx)]);
+    }
+    let r = ctx.rank(data, node)?;
+    let ri = ctx.rank(idx, node)?;
+    let a = if axis < 0 { axis + r as i64 } else { axis } as usize;
+    if a >= r {
+        return Err(Error::MalformedGraph(format!(
+            "Gather node '{}' has axis {axis} for rank {r}",
+            node.name()
+        )));
+    }
+    // Move the gathered axis (data) / the index axes (gradient) to the front.
+    let (data_t, g_t) = if a == 0 {
+        (data.to_string(), g)
+    } else {
+        let mut perm: Vec<i64> = vec![a as i64];
+        perm.extend((0..r as i64).filter(|&k| k != a as i64));
+        let data_t = ctx.b.transpose(data, &perm, "grad/gather_data_t");
+        let rg = r + ri - 1;
+        let mut gperm: Vec<i64> = (a..a + ri).map(|k| k as i64).collect();
+        gperm.extend((0..rg as i64).filter(|&k| k < a as i64 || k >= (a + ri) as i64));
+        let g_t = ctx.b.transpose(&g, &gperm, "grad/gather_g_t");
+        (data_t, g_t)
+    };
+    let shape_t = ctx.shape(&data_t);
+    let dim = ctx.b.slice(&shape_t, 0, 1, 0, "grad/gather_dim");
+    let minus_one = ctx.i64s(&[-1]);
+    let flat_idx = ctx.op("Reshape", &[idx, &minus_one], "grad/gather_idx");
+    // Negative indices count from the end.
+    let zero = ctx.b.const_i64("grad/c", &[], &[0]);
+    let neg = ctx.op("Less", &[&flat_idx, &zero], "grad/gather_neg");
+    let wrapped = ctx.op("Add", &[&flat_idx, &dim], "grad/gather_wrapped");
+    let flat_idx = ctx
+        .b
+        .where_(&neg, &wrapped, &flat_idx, "grad/gather_idx_pos");
+    let rest = ctx.b.slice(&shape_t, 1, i64::MAX, 0, "grad/gather_rest");
+    let gshape = ctx.b.concat(&[&minus_one, &rest], 0, "grad/gather_gshape");
+    let g_flat = ctx.op("Reshape", &[&g_t, &gshape], "grad/gather_g");
+    let gx_t = if ctx.opset >= 16 {
+        let zeros = ctx.zeros(&shape_t);
+        let ind = ctx.b.unsqueeze(&flat_idx, &[1], "grad/gather_nd_idx");
+        ctx.b.node(
+            "ScatterND",
+            &[&zeros, &ind, &g_flat],
+            "grad/gather_scatter",
+            vec![string_attr("reduction", "add")],
+        )
+    } else {
+        let values = ctx.b.const_f32("grad/onehot_values", &[2], &[0.0, 1.0]);
+        let onehot = ctx.b.node(
+            "OneHot",
+            &[&flat_idx, &dim, &values],
+            "grad/gather_onehot",
+            vec![],
+        );
+        let oh_t = ctx.b.transpose(&onehot, &[1, 0], "grad/gather_onehot_t");
+        let n = ctx.shape(&flat_idx);
+        let g2shape = ctx.b.concat(&[&n, &minus_one], 0, "grad/gather_g2shape");
+        let g2 = ctx.op("Reshape", &[&g_flat, &g2shape], "grad/gather_g2");
+        let prod = ctx.op("MatMul", &[&oh_t, &g2], "grad/gather_onehot_sum");
+        ctx.op("Reshape", &[&prod, &shape_t], "grad/gather_dense")
+    };
+    let gx = if a == 0 {
+        gx_t
+    } else {
+        let mut inverse = vec![0i64; r];
+        let mut perm: Vec<i64> = vec![a as i64];
+        perm.extend((0..r as i64).filter(|&k| k != a as i64));
+        for (k, &p) in perm.iter().enumerate() {
+            inverse[p as usize] = k as i64;
+        }
+        ctx.b.transpose(&gx_t, &inverse, "grad/gather")
+    };
+    ctx.ranks.set(&gx, r);
+    Ok(vec![Some(gx)])
+}

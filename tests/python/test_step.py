@@ -1,0 +1,242 @@
+"""`ntl-patch step`: the standard-ONNX training step against torch and ORT Training.
+
+The step graph is run by plain `onnxruntime` (no training API), so the gradients and the
+optimizer are ntl-patch's own, emitted as ONNX ops. References:
+  - gradients: torch autograd of CE + 0.3·ntloss / NTIL (float64) on the same weights, via
+    the `--split` gradient graph (its outputs are the parameter gradients themselves);
+  - training: torch.optim.AdamW / SGD(momentum) on the tiny LM in float32, 20 steps on
+    batches of changing shape (one graph, dynamic batch and sequence);
+  - ORT Training 1.19.2 trained from the forward patch (generate_artifacts, AdamW), the
+    trainer ntl-patch used to rely on.
+Measure: norm-relative error per parameter (floor 1e-3·‖all‖, as in test_ort_training.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import MODELS, TOKENIZER, run_patch
+from test_ort_training import _batch, _norm_rel, _quiet_ort
+
+WEIGHT = 0.3
+GRAD_RTOL = 1e-5
+TRAJ_RTOL = 1e-4
+STEPS = 20
+
+GRAD_CASES = [(m, l) for m in ("lm_flat", "lm_bvt", "lm_nll") for l in ("wasserstein", "mse", "ntil")]
+NTIL_ARGS = ["--gumbel-noise", "0", "--combine", "add"]
+
+
+def _step(model: Path, out: Path, loss: str, *extra) -> dict:
+    args = [model, "--loss", loss, "--tokenizer", TOKENIZER, "--weight", str(WEIGHT), "-o", out, "--json"]
+    if loss == "ntil":
+        args += NTIL_ARGS
+    r = run_patch(["step", *args, *extra])
+    assert r.returncode == 0, f"ntl-patch step exited {r.returncode}\n{r.stdout}\n{r.stderr}"
+    return json.loads(r.stdout)
+
+
+def _session(path: Path):
+    ort = _quiet_ort()
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def _reference(loss: str, weights, input_ids, labels):
+    if loss == "ntil":
+        import ntil_torch
+
+        return ntil_torch.model_reference(weights, torch.from_numpy(input_ids), torch.from_numpy(labels),
+                                          "ntil", "add", weight=WEIGHT, noise_scale=0.0)
+    import ntl_torch
+
+    return ntl_torch.model_reference(weights, torch.from_numpy(input_ids), torch.from_numpy(labels), loss,
+                                     weight=WEIGHT)
+
+
+@pytest.mark.parametrize("model,loss", GRAD_CASES, ids=[f"{m}-{l}" for m, l in GRAD_CASES])
+def test_gradient_graph_matches_torch(model, loss, weights, tmp_path):
+    out = tmp_path / "m.grad.onnx"
+    summary = _step(MODELS / f"{model}.onnx", out, loss, "--split")
+    g = onnx.load(str(out))
+    assert {n.domain for n in g.graph.node} <= {"", "ai.onnx"}, "non-default domain in the gradient graph"
+    params = summary["parameters"]
+    assert sorted(params) == sorted(weights), "every float initializer of the tiny LM trains"
+    input_ids, labels = _batch()
+    outs = _session(out).run(None, {"input_ids": input_ids, "labels": labels})
+    total, ce, number, want = _reference(loss, weights, input_ids, labels)
+    assert abs(outs[0] - total) <= 1e-5 * abs(total)
+    assert abs(outs[1] - ce) <= 1e-5 * abs(ce)
+    assert abs(outs[2] - number) <= 1e-5 * max(abs(number), 1e-6)
+    got = dict(zip(params, outs[3:]))
+    all_want = np.concatenate([want[p].ravel() for p in params])
+    floor = 1e-3 * float(np.linalg.norm(all_want))
+    errs = {p: _norm_rel(got[p].astype(np.float64), want[p], floor) for p in params}
+    worst = max(errs, key=errs.get)
+    print(f"{model}/{loss}: worst parameter {worst} {errs[worst]:.2e}")
+    assert errs[worst] <= GRAD_RTOL, errs
+
+
+def _batches(n: int, seed: int = 0):
+    """Batches of changing shape: one graph serves every batch size and sequence length."""
+    rng = np.random.default_rng(seed)
+    ids = np.array([18, 29, 25, 36, 35, 7, 27, 21, 10, 38, 4, 5, 6, 8, 9, 11], dtype=np.int64)
+    out = []
+    for k in range(n):
+        b, t = [(2, 7), (3, 5), (1, 9)][k % 3]
+        x = rng.choice(ids, size=(b, t))
+        y = rng.choice(ids, size=(b, t))
+        y[rng.random((b, t)) < 0.2] = -100
+        out.append((x, y))
+    return out
+
+
+def _torch_run(weights, optimizer: str, batches, loss: str):
+    import ntl_torch
+    import tiny_lm
+    from tiny_lm import VOCAB
+
+    m = tiny_lm.build("flat", {k: v.clone() for k, v in weights.items()})
+    m.train()
+    params = dict(m.named_parameters())
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(params.values(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    else:
+        opt = torch.optim.SGD(params.values(), lr=1e-2, momentum=0.9, weight_decay=0.01)
+    obj = ntl_torch.ntloss_object(loss)
+    losses = []
+    for x, y in batches:
+        logits = m.logits(torch.from_numpy(x))
+        ce = F.cross_entropy(logits.reshape(-1, VOCAB), torch.from_numpy(y).reshape(-1), ignore_index=-100)
+        total = ce + WEIGHT * ntl_torch.ntl_value(obj, logits, torch.from_numpy(y))
+        opt.zero_grad()
+        total.backward()
+        opt.step()
+        losses.append(total.item())
+    return losses, {k: v.detach().numpy().copy() for k, v in params.items()}
+
+
+def _run_step_graph(path: Path, batches):
+    """Feeds each step's state outputs back as the next step's inputs (plain InferenceSession)."""
+    sess = _session(path)
+    meta = json.loads(sess.get_modelmeta().custom_metadata_map["ntl_step"])
+    state = {}
+    losses = []
+    out_names = [o.name for o in sess.get_outputs()]
+    for x, y in batches:
+        outs = sess.run(None, {"input_ids": x, "labels": y, **state})
+        got = dict(zip(out_names, outs))
+        losses.append(float(outs[0]))
+        state = {i: got[o] for i, o in meta["state"]}
+    return losses, {p: state[p] for p in meta["parameters"]}, meta
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_step_graph_trains_like_torch(optimizer, weights, tmp_path):
+    out = tmp_path / "m.step.onnx"
+    extra = ["--optimizer", optimizer]
+    extra += ["--lr", "1e-3"] if optimizer == "adamw" else ["--lr", "1e-2", "--momentum", "0.9", "--weight-decay", "0.01"]
+    _step(MODELS / "lm_flat.onnx", out, "wasserstein", *extra)
+    batches = _batches(STEPS)
+    got_losses, got_params, meta = _run_step_graph(out, batches)
+    want_losses, want_params = _torch_run(weights, optimizer, batches, "wasserstein")
+    np.testing.assert_allclose(got_losses, want_losses, rtol=TRAJ_RTOL)
+    _assert_params_close(got_params, want_params, adam=optimizer == "adamw")
+    assert got_losses[-1] < got_losses[0] or optimizer == "sgd"
+
+
+def test_step_graph_matches_ort_training(tmp_path):
+    """The same 20 steps through ORT Training 1.19.2 (forward patch + generate_artifacts). Plain
+    SGD: ORT's AdamW is the Hugging Face variant (adam_mode=1: ε added before the bias
+    correction, ε = 1e-6 fixed by generate_artifacts), not torch's, so only SGD means the same
+    update in both and isolates the gradients."""
+    from onnxruntime.training import artifacts
+    from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+    _quiet_ort()
+    src = MODELS / "lm_flat.onnx"
+    fwd = tmp_path / "m.ntl.onnx"
+    r = run_patch([src, "--tokenizer", TOKENIZER, "--weight", str(WEIGHT), "-o", fwd])
+    assert r.returncode == 0, r.stderr
+    model = onnx.load(str(fwd))
+    params = [t.name for t in model.graph.initializer if not t.name.startswith("ntl/")
+              and t.data_type == onnx.TensorProto.FLOAT]
+    art = tmp_path / "art"
+    art.mkdir()
+    artifacts.generate_artifacts(model, requires_grad=params, frozen_params=[], loss=None,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=str(art))
+    state = CheckpointState.load_checkpoint(str(art / "checkpoint"))
+    module = Module(str(art / "training_model.onnx"), state, str(art / "eval_model.onnx"))
+    opt = Optimizer(str(art / "optimizer_model.onnx"), module)
+    opt.set_learning_rate(1e-2)
+    module.train()
+    batches = _batches(STEPS, seed=1)
+    ort_losses = []
+    for x, y in batches:
+        outs = module(x, y)
+        ort_losses.append(float(outs[0]))
+        opt.step()
+        module.lazy_reset_grad()
+    ort_params = {p: state.parameters[p].data for p in params}
+
+    out = tmp_path / "m.step.onnx"
+    _step(src, out, "wasserstein", "--optimizer", "sgd", "--lr", "1e-2")
+    got_losses, got_params, _ = _run_step_graph(out, batches)
+    np.testing.assert_allclose(got_losses, ort_losses, rtol=TRAJ_RTOL)
+    _assert_params_close(got_params, ort_params, adam=False)
+
+
+def _assert_params_close(got: dict, want: dict, adam: bool) -> None:
+    """Norm-relative per parameter and over all. Except k.bias: the tiny LM's key bias has an
+    exactly-zero true gradient (softmax ignores a shift of a whole row of scores), so its
+    float32 gradient is round-off, which Adam normalises into ±lr steps of arbitrary sign in
+    any two implementations (SGD keeps it small and is compared in full)."""
+    want = {p: w for p, w in want.items() if not (adam and p == "k.bias")}
+    all_want = np.concatenate([w.ravel() for w in want.values()])
+    floor = 1e-3 * float(np.linalg.norm(all_want))
+    errs = {p: _norm_rel(got[p], want[p], floor) for p in want}
+    assert max(errs.values()) <= TRAJ_RTOL, errs
+    all_got = np.concatenate([got[p].ravel() for p in want])
+    assert _norm_rel(all_got, all_want, 0.0) <= TRAJ_RTOL
+
+
+def test_step_graph_contract(tmp_path):
+    out = tmp_path / "m.step.onnx"
+    _step(MODELS / "lm_flat.onnx", out, "wasserstein")
+    before = onnx.load(str(MODELS / "lm_flat.onnx"))
+    m = onnx.load(str(out))
+    onnx.checker.check_model(m, full_check=True)
+    assert m.ir_version == before.ir_version
+    assert {o.domain or "ai.onnx": o.version for o in m.opset_import} == {
+        o.domain or "ai.onnx": o.version for o in before.opset_import}
+    assert {n.domain for n in m.graph.node} <= {"", "ai.onnx"}
+    meta = json.loads({p.key: p.value for p in m.metadata_props}["ntl_step"])
+    inputs = [i.name for i in m.graph.input]
+    data = [i.name for i in before.graph.input]
+    assert inputs[: len(data)] == data
+    assert inputs[len(data):] == [i for i, _ in meta["state"]] + ["ntl/lr"]
+    outputs = [o.name for o in m.graph.output]
+    assert outputs == ["loss", "ce_loss", "number_loss"] + [o for _, o in meta["state"]]
+    inits = {t.name for t in m.graph.initializer}
+    assert all(i in inits for i in inputs[len(data):]), "every state input has its initial value"
+    # symbolic batch and sequence dims stay symbolic
+    dims = [d.dim_param for d in m.graph.input[0].type.tensor_type.shape.dim]
+    assert dims == [d.dim_param for d in before.graph.input[0].type.tensor_type.shape.dim]
+
+
+def test_learning_rate_input(tmp_path):
+    """`ntl/lr` overrides the default per step: lr 0 leaves the parameters unchanged."""
+    out = tmp_path / "m.step.onnx"
+    _step(MODELS / "lm_flat.onnx", out, "wasserstein", "--optimizer", "sgd", "--lr", "0.5")
+    sess = _session(out)
+    x, y = _batch()
+    names = [o.name for o in sess.get_outputs()]
+    outs = dict(zip(names, sess.run(None, {"input_ids": x, "labels": y, "ntl/lr": np.array(0.0, np.float32)})))
+    w = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer}
+    np.testing.assert_array_equal(outs["ntl/next/head.weight"], w["head.weight"])
