@@ -10,6 +10,7 @@
 //! rely on those stop edges (the `scaled` combination, NTIL's straight-through estimator)
 //! mean the same here.
 
+pub mod canonical;
 pub mod ranks;
 pub mod rules;
 

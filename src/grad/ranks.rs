@@ -118,17 +118,34 @@ impl Ranks {
                 Some(n) => rk(0).map(|r| r.saturating_sub(n)),
                 None => None,
             },
-            "Reshape" => len(1).or_else(|| {
-                node.input
-                    .get(1)
-                    .and_then(|s| index.constant_i64(s))
-                    .map(|v| v.len())
-            }),
+            "Reshape" => {
+                let target = node.input.get(1).and_then(|s| index.constant_i64(s));
+                // A 1-D vector reshaped to [-1] keeps its length.
+                if let (Some(t), Some(1), Some(l)) = (&target, rk(0), len(0)) {
+                    if t.as_slice() == [-1] {
+                        self.len1d.insert(node.output[0].clone(), l);
+                    }
+                }
+                len(1).or(target.map(|v| v.len()))
+            }
             "Expand" => {
                 let l = len(1);
                 rk(0).zip(l).map(|(a, b)| a.max(b))
             }
-            "ConstantOfShape" => len(0),
+            "ConstantOfShape" => {
+                // ConstantOfShape(Shape(v)) of a 1-D v is a vector as long as v.
+                let of_vector = node
+                    .input
+                    .first()
+                    .and_then(|shape| index.producer(shape))
+                    .and_then(|(_, p)| (p.op_type() == "Shape").then(|| p.input.first()).flatten());
+                if let Some(v) = of_vector {
+                    if let (Some(1), Some(l)) = (self.get(v), self.len1d.get(v).copied()) {
+                        self.len1d.insert(node.output[0].clone(), l);
+                    }
+                }
+                len(0)
+            }
             "MatMul" => match (rk(0), rk(1)) {
                 (Some(1), Some(1)) => Some(0),
                 (Some(1), Some(b)) => Some(b - 1),
@@ -186,13 +203,9 @@ impl Ranks {
                 }
                 rk(0)
             }
-            "Where" => (0..3)
-                .map(rk)
-                .collect::<Option<Vec<_>>>()
-                .and_then(|r| r.into_iter().max()),
             "Add" | "Sub" | "Mul" | "Div" | "Pow" | "Equal" | "Less" | "Greater"
             | "LessOrEqual" | "GreaterOrEqual" | "And" | "Or" | "Xor" | "Max" | "Min" | "Mod"
-            | "Sum" | "Mean" | "PRelu" => {
+            | "Sum" | "Mean" | "PRelu" | "Where" => {
                 // Broadcasting: the largest input rank, known only when every rank is.
                 let ranks: Option<Vec<usize>> = (0..node.input.len()).map(rk).collect();
                 let out = ranks.and_then(|r| r.into_iter().max());
@@ -220,6 +233,15 @@ impl Ranks {
             // Everything else used on a training path keeps its first input's rank.
             _ => rk(0),
         };
+        if out.is_none() && std::env::var_os("NTL_DEBUG_RANKS").is_some() {
+            eprintln!(
+                "rank? {} {} in={:?} len={:?}",
+                node.op_type(),
+                node.name(),
+                in_rank,
+                in_len
+            );
+        }
         if let (Some(r), Some(o)) = (out, node.output.first()) {
             if !o.is_empty() {
                 self.rank.entry(o.clone()).or_insert(r);

@@ -200,11 +200,13 @@ fn is_buffer(name: &str) -> bool {
 /// update graph as a separate model).
 fn build(model: &mut ModelProto, req: &StepRequest) -> Result<Built, Error> {
     let opset = default_opset(model).expect("checked by the patch step");
-    let graph = model.graph.as_ref().expect("loaded models have a graph");
+    let graph = model.graph.as_mut().expect("loaded models have a graph");
+    let mut b = Builder::new(PREFIX, opset, GraphIndex::new(graph).taken_names());
+    crate::grad::canonical::canonicalize(graph, &mut b);
+    let graph = &*graph;
     let loss = graph.output[0].name().to_string();
     let index = GraphIndex::new(graph);
     let mut ranks = Ranks::infer(&index);
-    let taken = index.taken_names();
 
     let float_inits: Vec<&TensorProto> = graph
         .initializer
@@ -269,7 +271,6 @@ fn build(model: &mut ModelProto, req: &StepRequest) -> Result<Built, Error> {
         .map(|d| d.iter().map(|&x| x as u64).product::<u64>())
         .sum();
 
-    let mut b = Builder::new(PREFIX, opset, taken);
     let nodes = graph.node.clone();
     let grads = {
         let mut ctx = Ctx::new(&mut b, &mut ranks, opset);

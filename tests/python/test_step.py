@@ -240,3 +240,52 @@ def test_learning_rate_input(tmp_path):
     outs = dict(zip(names, sess.run(None, {"input_ids": x, "labels": y, "ntl/lr": np.array(0.0, np.float32)})))
     w = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer}
     np.testing.assert_array_equal(outs["ntl/next/head.weight"], w["head.weight"])
+
+
+# ---------------------------------------------------------------- transformers GPT-2 / Llama
+# Exported with their own loss (HF's shifted cross-entropy) by both torch exporters; torch
+# references from fixtures/generate_step.py (fixtures/reference/step/).
+HF_MODELS = ["gpt2_ts", "gpt2_dynamo", "llama_ts", "llama_dynamo"]
+HF_CASES = [(m, l) for m in HF_MODELS for l in ("wasserstein", "mse", "ntil")]
+STEP_REF = MODELS.parent / "reference" / "step"
+
+
+def _hf_reference(model: str):
+    return np.load(STEP_REF / f"{model.split('_')[0]}.npz")
+
+
+@pytest.mark.parametrize("model,loss", HF_CASES, ids=[f"{m}-{l}" for m, l in HF_CASES])
+def test_transformers_gradients_match_torch(model, loss, tmp_path):
+    ref = _hf_reference(model)
+    out = tmp_path / "m.grad.onnx"
+    summary = _step(MODELS / f"{model}.onnx", out, loss, "--split")
+    params = summary["parameters"]
+    want = {p: ref[f"grad/{loss}/float64/{p}"] for p in params}
+    assert len(params) == len([k for k in ref.files if k.startswith(f"grad/{loss}/float64/")]), \
+        "every torch parameter trains, nothing else"
+    x, y = ref["batch/input_ids"], ref["batch/labels"]
+    outs = _session(out).run(None, {"input_ids": x, "labels": y})
+    total, ce, number = ref[f"forward/{loss}/float64"]
+    np.testing.assert_allclose(outs[:3], [total, ce, number], rtol=1e-5, atol=1e-7)
+    got = dict(zip(params, outs[3:]))
+    all_want = np.concatenate([want[p].ravel() for p in params])
+    floor = 1e-3 * float(np.linalg.norm(all_want))
+    errs = {p: _norm_rel(got[p].astype(np.float64), want[p], floor) for p in params}
+    worst = max(errs, key=errs.get)
+    print(f"{model}/{loss}: worst parameter {worst} {errs[worst]:.2e}")
+    assert errs[worst] <= GRAD_RTOL, errs
+
+
+@pytest.mark.parametrize("model", HF_MODELS)
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_transformers_train_like_torch(model, optimizer, tmp_path):
+    ref = _hf_reference(model)
+    out = tmp_path / "m.step.onnx"
+    extra = ["--optimizer", optimizer]
+    extra += ["--lr", "1e-3"] if optimizer == "adamw" else ["--lr", "1e-2", "--momentum", "0.9", "--weight-decay", "0.01"]
+    _step(MODELS / f"{model}.onnx", out, "wasserstein", *extra)
+    batches = [(ref[f"traj/batch/{k:02d}/input_ids"], ref[f"traj/batch/{k:02d}/labels"]) for k in range(STEPS)]
+    got_losses, got_params, _ = _run_step_graph(out, batches)
+    np.testing.assert_allclose(got_losses, ref[f"traj/{optimizer}/loss"][:, 0], rtol=TRAJ_RTOL)
+    want = {p: ref[f"traj/{optimizer}/final/{p}"] for p in got_params}
+    _assert_params_close(got_params, want, adam=False)

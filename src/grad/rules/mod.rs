@@ -61,6 +61,8 @@ pub fn rule(op: &str) -> Option<Rule> {
         "Concat" => r(all, shape::concat),
         "Split" => r(first, shape::split),
         "Gather" | "GatherElements" => r(first, shape::gather),
+        "GatherND" => r(first, shape::gather_nd),
+        "Pad" => r(first, shape::pad),
         _ => None,
     }
 }

@@ -261,3 +261,59 @@ pub fn gather(
     ctx.ranks.set(&gx, r);
     Ok(vec![Some(gx)])
 }
+
+/// GatherND (batch_dims 0): the gradient is scattered back with addition.
+pub fn gather_nd(
+    ctx: &mut Ctx,
+    node: &NodeProto,
+    gy: &[Option<String>],
+    _: &[bool],
+) -> Result<Grads, Error> {
+    if attr_i(node, "batch_dims").unwrap_or(0) != 0 || ctx.opset < 16 {
+        return Err(Error::Usage(format!(
+            "GatherND node '{}': its gradient is supported for batch_dims 0 at opset >= 16 only",
+            node.name()
+        )));
+    }
+    let zeros = ctx.zeros_like(&node.input[0]);
+    let gx = ctx.b.node(
+        "ScatterND",
+        &[&zeros, &node.input[1], &g0(gy)],
+        "grad/gather_nd",
+        vec![string_attr("reduction", "add")],
+    );
+    Ok(vec![Some(gx)])
+}
+
+/// Constant-mode Pad: the gradient is the padded output's gradient with the padding cut off,
+/// i.e. the same Pad with negated pads (negative pads crop).
+pub fn pad(
+    ctx: &mut Ctx,
+    node: &NodeProto,
+    gy: &[Option<String>],
+    _: &[bool],
+) -> Result<Grads, Error> {
+    let mode = crate::onnx::attr_s(node, "mode").unwrap_or_else(|| "constant".into());
+    if mode != "constant" {
+        return Err(Error::Usage(format!(
+            "Pad node '{}' uses mode '{mode}'; the step graph differentiates constant padding only",
+            node.name()
+        )));
+    }
+    let pads = node
+        .input
+        .get(1)
+        .filter(|p| !p.is_empty())
+        .ok_or_else(|| Error::Usage(format!("Pad node '{}' has no pads input", node.name())))?;
+    let neg = ctx.op("Neg", &[pads], "grad/pad_crop");
+    let mut inputs: Vec<String> = vec![g0(gy), neg, String::new()];
+    if let Some(axes) = node.input.get(3).filter(|a| !a.is_empty()) {
+        inputs.push(axes.clone());
+    }
+    let refs: Vec<&str> = inputs.iter().map(|s| s.as_str()).collect();
+    let gx = ctx.b.node("Pad", &refs, "grad/pad", vec![]);
+    if let Some(r) = ctx.ranks.get(&node.input[0]) {
+        ctx.ranks.set(&gx, r);
+    }
+    Ok(vec![Some(gx)])
+}
