@@ -17,6 +17,7 @@ pub mod patch;
 pub mod pipeline;
 pub mod progress;
 mod python_float;
+pub mod ranks;
 pub mod rewrite;
 pub mod step;
 mod unicode_digits;

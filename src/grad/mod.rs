@@ -11,7 +11,6 @@
 //! mean the same here.
 
 pub mod canonical;
-pub mod ranks;
 pub mod rules;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -19,7 +18,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use crate::error::Error;
 use crate::onnx::{f32_tensor, i64_tensor, int_attr, tensor_attr, NodeProto, FLOAT};
 use crate::ops::Builder;
-use ranks::Ranks;
+use crate::ranks::Ranks;
 
 /// What a rule emits with: the node builder, ranks, the opset, and small cached constants.
 pub struct Ctx<'a> {

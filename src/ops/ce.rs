@@ -118,8 +118,10 @@ pub fn sequence_inputs(
 /// known rank >= 2.
 fn sequence_labels(index: &GraphIndex, labels: &str) -> Option<String> {
     let mut tensor = labels.to_string();
+    let ranks = crate::ranks::Ranks::infer(index);
     for _ in 0..16 {
-        if crate::graph::static_rank(index, &tensor).is_some_and(|r| r >= 2) {
+        let rank = crate::graph::static_rank(index, &tensor).or_else(|| ranks.get(&tensor));
+        if rank.is_some_and(|r| r >= 2) {
             return Some(tensor);
         }
         let (_, node) = index.producer(&tensor)?;

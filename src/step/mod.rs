@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use crate::error::Error;
-use crate::grad::{self, ranks::Ranks, Ctx};
+use crate::grad::{self, Ctx};
 use crate::graph::GraphIndex;
 use crate::model_io::{load_model, model_dir, save_model_from};
 use crate::onnx::{
@@ -19,6 +19,7 @@ use crate::onnx::{
 };
 use crate::ops::Builder;
 use crate::pipeline::{patch_model, PatchRequest, PatchSummary};
+use crate::ranks::Ranks;
 use crate::rewrite::{CE_OUTPUT, NUMBER_OUTPUT, PREFIX};
 use optimizer::{emit_update, ParamUpdate};
 pub use optimizer::{OptimizerKind, OptimizerOptions};

@@ -233,15 +233,6 @@ impl Ranks {
             // Everything else used on a training path keeps its first input's rank.
             _ => rk(0),
         };
-        if out.is_none() && std::env::var_os("NTL_DEBUG_RANKS").is_some() {
-            eprintln!(
-                "rank? {} {} in={:?} len={:?}",
-                node.op_type(),
-                node.name(),
-                in_rank,
-                in_len
-            );
-        }
         if let (Some(r), Some(o)) = (out, node.output.first()) {
             if !o.is_empty() {
                 self.rank.entry(o.clone()).or_insert(r);
