@@ -1,0 +1,205 @@
+//! `ntl-patch step`: the step graph's structure, determinism, `--freeze`, and every refusal
+//! (one line, exit 1, no file written, input untouched). Numbers are checked against torch
+//! and ORT Training in tests/python/test_step.py.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+use ntl_patch::onnx::ModelProto;
+use prost::Message;
+
+/// A temp folder with `model.onnx` (from `src`, optionally edited) and the fixture tokenizer.
+fn case(src: &Path, edit: impl FnOnce(&mut ModelProto)) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.onnx");
+    let mut m = read_model(src);
+    edit(&mut m);
+    std::fs::write(&path, m.encode_to_vec()).unwrap();
+    std::fs::copy(tokenizer(), dir.path().join("tokenizer.json")).unwrap();
+    (dir, path)
+}
+
+fn listing(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+fn step_fails(model: &Path, args: &[&str], needle: &str) {
+    let dir = model.parent().unwrap();
+    let before = std::fs::read(model).unwrap();
+    let files = listing(dir);
+    let out = bin().arg("step").arg(model).args(args).assert().code(1);
+    let stderr = String::from_utf8_lossy(&out.get_output().stderr).to_string();
+    assert_eq!(stderr.trim_end().lines().count(), 1, "one line: {stderr}");
+    assert!(stderr.starts_with("error: "), "{stderr}");
+    assert!(stderr.contains(needle), "expected '{needle}' in: {stderr}");
+    assert_eq!(std::fs::read(model).unwrap(), before, "input untouched");
+    assert_eq!(listing(dir), files, "no output, no temp file left");
+}
+
+fn metadata(m: &ModelProto) -> serde_json::Value {
+    let v = m
+        .metadata_props
+        .iter()
+        .find(|p| p.key() == "ntl_step")
+        .expect("ntl_step metadata");
+    serde_json::from_str(v.value()).unwrap()
+}
+
+#[test]
+fn step_graph_has_the_documented_interface() {
+    let (dir, m) = case(&model("lm_flat"), |_| {});
+    bin().arg("step").arg(&m).assert().success();
+    let out = read_model(&dir.path().join("model.step.onnx"));
+    let g = out.graph.as_ref().unwrap();
+    assert!(g.node.iter().all(|n| matches!(n.domain(), "" | "ai.onnx")));
+    let meta = metadata(&out);
+    let state: Vec<(String, String)> = serde_json::from_value(meta["state"].clone()).unwrap();
+    let inputs: Vec<&str> = g.input.iter().map(|i| i.name()).collect();
+    let mut want = vec!["input_ids".to_string(), "labels".to_string()];
+    want.extend(state.iter().map(|(i, _)| i.clone()));
+    want.push("ntl/lr".into());
+    assert_eq!(inputs, want);
+    let outputs: Vec<&str> = g.output.iter().map(|o| o.name()).collect();
+    let mut want = vec!["loss".to_string(), "ce_loss".into(), "number_loss".into()];
+    want.extend(state.iter().map(|(_, o)| o.clone()));
+    assert_eq!(outputs, want);
+    // AdamW: parameter, exp_avg, exp_avg_sq per parameter, then the step count
+    let params = meta["parameters"].as_array().unwrap().len();
+    assert_eq!(params, 15);
+    assert_eq!(state.len(), 3 * params + 1);
+    assert_eq!(state.last().unwrap().0, "ntl/state/step");
+    assert_eq!(meta["optimizer"]["name"], "adamw");
+}
+
+#[test]
+fn step_output_is_deterministic() {
+    let (dir, m) = case(&model("lm_bvt"), |_| {});
+    let a = dir.path().join("a.onnx");
+    let b = dir.path().join("b.onnx");
+    bin()
+        .arg("step")
+        .arg(&m)
+        .arg("-o")
+        .arg(&a)
+        .assert()
+        .success();
+    bin()
+        .arg("step")
+        .arg(&m)
+        .arg("-o")
+        .arg(&b)
+        .assert()
+        .success();
+    assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+}
+
+#[test]
+fn freeze_keeps_parameters_constant() {
+    let (dir, m) = case(&model("lm_flat"), |_| {});
+    let out = dir.path().join("f.onnx");
+    bin()
+        .arg("step")
+        .arg(&m)
+        .args(["--freeze", "emb.", "--freeze", "head.", "-o"])
+        .arg(&out)
+        .assert()
+        .success();
+    let meta = metadata(&read_model(&out));
+    let params: Vec<String> = serde_json::from_value(meta["parameters"].clone()).unwrap();
+    let frozen: Vec<String> = serde_json::from_value(meta["frozen"].clone()).unwrap();
+    assert_eq!(frozen, ["emb.weight", "head.weight", "head.bias"]);
+    assert_eq!(params.len(), 12);
+    assert!(params.iter().all(|p| !frozen.contains(p)));
+}
+
+#[test]
+fn split_writes_gradient_and_update_graphs() {
+    let (dir, m) = case(&model("lm_nll"), |_| {});
+    bin()
+        .arg("step")
+        .arg(&m)
+        .args(["--split", "--optimizer", "sgd", "--momentum", "0.9"])
+        .assert()
+        .success();
+    let grad = read_model(&dir.path().join("model.grad.onnx"));
+    let update = read_model(&dir.path().join("model.update.onnx"));
+    let g = grad.graph.as_ref().unwrap();
+    let params: Vec<String> =
+        serde_json::from_value(metadata(&grad)["parameters"].clone()).unwrap();
+    let outs: Vec<&str> = g.output.iter().map(|o| o.name()).collect();
+    assert_eq!(&outs[..3], ["loss", "ce_loss", "number_loss"]);
+    let grads: Vec<String> = params.iter().map(|p| format!("ntl/grad/{p}")).collect();
+    assert_eq!(
+        &outs[3..],
+        grads.iter().map(|s| s.as_str()).collect::<Vec<_>>()
+    );
+    let u = update.graph.as_ref().unwrap();
+    let u_inputs: Vec<&str> = u.input.iter().map(|i| i.name()).collect();
+    for gname in &grads {
+        assert!(
+            u_inputs.contains(&gname.as_str()),
+            "{gname} feeds the update"
+        );
+    }
+    assert!(u_inputs.contains(&"ntl/lr"));
+}
+
+#[test]
+fn refusals_are_one_line_and_write_nothing() {
+    let (_d, m) = case(&model("lm_flat"), |_| {});
+    step_fails(&m, &["--lr", "0"], "--lr must be");
+    step_fails(&m, &["--lr", "-1"], "--lr must be");
+    step_fails(&m, &["--lr", "NaN"], "--lr must be");
+    step_fails(&m, &["--lr", "inf"], "--lr must be");
+    step_fails(&m, &["--beta2", "1"], "--beta1 and --beta2");
+    step_fails(&m, &["--momentum", "0.9"], "SGD option");
+    step_fails(&m, &["--max-grad-norm", "0"], "--max-grad-norm");
+    step_fails(
+        &m,
+        &["--freeze", "no.such."],
+        "--freeze 'no.such.' matches no",
+    );
+}
+
+#[test]
+fn unsupported_op_on_a_parameter_path_is_named() {
+    // Tanh -> Softplus: same arity, no gradient rule.
+    let (_d, m) = case(&model("lm_flat"), |m| {
+        let g = m.graph.as_mut().unwrap();
+        let n = g.node.iter_mut().find(|n| n.op_type() == "Tanh").unwrap();
+        n.op_type = Some("Softplus".into());
+    });
+    step_fails(&m, &[], "no gradient rule for Softplus");
+}
+
+#[test]
+fn step_graphs_and_ort_training_graphs_are_refused() {
+    let (dir, m) = case(&model("lm_flat"), |_| {});
+    bin().arg("step").arg(&m).assert().success();
+    let step = dir.path().join("model.step.onnx");
+    step_fails(&step, &["-o", "again.onnx"], "already");
+
+    let (_d, t) = case(&model("lm_flat"), |m| {
+        let g = m.graph.as_mut().unwrap();
+        let mut n = g.node[0].clone();
+        n.op_type = Some("SoftmaxCrossEntropyLossGrad".into());
+        n.domain = Some("com.microsoft".into());
+        n.output = vec!["dlogits".into()];
+        n.name = Some("grad_node".into());
+        g.node.push(n);
+    });
+    step_fails(&t, &[], "ONNX Runtime training graph");
+    // the plain patch command refuses it too
+    let before = listing(t.parent().unwrap());
+    let out = bin().arg(&t).assert().code(1);
+    let stderr = String::from_utf8_lossy(&out.get_output().stderr).to_string();
+    assert!(stderr.contains("ntl-patch artifacts"), "{stderr}");
+    assert_eq!(listing(t.parent().unwrap()), before);
+}
