@@ -308,3 +308,72 @@ def test_transformers_train_like_torch(model, optimizer, tmp_path):
     if optimizer == "adamw":
         zero = _zero_grad_mask({p: ref[f"grad/wasserstein/float64/{p}"] for p in got_params})
     _assert_params_close(got_params, want, zero)
+
+
+def test_clip_grad_norm_matches_torch(weights, tmp_path):
+    """--max-grad-norm is torch.nn.utils.clip_grad_norm_ over all trained parameters."""
+    import ntl_torch
+    import tiny_lm
+    from tiny_lm import VOCAB
+
+    out = tmp_path / "m.step.onnx"
+    _step(MODELS / "lm_flat.onnx", out, "wasserstein", "--optimizer", "sgd", "--lr", "0.1",
+          "--max-grad-norm", "0.05")
+    batches = _batches(3)
+    _, got, _ = _run_step_graph(out, batches)
+    m = tiny_lm.build("flat", {k: v.clone() for k, v in weights.items()})
+    params = dict(m.named_parameters())
+    opt = torch.optim.SGD(params.values(), lr=0.1)
+    obj = ntl_torch.ntloss_object("wasserstein")
+    for x, y in batches:
+        logits = m.logits(torch.from_numpy(x))
+        ce = F.cross_entropy(logits.reshape(-1, VOCAB), torch.from_numpy(y).reshape(-1), ignore_index=-100)
+        total = ce + WEIGHT * ntl_torch.ntl_value(obj, logits, torch.from_numpy(y))
+        opt.zero_grad()
+        total.backward()
+        norm = torch.nn.utils.clip_grad_norm_(params.values(), 0.05)
+        assert norm > 0.05, "the clip must be active for this test to mean anything"
+        opt.step()
+    _assert_params_close(got, {k: v.detach().numpy() for k, v in params.items()})
+
+
+def test_step_graph_in_onnxruntime_1_31_without_torch(weights, tmp_path):
+    """The step graph trains in the maintained runtime (onnxruntime 1.31.1 in .venv-rt, which
+    has neither torch nor onnx) through ntl_patch.StepRunner, like torch's AdamW."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    rt = subprocess.run([str(REPO / "scripts" / "setup-runtime.sh")], capture_output=True, text=True)
+    assert rt.returncode == 0, rt.stderr
+    out = tmp_path / "m.step.onnx"
+    _step(MODELS / "lm_flat.onnx", out, "wasserstein", "--lr", "1e-3")
+    batches = _batches(STEPS)
+    np.savez(tmp_path / "batches.npz", **{f"x{k}": x for k, (x, _) in enumerate(batches)},
+             **{f"y{k}": y for k, (_, y) in enumerate(batches)})
+    code = f"""
+import sys, numpy as np, onnxruntime
+sys.path.insert(0, {str(REPO / 'python')!r})
+from ntl_patch import StepRunner
+assert onnxruntime.__version__ == "1.31.1", onnxruntime.__version__
+for banned in ("torch", "onnx"):
+    try:
+        __import__(banned)
+        raise SystemExit(banned + " is importable")
+    except ImportError:
+        pass
+z = np.load({str(tmp_path / 'batches.npz')!r})
+r = StepRunner({str(out)!r}, providers=["CPUExecutionProvider"])
+losses = [r.step({{"input_ids": z[f"x{{k}}"], "labels": z[f"y{{k}}"]}})[0] for k in range({STEPS})]
+np.savez({str(tmp_path / 'rt.npz')!r}, losses=np.array(losses), **{{k.replace("/", "|"): v for k, v in r.parameters().items()}})
+"""
+    res = subprocess.run([str(REPO / ".venv-rt" / "bin" / "python"), "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    got = np.load(tmp_path / "rt.npz")
+    want_losses, want_params = _torch_run(weights, "adamw", batches, "wasserstein")
+    np.testing.assert_allclose(got["losses"], want_losses, rtol=TRAJ_RTOL)
+    x, y = _batch()
+    zero = _zero_grad_mask(_reference("wasserstein", weights, x, y)[3])
+    _assert_params_close({p: got[p] for p in want_params}, want_params, zero)
