@@ -1,15 +1,33 @@
 #!/usr/bin/env python3
 """Extract the kernels ONNX Runtime's CUDA, ROCm (and CPU) execution providers register, from ORT's source.
 
-Writes data/ort-1.19-kernels.tsv, which `ntl-patch inspect --target cuda|rocm` embeds.
+Writes the tables `ntl-patch inspect --target ...` embeds (data/README.md has the exact commands and
+source commits of the committed ones):
+
+    data/ort-1.19-kernels.tsv          cuda-1.19, rocm-1.19 (onnxruntime-training 1.19.2)
+    data/ort-1.31.1-cuda-kernels.tsv   cuda (onnxruntime-gpu 1.31.1)
+    data/ort-1.22.2-rocm-kernels.tsv   rocm (onnxruntime-rocm 1.22.2)
+    data/ort-1.27.1-migraphx-ops.tsv   migraphx (onnxruntime-migraphx 1.27.1), with --migraphx
 
 Usage (from the repository root; needs python3 >= 3.8 and a C preprocessor, `cpp`):
 
     ORT_SRC=/path/to/onnxruntime scripts/gen_kernel_table.py [-o data/ort-1.19-kernels.tsv]
+    ORT_SRC=... scripts/gen_kernel_table.py --providers cuda,cpu --build inference \
+        --cuda-version 13000 --release "onnxruntime-gpu 1.31.1" -o data/ort-1.31.1-cuda-kernels.tsv
+    ORT_SRC=... scripts/gen_kernel_table.py --migraphx --release "onnxruntime-migraphx 1.27.1" \
+        -o data/ort-1.27.1-migraphx-ops.tsv
 
 ORT_SRC is a checkout of https://github.com/microsoft/onnxruntime at the release to describe
-(the committed table: tag v1.19.2, commit ffceed9d44f2f3efb9dd69fa75fea51163c91d91). Only its
+(the 1.19 table: tag v1.19.2, commit ffceed9d44f2f3efb9dd69fa75fea51163c91d91). Only its
 C++ sources (`onnxruntime/`, `orttraining/`, `include/`, `cmake/`) are read; nothing is built.
+--build inference evaluates the #if conditions for the inference wheels (no training ops: the
+orttraining registration lists are skipped); --build training (default) for onnxruntime-training.
+
+The MIGraphX provider registers no kernels: --migraphx reads its supported-op list
+(`mgx_supported_ops` in GetUnsupportedNodeIndices), the ops IsUnsupportedOpMode has a rule for,
+the element types IsTypeSupported accepts and GetCapability's unsupported-node limit from
+onnxruntime/core/providers/migraphx/migraphx_execution_provider.cc. The rules themselves are
+code, modelled in src/gpu_kernels.rs (`migraphx` module).
 
 What is read:
 1. The registration lists, which say WHICH kernels exist (op, domain, version range, the type
@@ -64,25 +82,37 @@ import sys
 import tempfile
 from pathlib import Path
 
-# The configuration the tables describe: the onnxruntime-training 1.19 GPU wheels (Linux), which
-# build with --enable_training (ENABLE_TRAINING, ENABLE_TRAINING_OPS, ENABLE_TRAINING_CORE,
-# ENABLE_STRIDED_TENSORS), torch interop and ATen (ORTModule), and NCCL. Everything not named here
-# is undefined: DISABLE_CONTRIB_OPS, DISABLE_FLOAT8_TYPES, USE_CUDA_MINIMAL, ENABLE_CUDA_NHWC_OPS,
-# USE_TRITON_KERNEL, ENABLE_TRITON, USE_MPI, _WIN32.
-BUILD_DEFINES = {
-    "ENABLE_TRAINING": "1",
-    "ENABLE_TRAINING_OPS": "1",
-    "ENABLE_TRAINING_CORE": "1",
-    "ENABLE_TRAINING_APIS": "1",
-    "ENABLE_STRIDED_TENSORS": "1",
-    "ENABLE_TRAINING_TORCH_INTEROP": "1",
-    "ENABLE_ATEN": "1",
-    "ORT_USE_NCCL": "1",
-    "SHARED_PROVIDER": "1",
-    "ORT_API_MANUAL_INIT": "1",
-    "NDEBUG": "1",
+# The configurations the tables describe (--build). Everything not named is undefined:
+# DISABLE_CONTRIB_OPS, DISABLE_FLOAT8_TYPES, USE_CUDA_MINIMAL, ENABLE_CUDA_NHWC_OPS, USE_TRITON_KERNEL,
+# ENABLE_TRITON, USE_MPI, _WIN32.
+BUILDS = {
+    # the onnxruntime-training 1.19 GPU wheels (Linux), built with --enable_training (ENABLE_TRAINING,
+    # ENABLE_TRAINING_OPS, ENABLE_TRAINING_CORE, ENABLE_STRIDED_TENSORS), torch interop and ATen
+    # (ORTModule), and NCCL
+    "training": ("onnxruntime-training GPU wheel configuration", {
+        "ENABLE_TRAINING": "1",
+        "ENABLE_TRAINING_OPS": "1",
+        "ENABLE_TRAINING_CORE": "1",
+        "ENABLE_TRAINING_APIS": "1",
+        "ENABLE_STRIDED_TENSORS": "1",
+        "ENABLE_TRAINING_TORCH_INTEROP": "1",
+        "ENABLE_ATEN": "1",
+        "ORT_USE_NCCL": "1",
+        "SHARED_PROVIDER": "1",
+        "ORT_API_MANUAL_INIT": "1",
+        "NDEBUG": "1",
+    }),
+    # the inference wheels (onnxruntime-gpu, onnxruntime-rocm): no training ops, no ATen, no NCCL
+    "inference": ("inference GPU wheel configuration (onnxruntime-gpu / onnxruntime-rocm)", {
+        "SHARED_PROVIDER": "1",
+        "ORT_API_MANUAL_INIT": "1",
+        "NDEBUG": "1",
+    }),
 }
+BUILD_DEFINES = BUILDS["training"][1]
 PROVIDER_DEFINES = {
+    # --cuda-version replaces CUDA_VERSION / CUDART_VERSION (12020 for the 1.19 training wheels,
+    # 13000 for onnxruntime-gpu 1.31, which is built with CUDA 13.0)
     "cuda": {"USE_CUDA": "1", "CUDA_VERSION": "12020", "CUDNN_MAJOR": "9", "CUDNN_VERSION": "90100",
              "CUDART_VERSION": "12020"},
     "rocm": {"USE_ROCM": "1", "__HIP_PLATFORM_AMD__": "1", "ROCM_VERSION": "60000",
@@ -137,7 +167,7 @@ CPP_TYPES = {
     "uint64_t": "uint64", "bool": "bool", "std::string": "string", "string": "string",
     "Float8E4M3FN": "float8e4m3fn", "Float8E4M3FNUZ": "float8e4m3fnuz",
     "Float8E5M2": "float8e5m2", "Float8E5M2FNUZ": "float8e5m2fnuz",
-    "Int4x2": "int4", "UInt4x2": "uint4", "half": "float16", "__half": "float16",
+    "Int4x2": "int4", "UInt4x2": "uint4", "Int2x4": "int2", "UInt2x4": "uint2", "Float4E2M1x2": "float4e2m1", "half": "float16", "__half": "float16",
     "nv_bfloat16": "bfloat16", "onnxruntime::MLFloat16": "float16", "onnxruntime::BFloat16": "bfloat16",
 }
 
@@ -740,31 +770,26 @@ def kernel_definitions(root: Path, provider: str, defines: dict[str, str], types
     return found
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ort-src", default=os.environ.get("ORT_SRC"), help="ONNX Runtime source checkout (or ORT_SRC)")
-    ap.add_argument("-o", "--output", default=str(Path(__file__).resolve().parent.parent / "data/ort-1.19-kernels.tsv"))
-    ap.add_argument("--commit", default="", help="commit or tag to record in the header (default: git describe)")
-    args = ap.parse_args()
-    if not args.ort_src:
-        ap.error("set ORT_SRC (or --ort-src) to an ONNX Runtime source checkout")
-    root = Path(args.ort_src).resolve()
-    version = (root / "VERSION_NUMBER").read_text().strip()
-    commit = args.commit
-    if not commit:
-        r = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
-        commit = r.stdout.strip() or "unknown"
+def kernel_table(root: Path, providers: list[str], build: str, cuda_version: str):
+    """The rows of the kernel table and how many have unresolved type constraints."""
     types = TypeResolver(root)
     rows = []
     unresolved = 0
-    for provider in ("cuda", "rocm", "cpu"):
-        defines = dict(BUILD_DEFINES, **PROVIDER_DEFINES[provider])
+    for provider in providers:
+        defines = dict(BUILDS[build][1], **PROVIDER_DEFINES[provider])
+        if provider == "cuda":
+            defines["CUDA_VERSION"] = defines["CUDART_VERSION"] = cuda_version
         if provider == "cpu":
             defines.pop("SHARED_PROVIDER")
         defs = kernel_definitions(root, provider, defines, types)
         log(f"{provider}: {len(defs)} kernel definitions")
         seen = set()
         for reg in REGISTRY_FILES[provider]:
+            if reg.startswith("orttraining/") and build != "training":
+                continue  # training kernels are compiled into training builds only
+            if not (root / reg).is_file():
+                log(f"{provider}: no {reg} in this tree (skipped)")
+                continue
             for ident, pconst, domain, op, since, end, tys, cond in parse_registry(root / reg, defines):
                 if ident in seen:
                     continue
@@ -777,14 +802,108 @@ def main() -> int:
                 rows.append((provider, DOMAINS.get(domain, domain), op, str(since), "-" if end is None else str(end),
                              ",".join(tys) if tys else "-", cons, mem, cond, src))
     rows.sort(key=lambda r: (r[0], r[1], r[2], int(r[3]), r[5]))
+    return rows, unresolved
+
+
+# --------------------------------------------------------------------------- MIGraphX
+
+MGX_FILE = "onnxruntime/core/providers/migraphx/migraphx_execution_provider.cc"
+ONNX_ELEM = {
+    "FLOAT": "float", "FLOAT16": "float16", "BFLOAT16": "bfloat16", "DOUBLE": "double", "INT4": "int4",
+    "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64", "UINT4": "uint4", "UINT8": "uint8",
+    "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64", "BOOL": "bool", "STRING": "string",
+    "FLOAT4E2M1": "float4e2m1", "FLOAT8E4M3FN": "float8e4m3fn", "FLOAT8E4M3FNUZ": "float8e4m3fnuz",
+    "FLOAT8E5M2": "float8e5m2", "FLOAT8E5M2FNUZ": "float8e5m2fnuz",
+}
+
+
+def migraphx_table(root: Path) -> tuple[list[tuple[str, str]], list[str], int]:
+    """(op, mode-checked) rows of the MIGraphX provider's supported-op list, the element types its
+    IsTypeSupported accepts, and the unsupported-node count above which it claims nothing."""
+    text = strip_comments((root / MGX_FILE).read_text())
+
+    def body_of(signature: str) -> str:
+        m = re.search(signature, text)
+        if not m:
+            raise SystemExit(f"gen_kernel_table: {signature!r} not found in {MGX_FILE}")
+        open_at = text.index("{", m.end())
+        return text[open_at:balanced(text, open_at)]
+
+    m = re.search(r"mgx_supported_ops\s*=\s*\{", text)
+    if not m:
+        raise SystemExit(f"gen_kernel_table: no mgx_supported_ops list in {MGX_FILE}")
+    lst = text[m.end() - 1:balanced(text, m.end() - 1)]
+    ops = re.findall(r'"(\w+)"', lst)
+    mode = body_of(r"static\s+bool\s+IsUnsupportedOpMode\s*\(")
+    checked = set(re.findall(r'optype\s*==\s*"(\w+)"', mode))
+    unknown = checked - set(ops)
+    if unknown:
+        log(f"migraphx: mode checks for ops not in the list: {sorted(unknown)}")
+    tys = body_of(r"static\s+bool\s+IsTypeSupported\s*\(")
+    types = [ONNX_ELEM[t] for t in re.findall(r"TensorProto_DataType_(\w+)\s*:", tys)]
+    cap = body_of(r"MIGraphXExecutionProvider::GetCapability\s*\(")
+    lim = re.search(r"unsupported_nodes\.size\(\)\s*>\s*(\d+)", cap)
+    limit = int(lim.group(1)) if lim else -1
+    rows = sorted({(op, "y" if op in checked else "-") for op in ops})
+    return rows, types, limit
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ort-src", default=os.environ.get("ORT_SRC"), help="ONNX Runtime source checkout (or ORT_SRC)")
+    ap.add_argument("-o", "--output", default=str(Path(__file__).resolve().parent.parent / "data/ort-1.19-kernels.tsv"))
+    ap.add_argument("--commit", default="", help="commit or tag to record in the header (default: git rev-parse HEAD)")
+    ap.add_argument("--providers", default="cuda,rocm,cpu",
+                    help="comma-separated providers to extract (cuda, rocm, cpu); default all three")
+    ap.add_argument("--build", choices=sorted(BUILDS), default="training",
+                    help="build configuration whose #if conditions are evaluated (default: training)")
+    ap.add_argument("--cuda-version", default="12020", help="CUDA_VERSION / CUDART_VERSION for the cuda provider")
+    ap.add_argument("--release", default="",
+                    help="the released package the table stands for, when it is not VERSION_NUMBER's release")
+    ap.add_argument("--migraphx", action="store_true",
+                    help="write the MIGraphX provider's supported-op table instead of a kernel table")
+    args = ap.parse_args()
+    if not args.ort_src:
+        ap.error("set ORT_SRC (or --ort-src) to an ONNX Runtime source checkout")
+    root = Path(args.ort_src).resolve()
+    version = (root / "VERSION_NUMBER").read_text().strip()
+    commit = args.commit
+    if not commit:
+        r = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+        commit = r.stdout.strip() or "unknown"
+    release = f" for {args.release}" if args.release else ""
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    if args.migraphx:
+        rows, types, limit = migraphx_table(root)
+        header = [
+            f"# ONNX Runtime {version} MIGraphX execution provider supported ops{release}, source commit {commit},",
+            f"# generated by scripts/gen_kernel_table.py --migraphx from {MGX_FILE}; do not edit by hand.",
+            "# mode_check y: IsUnsupportedOpMode has a rule for the op (modelled in src/gpu_kernels.rs).",
+            "# types: " + ",".join(types),
+            f"# max_unsupported_nodes: {limit}",
+            "op\tmode_check",
+        ]
+        with open(args.output, "w") as f:
+            f.write("\n".join(header) + "\n")
+            for r in rows:
+                f.write("\t".join(r) + "\n")
+        log(f"wrote {len(rows)} MIGraphX ops to {args.output}")
+        return 0
+    providers = [p for p in args.providers.split(",") if p]
+    for p in providers:
+        if p not in REGISTRY_FILES:
+            ap.error(f"unknown provider {p!r}")
+    rows, unresolved = kernel_table(root, providers, args.build, args.cuda_version)
+    names = {"cuda": "CUDA", "rocm": "ROCm", "cpu": "CPU"}
+    plist = [names[p] for p in providers]
+    pdesc = ", ".join(plist[:-1]) + " and " + plist[-1] if len(plist) > 1 else plist[0]
     header = [
-        f"# ONNX Runtime {version} CUDA, ROCm and CPU kernel registrations, source commit {commit},",
+        f"# ONNX Runtime {version} {pdesc} kernel registrations{release}, source commit {commit},",
         "# generated by scripts/gen_kernel_table.py from ORT's source; do not edit by hand.",
-        "# build: onnxruntime-training GPU wheel configuration, defines: "
-        + " ".join(sorted(BUILD_DEFINES)),
+        f"# build: {BUILDS[args.build][0]}, defines: " + " ".join(sorted(BUILDS[args.build][1]))
+        + (f"; CUDA_VERSION={args.cuda_version}" if "cuda" in providers and args.build != "training" else ""),
         "provider\tdomain\top\tsince\tend\tclass_type\tconstraints\tcpu_memory\tcondition\tsource",
     ]
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     with open(args.output, "w") as f:
         f.write("\n".join(header) + "\n")
         for r in rows:

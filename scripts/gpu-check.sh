@@ -2,7 +2,7 @@
 # GPU check for a machine with an NVIDIA GPU: patch every fixture with every loss, train the
 # patched graphs with ONNX Runtime Training on CUDAExecutionProvider and on the CPU, and compare
 # parameter gradients (step 1 within 1e-4, norm-relative; later steps within 1e-3) and losses;
-# compare the ops `ntl-patch inspect --target cuda` says fall back to CPU with what ORT logs; and
+# compare the ops `ntl-patch inspect --target cuda-1.19` says fall back to CPU with what ORT logs; and
 # run `ntl-patch validate --runtime ort` with the onnxruntime-gpu wheel's libonnxruntime.so.
 # The Python part is scripts/gpu_check.py (its docstring has the details).
 #

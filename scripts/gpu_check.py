@@ -7,7 +7,7 @@ CUDA 11.8 build, and the CUDA 11 / cuDNN 8 libraries it loads). For each fixture
 
   1. patch the fixture with the ntl-patch binary (NTIL with --gumbel-noise 0: the Gumbel noise is
      drawn in the graph, and the CPU and CUDA random generators differ);
-  2. `ntl-patch inspect --target cuda --json` on the patched model and on its training graph:
+  2. `ntl-patch inspect --target cuda-1.19 --json` on the patched model and on its training graph:
      the ops the kernel tables say fall back to CPU;
   3. training artifacts (AdamW, every fixture parameter trainable), as tests/python does;
   4. the same batch, STEPS AdamW steps, on CUDAExecutionProvider and on CPUExecutionProvider:
@@ -124,7 +124,7 @@ def run(cmd: list, **kw) -> subprocess.CompletedProcess:
 
 
 def inspect_cuda(bin_path: str, model: Path) -> dict:
-    r = run([bin_path, "inspect", model, "--target", "cuda", "--json"])
+    r = run([bin_path, "inspect", model, "--target", "cuda-1.19", "--json"])
     if r.returncode != 0:
         return {"error": r.stderr.strip()}
     g = json.loads(r.stdout)["gpu"][0]

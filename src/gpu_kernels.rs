@@ -1,10 +1,16 @@
-//! GPU readiness: does ONNX Runtime 1.19's CUDA or ROCm execution provider have a kernel for
-//! every node of a graph, or would some node fall back to the CPU?
+//! GPU readiness: does an ONNX Runtime GPU execution provider take every node of a graph, or
+//! would some node fall back to the CPU? Targets ([`Target`]): `cuda` (onnxruntime-gpu 1.31.1),
+//! `rocm` (onnxruntime-rocm 1.22.2), `migraphx` (onnxruntime-migraphx 1.27.1), `cuda-1.19` and
+//! `rocm-1.19` (onnxruntime-training 1.19.2). [`fallback_nodes`] lists the nodes that would not
+//! run on the provider.
 //!
-//! Two committed tables, embedded at build time:
-//! - `data/ort-1.19-kernels.tsv`: every kernel the CUDA and ROCm providers of ONNX Runtime 1.19.2
-//!   register (op, domain, version range, type constraints, CPU-memory inputs/outputs), extracted
-//!   from ORT's source by `scripts/gen_kernel_table.py`;
+//! Committed tables, embedded at build time (`data/README.md`):
+//! - `data/ort-1.19-kernels.tsv`, `data/ort-1.31.1-cuda-kernels.tsv`,
+//!   `data/ort-1.22.2-rocm-kernels.tsv`: every kernel the providers (and the CPU provider) of
+//!   those releases register (op, domain, version range, type constraints, CPU-memory
+//!   inputs/outputs), extracted from ORT's source by `scripts/gen_kernel_table.py`;
+//! - `data/ort-1.27.1-migraphx-ops.tsv`: the MIGraphX provider's supported-op list (it registers
+//!   no kernels; its rules are modelled in the [`migraphx`] module);
 //! - `data/onnx-1.16-schemas.tsv`: the version history and type parameters of every ONNX
 //!   operator up to opset 21 (ONNX 1.16.1, the ONNX that ORT 1.19.2 is built with), written by
 //!   `scripts/gen_onnx_schemas.py` from the onnx wheel.
@@ -33,46 +39,112 @@ use crate::onnx::proto::tensor_proto::DataType;
 use crate::onnx::proto::type_proto;
 use crate::onnx::{attr, attr_i, GraphProto, ModelProto, NodeProto, TypeProto};
 
-/// The kernel table: ONNX Runtime 1.19.2 CUDA and ROCm registrations.
+/// The ONNX Runtime Training 1.19.2 kernel table (CUDA, ROCm and CPU registrations).
 pub const KERNEL_TABLE: &str = include_str!("../data/ort-1.19-kernels.tsv");
+/// onnxruntime-gpu 1.31.1: CUDA and CPU registrations.
+pub const CUDA_KERNEL_TABLE: &str = include_str!("../data/ort-1.31.1-cuda-kernels.tsv");
+/// onnxruntime-rocm 1.22.2: ROCm and CPU registrations.
+pub const ROCM_KERNEL_TABLE: &str = include_str!("../data/ort-1.22.2-rocm-kernels.tsv");
+/// onnxruntime-migraphx 1.27.1: the MIGraphX provider's supported-op list.
+pub const MIGRAPHX_OP_TABLE: &str = include_str!("../data/ort-1.27.1-migraphx-ops.tsv");
 /// ONNX operator schemas up to opset 21 (ONNX 1.16.1).
 pub const SCHEMA_TABLE: &str = include_str!("../data/onnx-1.16-schemas.tsv");
-/// The ONNX Runtime release the kernel table describes.
+/// The ONNX Runtime release of the 1.19 kernel table (`cuda-1.19`, `rocm-1.19`).
 pub const ORT_VERSION: &str = "1.19.2";
-/// The highest default-domain opset ONNX Runtime 1.19 knows.
+/// The highest default-domain opset ONNX Runtime 1.19 knows, and the newest the schema table
+/// (ONNX 1.16) describes.
 pub const MAX_ONNX_OPSET: i64 = 21;
 /// Initializers up to this many elements count as CPU-resident for GetCpuPreferredNodes.
 const SMALL_INITIALIZER: i64 = 100;
 
-/// An execution provider with a GPU kernel table.
+/// A GPU execution provider of one ONNX Runtime release, with its kernel (or op) table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Target {
+    /// CUDAExecutionProvider of onnxruntime-gpu 1.31.1.
     Cuda,
+    /// ROCMExecutionProvider of onnxruntime-rocm 1.22.2 (ORT removed the ROCm provider in 1.23).
     Rocm,
+    /// MIGraphXExecutionProvider of onnxruntime-migraphx 1.27.1.
+    Migraphx,
+    /// CUDAExecutionProvider of onnxruntime-training 1.19.2.
+    Cuda119,
+    /// ROCMExecutionProvider of onnxruntime-training 1.19.2.
+    Rocm119,
 }
 
 impl Target {
+    /// Every target, in `--target` order.
+    pub const ALL: [Target; 5] = [
+        Target::Cuda,
+        Target::Rocm,
+        Target::Migraphx,
+        Target::Cuda119,
+        Target::Rocm119,
+    ];
+
+    /// The `--target` value.
     pub fn name(self) -> &'static str {
         match self {
             Target::Cuda => "cuda",
             Target::Rocm => "rocm",
+            Target::Migraphx => "migraphx",
+            Target::Cuda119 => "cuda-1.19",
+            Target::Rocm119 => "rocm-1.19",
         }
     }
 
     /// The provider's name in ONNX Runtime's API.
     pub fn provider(self) -> &'static str {
         match self {
-            Target::Cuda => "CUDAExecutionProvider",
-            Target::Rocm => "ROCMExecutionProvider",
+            Target::Cuda | Target::Cuda119 => "CUDAExecutionProvider",
+            Target::Rocm | Target::Rocm119 => "ROCMExecutionProvider",
+            Target::Migraphx => "MIGraphXExecutionProvider",
+        }
+    }
+
+    /// The provider's column value in the kernel tables (`cuda`, `rocm`; `migraphx` has no
+    /// kernels).
+    pub fn ep(self) -> &'static str {
+        match self {
+            Target::Cuda | Target::Cuda119 => "cuda",
+            Target::Rocm | Target::Rocm119 => "rocm",
+            Target::Migraphx => "migraphx",
+        }
+    }
+
+    /// The Python package whose provider the table describes.
+    pub fn package(self) -> &'static str {
+        match self {
+            Target::Cuda => "onnxruntime-gpu",
+            Target::Rocm => "onnxruntime-rocm",
+            Target::Migraphx => "onnxruntime-migraphx",
+            Target::Cuda119 | Target::Rocm119 => "onnxruntime-training",
+        }
+    }
+
+    /// The ONNX Runtime release.
+    pub fn ort_version(self) -> &'static str {
+        match self {
+            Target::Cuda => "1.31.1",
+            Target::Rocm => "1.22.2",
+            Target::Migraphx => "1.27.1",
+            Target::Cuda119 | Target::Rocm119 => ORT_VERSION,
+        }
+    }
+
+    /// The committed table the target is checked against.
+    pub fn table_file(self) -> &'static str {
+        match self {
+            Target::Cuda => "data/ort-1.31.1-cuda-kernels.tsv",
+            Target::Rocm => "data/ort-1.22.2-rocm-kernels.tsv",
+            Target::Migraphx => "data/ort-1.27.1-migraphx-ops.tsv",
+            Target::Cuda119 | Target::Rocm119 => "data/ort-1.19-kernels.tsv",
         }
     }
 
     pub fn parse(s: &str) -> Option<Target> {
-        match s.to_ascii_lowercase().as_str() {
-            "cuda" => Some(Target::Cuda),
-            "rocm" => Some(Target::Rocm),
-            _ => None,
-        }
+        let s = s.to_ascii_lowercase();
+        Target::ALL.into_iter().find(|t| t.name() == s)
     }
 }
 
@@ -335,12 +407,24 @@ impl Tables {
     }
 }
 
-/// The embedded tables (parsed on first use).
+/// The embedded ONNX Runtime 1.19.2 tables (parsed on first use).
 pub fn tables() -> &'static Tables {
-    static TABLES: OnceLock<Tables> = OnceLock::new();
-    TABLES.get_or_init(|| {
-        Tables::parse(KERNEL_TABLE, SCHEMA_TABLE).expect("embedded kernel tables parse")
-    })
+    tables_for(Target::Cuda119)
+}
+
+/// The embedded tables a target is checked against (parsed on first use). `migraphx` has no
+/// kernel table: it gets the onnxruntime-gpu 1.31.1 table, whose CPU rows stand for the CPU
+/// provider a node the MIGraphX provider does not take falls back to.
+pub fn tables_for(target: Target) -> &'static Tables {
+    static ORT119: OnceLock<Tables> = OnceLock::new();
+    static CUDA: OnceLock<Tables> = OnceLock::new();
+    static ROCM: OnceLock<Tables> = OnceLock::new();
+    let (cell, text) = match target {
+        Target::Cuda119 | Target::Rocm119 => (&ORT119, KERNEL_TABLE),
+        Target::Cuda | Target::Migraphx => (&CUDA, CUDA_KERNEL_TABLE),
+        Target::Rocm => (&ROCM, ROCM_KERNEL_TABLE),
+    };
+    cell.get_or_init(|| Tables::parse(text, SCHEMA_TABLE).expect("embedded kernel tables parse"))
 }
 
 // ------------------------------------------------------------------------------------------
@@ -561,11 +645,22 @@ impl Missing {
     pub fn describe(&self, target: Target, op: &str, version: Option<i64>) -> String {
         let t = target.name();
         match self {
+            Missing::NoKernel if target == Target::Migraphx => {
+                format!("{op} is not in the migraphx provider's supported-op list")
+            }
             Missing::NoKernel => format!("the {t} provider registers no {op} kernel"),
             Missing::Version { registered } => format!(
                 "no {t} {op} kernel serves version {}; registered versions: {}",
                 version.map_or("?".into(), |v| v.to_string()),
                 registered.join(", ")
+            ),
+            Missing::Type {
+                param,
+                actual,
+                accepted,
+            } if target == Target::Migraphx => format!(
+                "{param} is {actual}; the migraphx provider takes tensors of {{{}}} only",
+                accepted.join(", ")
             ),
             Missing::Type {
                 param,
@@ -732,7 +827,7 @@ pub fn place_node(
             Placement::Unknown(format!("the model imports no opset for domain {domain}")),
         );
     };
-    let kernels = tables.kernels(target.name(), &domain, op);
+    let kernels = tables.kernels(target.ep(), &domain, op);
     let Some(version) = tables.op_version(&domain, op, opset) else {
         if local && kernels.is_empty() {
             return (None, BTreeMap::new(), Placement::Inlined);
@@ -751,7 +846,10 @@ pub fn place_node(
                 },
             );
         } else {
-            format!("{domain} {op} is not an operator ONNX 1.16 / ORT {ORT_VERSION} knows")
+            format!(
+                "{domain} {op} is not an operator ONNX 1.16 / ORT {} knows",
+                target.ort_version()
+            )
         };
         return (None, BTreeMap::new(), Placement::Unknown(why));
     };
@@ -759,7 +857,7 @@ pub fn place_node(
     let bound = schema
         .map(|s| bound_types(node, s, types))
         .unwrap_or_default();
-    let refused = target == Target::Cuda
+    let refused = target.ep() == "cuda"
         && op == "Cast"
         && domain == "ai.onnx"
         && attr_i(node, "to") == Some(DataType::String as i64);
@@ -874,12 +972,20 @@ impl GpuReport {
         let t = self.target.name();
         let fallbacks: usize = self.fallbacks().map(|g| g.nodes.len()).sum();
         let unknown: usize = self.unknown().map(|g| g.nodes.len()).sum();
-        if self.all_on_gpu() {
+        let mgx = self.target == Target::Migraphx;
+        if self.all_on_gpu() && mgx {
+            "the migraphx provider takes every node".to_string()
+        } else if self.all_on_gpu() {
             format!("all ops have {t} kernels")
         } else if fallbacks > 0 {
             let ops: BTreeSet<String> = self.fallbacks().map(OpGroup::op_label).collect();
             format!(
-                "{fallbacks} node(s) would fall back to CPU: no {t} kernel for {}",
+                "{fallbacks} node(s) would fall back to CPU: {} {}",
+                if mgx {
+                    "the migraphx provider does not take".to_string()
+                } else {
+                    format!("no {t} kernel for")
+                },
                 ops.into_iter().collect::<Vec<_>>().join(", ")
             )
         } else {
@@ -889,10 +995,18 @@ impl GpuReport {
 
     pub fn to_text(&self) -> String {
         let t = self.target.name();
+        let what = if self.target == Target::Migraphx {
+            "supported-op list and op checks"
+        } else {
+            "kernels"
+        };
         let mut out = format!(
-            "{t}: {}\n  checked against ONNX Runtime {ORT_VERSION} {} kernels (data/ort-1.19-kernels.tsv); {} node(s), {} added by ntl-patch\n",
+            "{t}: {}\n  checked against the {} {what} of {} {} ({}); {} node(s), {} added by ntl-patch\n",
             self.verdict(),
             self.target.provider(),
+            self.target.package(),
+            self.target.ort_version(),
+            self.target.table_file(),
             self.nodes,
             self.ntl_nodes
         );
@@ -939,7 +1053,11 @@ impl GpuReport {
             .filter(|g| matches!(g.placement, Placement::Gpu { .. }))
             .collect();
         if !on_gpu.is_empty() {
-            out.push_str(&format!("  {t} kernels:\n"));
+            if self.target == Target::Migraphx {
+                out.push_str("  taken by migraphx (compiled by MIGraphX, any op version):\n");
+            } else {
+                out.push_str(&format!("  {t} kernels:\n"));
+            }
             for g in on_gpu {
                 let Placement::Gpu { kernel, unchecked } = &g.placement else {
                     unreachable!()
@@ -961,10 +1079,14 @@ impl GpuReport {
                 if let Some(c) = &kernel.condition {
                     extra.push_str(&format!("; registered only if {c}"));
                 }
+                let kernel = if self.target == Target::Migraphx {
+                    "taken".to_string()
+                } else {
+                    format!("kernel {}", kernel.range())
+                };
                 out.push_str(&format!(
-                    "    {}: kernel {}{extra}; {} node(s) ({} ntl-patch)\n",
+                    "    {}: {kernel}{extra}; {} node(s) ({} ntl-patch)\n",
                     g.signature(),
-                    kernel.range(),
                     g.nodes.len(),
                     g.ntl_nodes
                 ));
@@ -1043,7 +1165,9 @@ impl GpuReport {
         serde_json::json!({
             "target": self.target.name(),
             "provider": self.target.provider(),
-            "onnxruntime": ORT_VERSION,
+            "onnxruntime": self.target.ort_version(),
+            "package": self.target.package(),
+            "table": self.target.table_file(),
             "all_ops_on_gpu": self.all_on_gpu(),
             "summary": self.verdict(),
             "nodes": self.nodes,
@@ -1100,10 +1224,66 @@ pub fn model_opsets(model: &ModelProto) -> HashMap<String, i64> {
 
 /// Checks every top-level node of `model` against `target`'s kernels.
 pub fn check_model(model: &ModelProto, target: Target) -> GpuReport {
-    check_model_with(model, target, tables())
+    check_model_with(model, target, tables_for(target))
 }
 
-pub fn check_model_with(model: &ModelProto, target: Target, tables: &Tables) -> GpuReport {
+/// One node that would not run on `target`'s provider.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FallbackNode {
+    /// Index in the top-level graph's `node` list.
+    pub index: usize,
+    /// The node's name (or `#index (first output)` when it has none).
+    pub name: String,
+    pub domain: String,
+    pub op: String,
+    /// The op version in effect at the model's opset, when known.
+    pub version: Option<i64>,
+    /// Why: a missing kernel, a refused node, a node the provider does not take, or `not
+    /// checked: ...` when the op version cannot be told.
+    pub reason: String,
+    /// The CPU provider has a kernel for it (`false`: ORT cannot run the node at all).
+    pub cpu_kernel: bool,
+}
+
+/// The top-level nodes of `model` that would not run on `target`'s provider (CPU fallbacks and
+/// nodes that could not be checked), in graph order. Empty: every checked node runs on the
+/// provider. Nodes ORT moves to the CPU by its own choice (GetCpuPreferredNodes) are not
+/// included: they have kernels.
+pub fn fallback_nodes(model: &ModelProto, target: Target) -> Vec<FallbackNode> {
+    let tables = tables_for(target);
+    let empty = GraphProto::default();
+    let graph = model.graph.as_ref().unwrap_or(&empty);
+    let placed = place_all(model, target, tables);
+    graph
+        .node
+        .iter()
+        .zip(placed)
+        .enumerate()
+        .filter_map(|(i, (node, (version, _, p)))| {
+            let (reason, cpu_kernel) = match &p {
+                Placement::Fallback { why, cpu } => {
+                    (why.describe(target, node.op_type(), version), *cpu)
+                }
+                Placement::Unknown(why) => (format!("not checked: {why}"), true),
+                _ => return None,
+            };
+            Some(FallbackNode {
+                index: i,
+                name: node_label(node, i),
+                domain: canonical_domain(node.domain()).to_string(),
+                op: node.op_type().to_string(),
+                version,
+                reason,
+                cpu_kernel,
+            })
+        })
+        .collect()
+}
+
+type Placed = (Option<i64>, BTreeMap<String, Option<String>>, Placement);
+
+/// The placement of every top-level node, in graph order (`Constant`s: `Folded`).
+fn place_all(model: &ModelProto, target: Target, tables: &Tables) -> Vec<Placed> {
     let empty = GraphProto::default();
     let graph = model.graph.as_ref().unwrap_or(&empty);
     let opsets = model_opsets(model);
@@ -1118,20 +1298,40 @@ pub fn check_model_with(model: &ModelProto, target: Target, tables: &Tables) -> 
             )
         })
         .collect();
+    if target == Target::Migraphx {
+        return migraphx::place_graph(graph, &opsets, &types, tables, migraphx::ops());
+    }
+    graph
+        .node
+        .iter()
+        .map(|node| {
+            if is_constant(node) {
+                (None, BTreeMap::new(), Placement::Folded)
+            } else {
+                place_node(node, target, &opsets, &types, tables, &local_functions)
+            }
+        })
+        .collect()
+}
+
+pub fn check_model_with(model: &ModelProto, target: Target, tables: &Tables) -> GpuReport {
+    let empty = GraphProto::default();
+    let graph = model.graph.as_ref().unwrap_or(&empty);
+    let opsets = model_opsets(model);
+    let types = infer_types(graph, &opsets, tables);
+    let all_placed = place_all(model, target, tables);
 
     let mut groups: Vec<OpGroup> = Vec::new();
     let mut index: HashMap<String, usize> = HashMap::new();
     let mut placed: Vec<Placement> = Vec::with_capacity(graph.node.len());
     let mut ntl_total = 0;
     let mut constants = 0;
-    for (i, node) in graph.node.iter().enumerate() {
+    for (i, (node, (version, bound, placement))) in graph.node.iter().zip(all_placed).enumerate() {
         if is_constant(node) {
             constants += 1;
             placed.push(Placement::Folded);
             continue;
         }
-        let (version, bound, placement) =
-            place_node(node, target, &opsets, &types, tables, &local_functions);
 
         let ntl = is_ntl_node(node);
         ntl_total += ntl as usize;
@@ -1178,11 +1378,18 @@ pub fn check_model_with(model: &ModelProto, target: Target, tables: &Tables) -> 
         .sum();
     let mut notes = Vec::new();
     if let Some(&o) = opsets.get("ai.onnx") {
-        if o > MAX_ONNX_OPSET {
+        if o > MAX_ONNX_OPSET && matches!(target, Target::Cuda119 | Target::Rocm119) {
             notes.push(format!(
                 "the model's default opset {o} is newer than ONNX Runtime {ORT_VERSION} supports ({MAX_ONNX_OPSET}): it will not load"
             ));
+        } else if o > MAX_ONNX_OPSET {
+            notes.push(format!(
+                "the model's default opset {o} is newer than the schema table (ONNX 1.16, opset {MAX_ONNX_OPSET}): op versions are taken as of opset {MAX_ONNX_OPSET}, so ops changed since are not checked exactly"
+            ));
         }
+    }
+    if target == Target::Migraphx {
+        notes.push(migraphx::NOTE.to_string());
     }
     if constants > 0 {
         notes.push(format!(
@@ -1359,13 +1566,22 @@ mod tests {
     #[test]
     fn embedded_tables_parse_and_cover_both_providers() {
         let t = tables();
-        for target in [Target::Cuda, Target::Rocm] {
-            assert!(!t.kernels(target.name(), "", "MatMul").is_empty());
+        for target in [Target::Cuda119, Target::Rocm119] {
+            assert!(!t.kernels(target.ep(), "", "MatMul").is_empty());
             assert!(!t
-                .kernels(target.name(), "ai.onnx", "SoftmaxCrossEntropyLoss")
+                .kernels(target.ep(), "ai.onnx", "SoftmaxCrossEntropyLoss")
                 .is_empty());
         }
         assert!(t.kernel_provenance.contains("1.19.2"));
+        for target in [Target::Cuda, Target::Rocm] {
+            let t = tables_for(target);
+            assert!(!t.kernels(target.ep(), "", "MatMul").is_empty());
+            assert!(!t.kernels("cpu", "", "MatMul").is_empty());
+            assert!(t.kernel_provenance.contains(target.package()));
+            // the inference tables hold their provider and the CPU only
+            assert!(t.kernels("cuda", "", "MatMul").is_empty() != (target == Target::Cuda));
+        }
+        assert!(migraphx::ops().ops.contains_key("MatMul"));
     }
 
     #[test]
@@ -1400,5 +1616,499 @@ mod tests {
         assert!(
             closed.serves_version(14) && closed.serves_version(13) && !closed.serves_version(16)
         );
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// MIGraphX
+
+/// The MIGraphX execution provider (onnxruntime-migraphx 1.27.1) registers no kernels: its
+/// `GetCapability` (`migraphx_execution_provider.cc`) takes a node when every input and output
+/// has a supported element type (`IsTypeSupported`), the op's name is on its supported-op list
+/// (any version, any domain), and, for default-domain ops, `IsUnsupportedOpMode` has no objection
+/// (mostly: inputs MIGraphX needs as constants, such as Reshape's shape, must be computable from
+/// initializers and `Shape` outputs alone). Then, over the graph: with more than 10 unsupported
+/// nodes it takes nothing; otherwise the graph is cut at the unsupported nodes and a piece is
+/// handed back unless it holds an RNN or a MatMul/Gemm/Conv/... with an input of more than 300
+/// elements (`SubgraphPostProcessing`). All of that is modelled here, on the graph as written
+/// (node order as the topological order, declared shapes only).
+pub mod migraphx {
+    use super::*;
+    use crate::onnx::{attr_ints, attr_s};
+
+    /// The file the rules come from.
+    pub const SOURCE: &str = "onnxruntime/core/providers/migraphx/migraphx_execution_provider.cc";
+
+    /// Added to every migraphx report.
+    pub const NOTE: &str = "migraphx: modelled on migraphx_execution_provider.cc of ORT 1.27 (supported-op list, element types, IsUnsupportedOpMode, no node taken when more than 10 are unsupported, SubgraphPostProcessing); node order is taken as the topological order and only declared shapes are known, and an op MIGraphX takes may still fail to compile (not checked)";
+
+    /// The ops `IsUnsupportedOpMode` has a rule for, each modelled by [`unsupported_mode`]. The
+    /// table's `mode_check` column must name exactly these (a test checks it).
+    pub const MODE_CHECKED: [&str; 21] = [
+        "ArgMax",
+        "ArgMin",
+        "ConstantOfShape",
+        "ConvInteger",
+        "Expand",
+        "MatMulInteger",
+        "MaxPool",
+        "NonZero",
+        "OneHot",
+        "Pad",
+        "Range",
+        "ReduceSum",
+        "Reshape",
+        "Resize",
+        "Slice",
+        "Split",
+        "Squeeze",
+        "Tile",
+        "TopK",
+        "Unsqueeze",
+        "Upsample",
+    ];
+
+    /// The parsed op table.
+    #[derive(Debug, Clone)]
+    pub struct Ops {
+        /// op name -> `IsUnsupportedOpMode` has a rule for it
+        pub ops: BTreeMap<String, bool>,
+        /// element types `IsTypeSupported` accepts
+        pub types: Vec<String>,
+        /// more unsupported nodes than this and the provider takes none
+        pub max_unsupported: usize,
+        /// the header comment (version and commit)
+        pub provenance: String,
+    }
+
+    impl Ops {
+        pub fn parse(tsv: &str) -> Result<Ops, String> {
+            let mut types = Vec::new();
+            let mut max_unsupported = None;
+            let mut provenance = Vec::new();
+            for c in tsv.lines().filter_map(|l| l.strip_prefix('#')) {
+                let c = c.trim();
+                if let Some(t) = c.strip_prefix("types:") {
+                    types = t.trim().split(',').map(str::to_string).collect();
+                } else if let Some(n) = c.strip_prefix("max_unsupported_nodes:") {
+                    max_unsupported = n.trim().parse().ok();
+                } else {
+                    provenance.push(c.to_string());
+                }
+            }
+            let mut ops = BTreeMap::new();
+            for row in tsv_rows(tsv, "op\t", 2, "migraphx") {
+                let (_, f) = row?;
+                ops.insert(f[0].to_string(), f[1] == "y");
+            }
+            if ops.is_empty() || types.is_empty() {
+                return Err("migraphx table: no ops or no types".into());
+            }
+            Ok(Ops {
+                ops,
+                types,
+                max_unsupported: max_unsupported
+                    .ok_or("migraphx table: no max_unsupported_nodes line")?,
+                provenance: provenance.join(" "),
+            })
+        }
+    }
+
+    /// The embedded op table (parsed on first use).
+    pub fn ops() -> &'static Ops {
+        static OPS: OnceLock<Ops> = OnceLock::new();
+        OPS.get_or_init(|| Ops::parse(MIGRAPHX_OP_TABLE).expect("embedded migraphx table parses"))
+    }
+
+    /// What the provider's rules need to know about the graph.
+    struct View<'a> {
+        nodes: &'a [NodeProto],
+        initializers: HashSet<&'a str>,
+        inputs: HashSet<&'a str>,
+        producer: HashMap<&'a str, usize>,
+        /// declared shapes: `None` for a symbolic dimension
+        shapes: HashMap<&'a str, Vec<Option<i64>>>,
+    }
+
+    impl<'a> View<'a> {
+        fn new(graph: &'a GraphProto) -> View<'a> {
+            let mut initializers: HashSet<&str> =
+                graph.initializer.iter().map(|t| t.name()).collect();
+            // Constant nodes are initializers by the time ORT partitions the graph
+            for n in graph.node.iter().filter(|n| is_constant(n)) {
+                initializers.extend(n.output.first().map(String::as_str));
+            }
+            let inputs = graph
+                .input
+                .iter()
+                .map(|v| v.name())
+                .filter(|n| !initializers.contains(n))
+                .collect();
+            let mut producer = HashMap::new();
+            for (i, n) in graph.node.iter().enumerate() {
+                if is_constant(n) {
+                    continue;
+                }
+                for o in n.output.iter().filter(|o| !o.is_empty()) {
+                    producer.insert(o.as_str(), i);
+                }
+            }
+            let mut shapes = HashMap::new();
+            for vi in graph
+                .input
+                .iter()
+                .chain(&graph.output)
+                .chain(&graph.value_info)
+            {
+                if let Some((_, Some(dims))) = crate::onnx::value_info_shape(vi) {
+                    shapes.insert(vi.name(), dims);
+                }
+            }
+            for t in &graph.initializer {
+                shapes.insert(t.name(), t.dims.iter().map(|&d| Some(d)).collect());
+            }
+            View {
+                nodes: &graph.node,
+                initializers,
+                inputs,
+                producer,
+                shapes,
+            }
+        }
+
+        /// `canEvalShapeGeneral`: node `n`'s value can be computed from initializers and `Shape`
+        /// outputs alone; adds the nodes used to `used`. `memo` avoids revisiting.
+        fn eval_node(
+            &self,
+            n: usize,
+            used: &mut BTreeSet<usize>,
+            memo: &mut HashMap<usize, bool>,
+        ) -> bool {
+            if let Some(&r) = memo.get(&n) {
+                return r;
+            }
+            memo.insert(n, false); // a cycle (invalid graph) cannot be evaluated
+            let node = &self.nodes[n];
+            let ok = node.op_type() == "Shape"
+                || node.input.iter().all(|inp| {
+                    if self.initializers.contains(inp.as_str()) {
+                        return true;
+                    }
+                    if self.inputs.contains(inp.as_str()) {
+                        return false;
+                    }
+                    match self.producer.get(inp.as_str()) {
+                        None => false,
+                        Some(&p) if self.nodes[p].op_type() == "Shape" => true,
+                        Some(&p) => self.eval_node(p, used, memo),
+                    }
+                });
+            if ok {
+                used.insert(n);
+            }
+            memo.insert(n, ok);
+            ok
+        }
+
+        /// `canEvalNodeArgument`: the node's inputs at `indices` can be computed statically;
+        /// adds the nodes used to `used`.
+        fn eval_args(
+            &self,
+            node: &NodeProto,
+            indices: &[usize],
+            used: &mut BTreeSet<usize>,
+        ) -> bool {
+            let mut memo = HashMap::new();
+            indices.iter().all(|&i| {
+                let name = node.input.get(i).map_or("", String::as_str);
+                if self.initializers.contains(name) {
+                    return true;
+                }
+                if self.inputs.contains(name) {
+                    return false;
+                }
+                match self.producer.get(name) {
+                    None => false,
+                    Some(&p) => self.eval_node(p, used, &mut memo),
+                }
+            })
+        }
+
+        fn constant(&self, node: &NodeProto, indices: &[usize]) -> bool {
+            self.eval_args(node, indices, &mut BTreeSet::new())
+        }
+
+        fn elements_over(&self, name: &str, limit: u64) -> bool {
+            self.shapes.get(name).is_some_and(|dims| {
+                dims.iter()
+                    .map(|d| d.unwrap_or(1).max(0) as u64)
+                    .product::<u64>()
+                    > limit
+            })
+        }
+    }
+
+    /// `IsUnsupportedOpMode` for a default-domain node: why the provider refuses it, if it does.
+    fn unsupported_mode(
+        v: &View,
+        node: &NodeProto,
+        types: &HashMap<String, String>,
+    ) -> Option<String> {
+        let n_in = node.input.len();
+        let first_type = || {
+            node.input
+                .first()
+                .and_then(|i| types.get(i))
+                .map(String::as_str)
+        };
+        let not_const = |what: &str| {
+            Some(format!(
+                "{what} must be computable from initializers and Shape outputs (it is not)"
+            ))
+        };
+        match node.op_type() {
+            "ArgMax" | "ArgMin" => (attr_i(node, "select_last_index").unwrap_or(0) != 0)
+                .then(|| "select_last_index=1 is not supported".to_string()),
+            "ConstantOfShape" if !v.constant(node, &[0]) => not_const("the shape input"),
+            "ConvInteger" | "MatMulInteger"
+                if first_type().is_some_and(|t| t != "int8" && t != "uint8") =>
+            {
+                Some("only int8 and uint8 inputs are supported".into())
+            }
+            "Expand" if !v.constant(node, &[1]) => not_const("the shape input"),
+            "MaxPool" => {
+                if node.output.len() > 1 {
+                    Some("the Indices output is not supported".into())
+                } else if attr_ints(node, "dilations").is_some_and(|d| d.iter().any(|&x| x != 1)) {
+                    Some("dilations other than 1 are not supported".into())
+                } else if attr_i(node, "storage_order").unwrap_or(0) != 0 {
+                    Some("storage_order=1 is not supported".into())
+                } else if first_type().is_some_and(|t| t == "int8" || t == "uint8") {
+                    Some("int8 and uint8 inputs are not supported".into())
+                } else {
+                    None
+                }
+            }
+            "NonZero" if !v.constant(node, &[0]) => not_const("the input"),
+            "OneHot" if !v.constant(node, &[1]) => not_const("the depth input"),
+            "Pad" => {
+                let mode = attr_s(node, "mode").unwrap_or_else(|| "constant".into());
+                if n_in >= 2 && !v.constant(node, &[1]) {
+                    not_const("the pads input")
+                } else if mode != "constant" && mode != "reflect" {
+                    Some(format!(
+                        "mode={mode} is not supported (constant and reflect are)"
+                    ))
+                } else if mode == "constant" && n_in == 3 && !v.constant(node, &[2]) {
+                    not_const("the constant_value input")
+                } else {
+                    None
+                }
+            }
+            "Range" if !v.constant(node, &(0..n_in).collect::<Vec<_>>()) => {
+                not_const("every input")
+            }
+            "Reshape" if n_in == 2 && !v.constant(node, &[1]) => not_const("the shape input"),
+            "Resize" | "Upsample" => {
+                if attr_s(node, "coordinate_transformation_mode").as_deref()
+                    == Some("tf_crop_and_resize")
+                {
+                    Some(
+                        "coordinate_transformation_mode=tf_crop_and_resize is not supported".into(),
+                    )
+                } else if attr_s(node, "mode").as_deref() == Some("cubic") {
+                    Some("mode=cubic is not supported".into())
+                } else {
+                    None
+                }
+            }
+            "ReduceSum" if n_in == 2 && !v.constant(node, &[1]) => not_const("the axes input"),
+            "Slice" => {
+                if !v.constant(node, &(1..n_in).collect::<Vec<_>>()) {
+                    return not_const("every input but the data");
+                }
+                let (starts, ends) = (attr_ints(node, "starts"), attr_ints(node, "ends"));
+                match (starts, ends) {
+                    (Some(s), Some(e)) if s.iter().zip(&e).any(|(a, b)| a > b) => {
+                        Some("a start beyond its end is not supported".into())
+                    }
+                    _ => None,
+                }
+            }
+            "Split" => {
+                let empty_1d = node
+                    .input
+                    .first()
+                    .and_then(|i| v.shapes.get(i.as_str()))
+                    .is_some_and(|d| d.len() == 1 && d[0].unwrap_or(0) == 0);
+                if empty_1d {
+                    Some("a 1-D input of size 0 (or of symbolic size) is not supported".into())
+                } else if n_in == 2 && !v.constant(node, &[1]) {
+                    not_const("the split input")
+                } else {
+                    None
+                }
+            }
+            "Tile" if !v.constant(node, &[1]) => not_const("the repeats input"),
+            "TopK" if !v.constant(node, &[1]) => not_const("the K input"),
+            "Squeeze" | "Unsqueeze" if n_in == 2 && !v.constant(node, &[1]) => {
+                not_const("the axes input")
+            }
+            _ => None,
+        }
+    }
+
+    /// `SubgraphPostProcessing`: whether the provider keeps a piece of the graph (node indices)
+    /// or hands it back to the CPU.
+    fn keeps_cluster(v: &View, cluster: &[usize]) -> bool {
+        let members: HashSet<usize> = cluster.iter().copied().collect();
+        for &i in cluster {
+            let node = &v.nodes[i];
+            if node.op_type() == "Reshape" && node.input.len() == 2 {
+                let mut used = BTreeSet::new();
+                if !v.eval_args(node, &[1], &mut used) || !used.iter().all(|u| members.contains(u))
+                {
+                    return false;
+                }
+            }
+        }
+        if cluster
+            .iter()
+            .any(|&i| matches!(v.nodes[i].op_type(), "RNN" | "GRU" | "LSTM"))
+        {
+            return true;
+        }
+        cluster.iter().any(|&i| {
+            let node = &v.nodes[i];
+            matches!(
+                node.op_type(),
+                "AveragePool" | "Conv" | "Gemm" | "LRN" | "MatMul" | "MaxPool"
+            ) && node.input.iter().any(|inp| v.elements_over(inp, 300))
+        })
+    }
+
+    fn claimed(version: Option<i64>) -> Kernel {
+        Kernel {
+            since: version.unwrap_or(0),
+            end: version,
+            class_type: None,
+            constraints: Vec::new(),
+            cpu_inputs: Vec::new(),
+            cpu_outputs: Vec::new(),
+            condition: None,
+            source: SOURCE.to_string(),
+        }
+    }
+
+    /// The placement of every top-level node of `graph` on the MIGraphX provider.
+    pub(super) fn place_graph(
+        graph: &GraphProto,
+        opsets: &HashMap<String, i64>,
+        types: &HashMap<String, String>,
+        tables: &Tables,
+        ops: &Ops,
+    ) -> Vec<Placed> {
+        let v = View::new(graph);
+        let mut out: Vec<Placed> = Vec::with_capacity(graph.node.len());
+        // per node: None = taken, Some(why) = refused
+        let mut refused: Vec<Option<Missing>> = Vec::with_capacity(graph.node.len());
+        for node in &graph.node {
+            let domain = canonical_domain(node.domain()).to_string();
+            let op = node.op_type();
+            let opset = opsets.get(&domain).copied();
+            let version = opset.and_then(|o| tables.op_version(&domain, op, o));
+            let schema = opset.and_then(|o| tables.schema(&domain, op, o));
+            let bound = schema
+                .map(|s| bound_types(node, s, types))
+                .unwrap_or_default();
+            if is_constant(node) {
+                out.push((None, bound, Placement::Folded));
+                refused.push(None);
+                continue;
+            }
+            let bad_type = node
+                .input
+                .iter()
+                .map(|n| ("input", n))
+                .chain(node.output.iter().map(|n| ("output", n)))
+                .filter(|(_, n)| !n.is_empty())
+                .find_map(|(kind, n)| {
+                    types
+                        .get(n)
+                        .filter(|t| !ops.types.contains(t))
+                        .map(|t| (format!("{kind} {n}"), t.clone()))
+                });
+            let why = if let Some((param, actual)) = bad_type {
+                Some(Missing::Type {
+                    param,
+                    actual,
+                    accepted: ops.types.clone(),
+                })
+            } else if !ops.ops.contains_key(op) {
+                Some(Missing::NoKernel)
+            } else if domain == "ai.onnx" {
+                unsupported_mode(&v, node, types)
+                    .map(|r| Missing::Refused(format!("migraphx: {op}: {r} (IsUnsupportedOpMode)")))
+            } else {
+                None
+            };
+            out.push((
+                version,
+                bound,
+                Placement::Gpu {
+                    kernel: claimed(version),
+                    unchecked: Vec::new(),
+                },
+            ));
+            refused.push(why);
+        }
+        let unsupported: Vec<usize> = (0..graph.node.len())
+            .filter(|&i| refused[i].is_some())
+            .collect();
+        let count = unsupported.len();
+        let mut handed_back: HashSet<usize> = HashSet::new();
+        if count > ops.max_unsupported {
+            handed_back.extend(
+                (0..graph.node.len())
+                    .filter(|&i| refused[i].is_none() && !is_constant(&graph.node[i])),
+            );
+        } else if count > 0 {
+            // the pieces between unsupported nodes (a final cut closes the last one)
+            let mut cluster = Vec::new();
+            let cuts = refused.iter().map(Option::is_some).chain([true]);
+            for (i, cut) in cuts.enumerate() {
+                if !cut {
+                    if !is_constant(&graph.node[i]) {
+                        cluster.push(i);
+                    }
+                    continue;
+                }
+                if !cluster.is_empty() && !keeps_cluster(&v, &cluster) {
+                    handed_back.extend(cluster.iter().copied());
+                }
+                cluster.clear();
+            }
+        }
+        for (i, node) in graph.node.iter().enumerate() {
+            let why = match refused[i].take() {
+                Some(why) => why,
+                None if handed_back.contains(&i) => {
+                    Missing::Refused(if count > ops.max_unsupported {
+                        format!("migraphx: {count} nodes of the graph are unsupported, more than {}, so the provider takes none (GetCapability)", ops.max_unsupported)
+                    } else {
+                        "migraphx: handed back with its partition, which holds no RNN and no MatMul/Gemm/Conv/pool/LRN with an input of more than 300 elements (SubgraphPostProcessing)".to_string()
+                    })
+                }
+                None => continue,
+            };
+            let (version, bound, _) = &out[i];
+            let cpu_kernels = tables.kernels("cpu", node.domain(), node.op_type());
+            let cpu = match version {
+                Some(ver) => match_kernels(cpu_kernels, *ver, bound, true).is_ok(),
+                None => !cpu_kernels.is_empty(),
+            };
+            out[i].2 = Placement::Fallback { why, cpu };
+        }
+        out
     }
 }

@@ -91,8 +91,8 @@ pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
     Ok(out)
 }
 
-/// `inspect` plus, for each GPU target, whether ONNX Runtime 1.19's provider has a kernel for
-/// every op (`crate::gpu_kernels`). JSON: the inspect object with a `gpu` array.
+/// `inspect` plus, for each GPU target, whether that ONNX Runtime release's provider takes every
+/// node (`crate::gpu_kernels`). JSON: the inspect object with a `gpu` array.
 pub fn inspect_targets(
     path: &Path,
     json: bool,

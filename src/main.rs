@@ -36,8 +36,10 @@ enum Command {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
-        /// Check every op against the kernels ONNX Runtime 1.19's CUDA or ROCm execution provider
-        /// registers and name those that would fall back to CPU (repeat for both).
+        /// Check every op against an ONNX Runtime GPU execution provider and name the nodes that
+        /// would fall back to CPU (repeatable): cuda = onnxruntime-gpu 1.31.1, rocm =
+        /// onnxruntime-rocm 1.22.2 (the last ROCm EP), migraphx = onnxruntime-migraphx 1.27.1,
+        /// cuda-1.19 / rocm-1.19 = onnxruntime-training 1.19.2.
         #[arg(long, value_enum, value_name = "EP")]
         target: Vec<TargetArg>,
     },
@@ -237,20 +239,32 @@ struct ValidateArgs {
     json: bool,
 }
 
-/// A GPU execution provider of ONNX Runtime 1.19 (`inspect --target`).
+/// A GPU execution provider of one ONNX Runtime release (`inspect --target`).
 #[derive(Clone, Copy, ValueEnum)]
 enum TargetArg {
-    /// CUDAExecutionProvider.
+    /// CUDAExecutionProvider of onnxruntime-gpu 1.31.1.
     Cuda,
-    /// ROCMExecutionProvider.
+    /// ROCMExecutionProvider of onnxruntime-rocm 1.22.2 (ORT removed the ROCm EP in 1.23).
     Rocm,
+    /// MIGraphXExecutionProvider of onnxruntime-migraphx 1.27.1.
+    Migraphx,
+    /// CUDAExecutionProvider of onnxruntime-training 1.19.2.
+    #[value(name = "cuda-1.19")]
+    Cuda119,
+    /// ROCMExecutionProvider of onnxruntime-training 1.19.2.
+    #[value(name = "rocm-1.19")]
+    Rocm119,
 }
 
 impl TargetArg {
     fn target(self) -> ntl_patch::gpu_kernels::Target {
+        use ntl_patch::gpu_kernels::Target;
         match self {
-            TargetArg::Cuda => ntl_patch::gpu_kernels::Target::Cuda,
-            TargetArg::Rocm => ntl_patch::gpu_kernels::Target::Rocm,
+            TargetArg::Cuda => Target::Cuda,
+            TargetArg::Rocm => Target::Rocm,
+            TargetArg::Migraphx => Target::Migraphx,
+            TargetArg::Cuda119 => Target::Cuda119,
+            TargetArg::Rocm119 => Target::Rocm119,
         }
     }
 }

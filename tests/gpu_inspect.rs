@@ -1,12 +1,17 @@
-//! `ntl-patch inspect --target cuda|rocm`: every patched fixture gets a GPU readiness report, and
-//! ops without a kernel in ONNX Runtime 1.19's CUDA / ROCm tables are named (exit code 0 either way).
+//! `ntl-patch inspect --target cuda|rocm|migraphx|cuda-1.19|rocm-1.19`: every patched fixture gets
+//! a GPU readiness report, and nodes the provider would not take are named (exit code 0 either
+//! way). `cuda` / `rocm` / `migraphx` are onnxruntime-gpu 1.31.1, onnxruntime-rocm 1.22.2 and
+//! onnxruntime-migraphx 1.27.1; `cuda-1.19` / `rocm-1.19` are onnxruntime-training 1.19.2.
 
 mod common;
 
 use std::collections::HashMap;
 
 use common::*;
-use ntl_patch::gpu_kernels::{check_model, tables, GpuReport, Missing, Placement, Target};
+use ntl_patch::gpu_kernels::{
+    check_model, fallback_nodes, migraphx, tables, tables_for, GpuReport, Missing, Placement,
+    Target,
+};
 use ntl_patch::onnx::proto::tensor_proto::DataType;
 use ntl_patch::onnx::proto::{type_proto, OperatorSetIdProto, TensorShapeProto};
 use ntl_patch::onnx::{int_attr, GraphProto, ModelProto, NodeProto, TypeProto, ValueInfoProto};
@@ -81,13 +86,14 @@ fn every_patched_fixture_gets_a_cuda_and_a_rocm_report() {
                         );
                     }
                 }
-                // the trainable cross-entropy ntl-patch writes has a kernel on both providers
-                let sce = report["gpu"]
+                // the trainable cross-entropy ntl-patch writes: the inference builds have no
+                // kernel for it, so ORT inlines its function body (whose ops are placed instead)
+                let sce = report["inlined"]
                     .as_array()
                     .unwrap()
                     .iter()
                     .find(|g| g["op"] == "SoftmaxCrossEntropyLoss")
-                    .unwrap_or_else(|| panic!("{ctx}: SoftmaxCrossEntropyLoss not on the GPU"));
+                    .unwrap_or_else(|| panic!("{ctx}: SoftmaxCrossEntropyLoss not inlined"));
                 assert_eq!(sce["types"]["T"], "float", "{ctx}");
                 assert_eq!(sce["types"]["Tind"], "int64", "{ctx}");
                 // every type of an ntl-patch node is known, so each was checked
@@ -106,6 +112,8 @@ fn every_patched_fixture_gets_a_cuda_and_a_rocm_report() {
 
 #[test]
 fn ntl_family_runs_entirely_on_cuda_and_rocm_at_opset_17() {
+    const KERNEL_TARGETS: [Target; 4] =
+        [Target::Cuda, Target::Rocm, Target::Cuda119, Target::Rocm119];
     // lm_flat is opset 17: every op of NTL-WAS/MSE/L1/Huber has a CUDA and a ROCm kernel
     let tmp = tempfile::tempdir().unwrap();
     for loss in ["wasserstein", "mse", "l1", "huber"] {
@@ -113,7 +121,7 @@ fn ntl_family_runs_entirely_on_cuda_and_rocm_at_opset_17() {
         std::fs::create_dir_all(&dir).unwrap();
         let out = patch(&model("lm_flat"), &dir, &["--loss", loss]);
         let model = read_model(&out);
-        for target in [Target::Cuda, Target::Rocm] {
+        for target in KERNEL_TARGETS {
             let r = check_model(&model, target);
             let ntl_fallbacks: Vec<_> = r
                 .fallbacks()
@@ -131,7 +139,9 @@ fn ntl_family_runs_entirely_on_cuda_and_rocm_at_opset_17() {
 }
 
 /// Every loss, at every opset ORT 1.19's GPU providers serve (13–20; at 21 they register no
-/// kernels for Cast/Reshape/Squeeze/... at all), adds only ops with CUDA and ROCm kernels.
+/// kernels for Cast/Reshape/Squeeze/... at all), adds only ops with CUDA and ROCm kernels, in
+/// the 1.19 tables and in the maintained runtimes' (onnxruntime-gpu 1.31.1, onnxruntime-rocm
+/// 1.22.2).
 #[test]
 fn every_loss_runs_entirely_on_cuda_and_rocm_at_opsets_13_to_20() {
     use ntl_patch::onnx::proto::tensor_proto::DataType as D;
@@ -174,7 +184,7 @@ fn every_loss_runs_entirely_on_cuda_and_rocm_at_opsets_13_to_20() {
             let dir = tmp.path().join(format!("o{opset}_{k}"));
             std::fs::create_dir_all(&dir).unwrap();
             let patched = read_model(&patch(&src, &dir, args));
-            for target in [Target::Cuda, Target::Rocm] {
+            for target in [Target::Cuda, Target::Rocm, Target::Cuda119, Target::Rocm119] {
                 let r = check_model(&patched, target);
                 let ntl: Vec<_> = r
                     .fallbacks()
@@ -209,7 +219,8 @@ fn text_report_says_all_or_lists_fallbacks_and_exits_0() {
     );
     assert!(text.contains("cuda: all ops have cuda kernels"), "{text}");
 
-    // a model with a known-missing kernel: ArgMax at opset 13 (CUDA registers ArgMax 1-11 only)
+    // a model with a known-missing kernel: ArgMax at opset 13 (ORT 1.19's CUDA and ROCm register
+    // ArgMax 1-11 only; the maintained runtimes have ArgMax-13)
     let path = tmp.path().join("argmax.onnx");
     write_model(
         &path,
@@ -222,24 +233,47 @@ fn text_report_says_all_or_lists_fallbacks_and_exits_0() {
     let out = bin()
         .arg("inspect")
         .arg(&path)
-        .args(["--target", "cuda", "--target", "rocm"])
+        .args([
+            "--target",
+            "cuda-1.19",
+            "--target",
+            "rocm-1.19",
+            "--target",
+            "cuda",
+        ])
         .output()
         .unwrap();
     assert!(out.status.success(), "exit code 0 with fallbacks too");
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(
-        text.contains("cuda: 1 node(s) would fall back to CPU: no cuda kernel for ArgMax"),
+        text.contains(
+            "cuda-1.19: 1 node(s) would fall back to CPU: no cuda-1.19 kernel for ArgMax"
+        ),
         "{text}"
     );
     assert!(
-        text.contains("rocm: 1 node(s) would fall back to CPU: no rocm kernel for ArgMax"),
+        text.contains(
+            "rocm-1.19: 1 node(s) would fall back to CPU: no rocm-1.19 kernel for ArgMax"
+        ),
         "{text}"
     );
     assert!(
-        text.contains("no cuda ArgMax kernel serves version 13; registered versions: 1-11"),
+        text.contains("no cuda-1.19 ArgMax kernel serves version 13; registered versions: 1-11"),
         "{text}"
     );
-    let v = inspect_json(&path, &["cuda"]);
+    assert!(text.contains("\ncuda: all ops have cuda kernels"), "{text}");
+    assert!(
+        text.contains("onnxruntime-training 1.19.2 (data/ort-1.19-kernels.tsv)")
+            && text.contains("onnxruntime-gpu 1.31.1 (data/ort-1.31.1-cuda-kernels.tsv)"),
+        "each report names its runtime and table:\n{text}"
+    );
+    let v = inspect_json(&path, &["cuda-1.19", "cuda"]);
+    assert_eq!(v["gpu"][0]["onnxruntime"], "1.19.2");
+    assert_eq!(v["gpu"][0]["package"], "onnxruntime-training");
+    assert_eq!(v["gpu"][1]["target"], "cuda");
+    assert_eq!(v["gpu"][1]["onnxruntime"], "1.31.1");
+    assert_eq!(v["gpu"][1]["package"], "onnxruntime-gpu");
+    assert_eq!(v["gpu"][1]["all_ops_on_gpu"], true);
     let f = &v["gpu"][0]["fallbacks"][0];
     assert_eq!(f["op"], "ArgMax");
     assert_eq!(f["version"], 13);
@@ -326,10 +360,10 @@ fn open_ended_kernels_do_not_serve_newer_versions() {
         &[("x", DataType::Float)],
     );
     assert!(matches!(
-        placement(&check_model(&m, Target::Cuda), "ReduceMax"),
+        placement(&check_model(&m, Target::Cuda119), "ReduceMax"),
         Placement::Gpu { .. }
     ));
-    match placement(&check_model(&m, Target::Rocm), "ReduceMax") {
+    match placement(&check_model(&m, Target::Rocm119), "ReduceMax") {
         Placement::Fallback {
             why: Missing::Version { registered },
             cpu: true,
@@ -354,7 +388,19 @@ fn open_ended_kernels_do_not_serve_newer_versions() {
         &[("x", DataType::Float)],
     );
     assert!(matches!(
+        placement(&check_model(&m, Target::Cuda119), "Cast"),
+        Placement::Fallback {
+            why: Missing::Version { .. },
+            ..
+        }
+    ));
+    // onnxruntime-gpu 1.31.1 registers Cast 21-22; onnxruntime-rocm 1.22.2 stops at 19
+    assert!(matches!(
         placement(&check_model(&m, Target::Cuda), "Cast"),
+        Placement::Gpu { .. }
+    ));
+    assert!(matches!(
+        placement(&check_model(&m, Target::Rocm), "Cast"),
         Placement::Fallback {
             why: Missing::Version { .. },
             ..
@@ -370,10 +416,12 @@ fn open_ended_kernels_do_not_serve_newer_versions() {
         )],
         &[("x", DataType::Float)],
     );
-    assert!(matches!(
-        placement(&check_model(&m, Target::Cuda), "Cast"),
-        Placement::Gpu { .. }
-    ));
+    for target in [Target::Cuda, Target::Rocm, Target::Cuda119, Target::Rocm119] {
+        assert!(matches!(
+            placement(&check_model(&m, target), "Cast"),
+            Placement::Gpu { .. }
+        ));
+    }
 }
 
 #[test]
@@ -422,7 +470,7 @@ fn input_types_are_checked_per_type_constraint() {
             ("vals", DataType::Float),
         ],
     );
-    for target in [Target::Cuda, Target::Rocm] {
+    for target in [Target::Cuda, Target::Rocm, Target::Cuda119, Target::Rocm119] {
         let r = check_model(&m, target);
         assert!(r.all_on_gpu(), "{}", r.to_text());
     }
@@ -515,7 +563,7 @@ fn special_cases_constants_functions_refusals_and_contrib_ops() {
         ],
         &[("x", DataType::Float)],
     );
-    let cuda = check_model(&m, Target::Cuda);
+    let cuda = check_model(&m, Target::Cuda119);
     assert!(
         cuda.groups.iter().all(|g| g.op != "Constant"),
         "Constants become initializers: {}",
@@ -536,7 +584,17 @@ fn special_cases_constants_functions_refusals_and_contrib_ops() {
         Placement::Gpu { .. }
     ));
     assert!(matches!(placement(&cuda, "Mystery"), Placement::Unknown(_)));
-    let rocm = check_model(&m, Target::Rocm);
+    // the inference builds have no training ops, on the GPU or the CPU
+    let new = check_model(&m, Target::Cuda);
+    assert!(matches!(
+        placement(&new, "InPlaceAccumulatorV2"),
+        Placement::Fallback {
+            why: Missing::NoKernel,
+            cpu: false
+        }
+    ));
+    assert!(matches!(placement(&new, "CastLike"), Placement::Inlined));
+    let rocm = check_model(&m, Target::Rocm119);
     assert!(matches!(
         placement(&rocm, "InPlaceAccumulatorV2"),
         Placement::Fallback {
@@ -609,12 +667,288 @@ fn every_op_ntl_patch_emits_is_in_the_tables() {
                 "{op} at opset {opset}"
             );
         }
-        for target in [Target::Cuda, Target::Rocm] {
+        for target in [Target::Cuda119, Target::Rocm119] {
             assert!(
-                !t.kernels(target.name(), "", op).is_empty(),
+                !t.kernels(target.ep(), "", op).is_empty(),
                 "{op} on {}",
                 target.name()
             );
         }
+        // the inference builds have no SoftmaxCrossEntropyLoss kernel: ORT inlines it
+        for target in [Target::Cuda, Target::Rocm] {
+            assert_eq!(
+                tables_for(target).kernels(target.ep(), "", op).is_empty(),
+                op == "SoftmaxCrossEntropyLoss",
+                "{op} on {}",
+                target.name()
+            );
+        }
+        assert!(migraphx::ops().ops.contains_key(op), "{op} on migraphx");
     }
+}
+
+// ---- the maintained runtimes ----------------------------------------------------------------
+
+#[test]
+fn each_target_names_its_runtime_and_table() {
+    for (name, target, package, version) in [
+        ("cuda", Target::Cuda, "onnxruntime-gpu", "1.31.1"),
+        ("rocm", Target::Rocm, "onnxruntime-rocm", "1.22.2"),
+        (
+            "migraphx",
+            Target::Migraphx,
+            "onnxruntime-migraphx",
+            "1.27.1",
+        ),
+        (
+            "cuda-1.19",
+            Target::Cuda119,
+            "onnxruntime-training",
+            "1.19.2",
+        ),
+        (
+            "rocm-1.19",
+            Target::Rocm119,
+            "onnxruntime-training",
+            "1.19.2",
+        ),
+    ] {
+        assert_eq!(Target::parse(name), Some(target));
+        assert_eq!(target.name(), name);
+        assert_eq!((target.package(), target.ort_version()), (package, version));
+    }
+    assert!(tables_for(Target::Cuda)
+        .kernel_provenance
+        .contains("onnxruntime-gpu 1.31.1"));
+    assert!(tables_for(Target::Rocm)
+        .kernel_provenance
+        .contains("onnxruntime-rocm 1.22.2"));
+    assert!(migraphx::ops()
+        .provenance
+        .contains("onnxruntime-migraphx 1.27.1"));
+}
+
+#[test]
+fn an_op_version_the_new_cuda_table_lacks_is_reported() {
+    // Scatter (deprecated at 11) resolves to Scatter-11 at opset 13; CUDA registers 9-10 only
+    let m = tiny_model(
+        13,
+        &[
+            node("Scatter", &["x", "i", "u"], &["y"], vec![]),
+            node("MatMul", &["x", "x"], &["z"], vec![]),
+        ],
+        &[
+            ("x", DataType::Float),
+            ("i", DataType::Int64),
+            ("u", DataType::Float),
+        ],
+    );
+    let r = check_model(&m, Target::Cuda);
+    match placement(&r, "Scatter") {
+        Placement::Fallback {
+            why: Missing::Version { registered },
+            ..
+        } => assert_eq!(registered, vec!["9-10".to_string()]),
+        p => panic!("Scatter-11 on CUDA 1.31: {p:?}"),
+    }
+    assert!(matches!(placement(&r, "MatMul"), Placement::Gpu { .. }));
+    let f = fallback_nodes(&m, Target::Cuda);
+    assert_eq!(f.len(), 1, "{f:?}");
+    assert_eq!((f[0].index, f[0].op.as_str()), (0, "Scatter"));
+    assert_eq!(f[0].version, Some(11));
+    assert!(f[0].reason.contains("registered versions: 9-10"), "{f:?}");
+    // ROCm 1.22.2 stops at Equal-13 (open-ended): Equal-19 falls back; CUDA 1.31 has Equal-19
+    let m = tiny_model(
+        19,
+        &[node("Equal", &["a", "b"], &["e"], vec![])],
+        &[("a", DataType::Int64), ("b", DataType::Int64)],
+    );
+    assert!(fallback_nodes(&m, Target::Cuda).is_empty());
+    let f = fallback_nodes(&m, Target::Rocm);
+    assert_eq!(f.len(), 1, "{f:?}");
+    assert!(
+        f[0].cpu_kernel
+            && f[0]
+                .reason
+                .contains("no rocm Equal kernel serves version 19")
+    );
+}
+
+#[test]
+fn softmax_cross_entropy_is_inlined_by_the_inference_builds() {
+    let m = tiny_model(
+        17,
+        &[common::sce("s", "l", "loss")],
+        &[("s", DataType::Float), ("l", DataType::Int64)],
+    );
+    for target in [Target::Cuda, Target::Rocm] {
+        let r = check_model(&m, target);
+        assert!(
+            matches!(placement(&r, "SoftmaxCrossEntropyLoss"), Placement::Inlined),
+            "{}",
+            r.to_text()
+        );
+        assert!(fallback_nodes(&m, target).is_empty());
+    }
+    for target in [Target::Cuda119, Target::Rocm119, Target::Migraphx] {
+        let r = check_model(&m, target);
+        assert!(
+            matches!(
+                placement(&r, "SoftmaxCrossEntropyLoss"),
+                Placement::Gpu { .. }
+            ),
+            "{}",
+            r.to_text()
+        );
+    }
+}
+
+// ---- MIGraphX -------------------------------------------------------------------------------
+
+fn f32_init(name: &str, dims: &[i64]) -> ntl_patch::onnx::TensorProto {
+    ntl_patch::onnx::TensorProto {
+        name: Some(name.into()),
+        dims: dims.to_vec(),
+        data_type: Some(DataType::Float as i32),
+        float_data: vec![0.0; dims.iter().product::<i64>() as usize],
+        ..Default::default()
+    }
+}
+
+/// x[?, 64] @ w[64, 64] + b, then the given nodes.
+fn mgx_model(opset: i64, tail: &[NodeProto], extra_inputs: &[(&str, DataType)]) -> ModelProto {
+    let mut nodes = vec![
+        node("MatMul", &["x", "w"], &["h"], vec![]),
+        node("Add", &["h", "b"], &["hb"], vec![]),
+    ];
+    nodes.extend_from_slice(tail);
+    let mut inputs = vec![("x", DataType::Float)];
+    inputs.extend_from_slice(extra_inputs);
+    let mut m = tiny_model(opset, &nodes, &inputs);
+    let g = m.graph.as_mut().unwrap();
+    g.initializer = vec![
+        f32_init("w", &[64, 64]),
+        f32_init("b", &[64]),
+        ntl_patch::onnx::i64_tensor("shape", &[2], &[-1, 8]),
+    ];
+    m
+}
+
+#[test]
+fn migraphx_takes_listed_ops_with_constant_shapes() {
+    let m = mgx_model(
+        17,
+        &[
+            node("Reshape", &["hb", "shape"], &["r"], vec![]),
+            node("Softmax", &["r"], &["p"], vec![]),
+            node("Shape", &["hb"], &["sh"], vec![]),
+            node("ConstantOfShape", &["sh"], &["z"], vec![]),
+            node("Expand", &["b", "sh"], &["bx"], vec![]),
+        ],
+        &[],
+    );
+    let r = check_model(&m, Target::Migraphx);
+    assert!(r.all_on_gpu(), "{}", r.to_text());
+    assert!(fallback_nodes(&m, Target::Migraphx).is_empty());
+    assert!(
+        r.notes.iter().any(|n| n.contains("migraphx")),
+        "{:?}",
+        r.notes
+    );
+}
+
+#[test]
+fn migraphx_refuses_runtime_shapes_unlisted_ops_and_strings_and_hands_back_small_pieces() {
+    // Reshape whose shape is a graph input: IsUnsupportedOpMode refuses it; Det is not listed.
+    // The MatMul piece before them stays (64x64 weights > 300 elements); the Softmax alone after
+    // them is handed back (SubgraphPostProcessing).
+    let m = mgx_model(
+        17,
+        &[
+            node("Reshape", &["hb", "dyn_shape"], &["r"], vec![]),
+            node("Det", &["r"], &["d"], vec![]),
+            node("Softmax", &["d"], &["p"], vec![]),
+        ],
+        &[("dyn_shape", DataType::Int64)],
+    );
+    let f = fallback_nodes(&m, Target::Migraphx);
+    let ops: Vec<&str> = f.iter().map(|n| n.op.as_str()).collect();
+    assert_eq!(ops, ["Reshape", "Det", "Softmax"], "{f:?}");
+    assert!(f[0].reason.contains("IsUnsupportedOpMode"), "{f:?}");
+    assert!(f[1].reason.contains("supported-op list"), "{f:?}");
+    assert!(f[2].reason.contains("SubgraphPostProcessing"), "{f:?}");
+    // strings are not a MIGraphX type
+    let m = mgx_model(
+        17,
+        &[node("Identity", &["s"], &["s2"], vec![])],
+        &[("s", DataType::String)],
+    );
+    let f = fallback_nodes(&m, Target::Migraphx);
+    assert_eq!(f.len(), 1, "{f:?}");
+    assert!(f[0].reason.contains("string"), "{f:?}");
+    // NonZero of a runtime tensor cannot be evaluated statically
+    let m = mgx_model(17, &[node("NonZero", &["hb"], &["nz"], vec![])], &[]);
+    let f = fallback_nodes(&m, Target::Migraphx);
+    assert_eq!(
+        f.iter().map(|n| n.op.as_str()).collect::<Vec<_>>(),
+        ["NonZero"]
+    );
+}
+
+#[test]
+fn migraphx_takes_nothing_past_ten_unsupported_nodes() {
+    let dets: Vec<NodeProto> = (0..11)
+        .map(|i| node("Det", &["hb"], &[&format!("d{i}")], vec![]))
+        .collect();
+    let m = mgx_model(17, &dets, &[]);
+    let r = check_model(&m, Target::Migraphx);
+    assert!(matches!(
+        placement(&r, "MatMul"),
+        Placement::Fallback {
+            why: Missing::Refused(_),
+            ..
+        }
+    ));
+    assert_eq!(fallback_nodes(&m, Target::Migraphx).len(), 13);
+    // ten are still partitioned: the MatMul piece stays
+    let m = mgx_model(17, &dets[..10], &[]);
+    let r = check_model(&m, Target::Migraphx);
+    assert!(
+        matches!(placement(&r, "MatMul"), Placement::Gpu { .. }),
+        "{}",
+        r.to_text()
+    );
+}
+
+#[test]
+fn migraphx_rules_cover_the_ops_the_table_marks() {
+    let marked: Vec<&str> = migraphx::ops()
+        .ops
+        .iter()
+        .filter(|(_, checked)| **checked)
+        .map(|(op, _)| op.as_str())
+        .collect();
+    let mut modelled = migraphx::MODE_CHECKED.to_vec();
+    modelled.sort();
+    assert_eq!(marked, modelled);
+    assert_eq!(migraphx::ops().max_unsupported, 10);
+    assert!(!migraphx::ops().types.contains(&"string".to_string()));
+}
+
+#[test]
+fn inspect_accepts_every_target() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = patch(&model("lm_flat"), tmp.path(), &["--loss", "mse"]);
+    let v = inspect_json(
+        &out,
+        &["cuda", "rocm", "migraphx", "cuda-1.19", "rocm-1.19"],
+    );
+    let gpu = v["gpu"].as_array().unwrap();
+    let names: Vec<&str> = gpu.iter().map(|r| r["target"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        ["cuda", "rocm", "migraphx", "cuda-1.19", "rocm-1.19"]
+    );
+    assert_eq!(gpu[2]["provider"], "MIGraphXExecutionProvider");
+    assert_eq!(gpu[2]["table"], "data/ort-1.27.1-migraphx-ops.tsv");
 }
