@@ -16,7 +16,7 @@ pub mod rules;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::error::Error;
-use crate::onnx::{f32_tensor, i64_tensor, int_attr, tensor_attr, NodeProto, FLOAT};
+use crate::onnx::{int_attr, NodeProto, FLOAT};
 use crate::ops::Builder;
 use crate::ranks::Ranks;
 
@@ -70,15 +70,11 @@ impl<'a> Ctx<'a> {
         self.zeros(&s)
     }
 
-    /// Zeros of a run-time shape (float32).
+    /// Zeros of a run-time shape (float32). Expand of a scalar rather than ConstantOfShape:
+    /// onnxruntime-rocm 1.22 registers no ConstantOfShape for opsets 20 and 21.
     pub fn zeros(&mut self, shape: &str) -> String {
-        let zero = f32_tensor("value", &[1], &[0.0]);
-        self.b.node(
-            "ConstantOfShape",
-            &[shape],
-            "grad/zeros",
-            vec![tensor_attr("value", zero)],
-        )
+        let zero = self.f32(0.0);
+        self.op("Expand", &[&zero, shape], "grad/zeros")
     }
 
     /// Sums `g` (the gradient of a broadcasting op's output) down to the shape of its input `x`:
@@ -112,12 +108,8 @@ impl<'a> Ctx<'a> {
                 let d = self.op("Sub", &[&gn, &xn], "grad/rank_diff");
                 let one = self.i64s(&[1]);
                 let d = self.op("Reshape", &[&d, &one], "grad/rank_diff_1d");
-                let ones = self.b.node(
-                    "ConstantOfShape",
-                    &[&d],
-                    "grad/ones",
-                    vec![tensor_attr("value", i64_tensor("value", &[1], &[1]))],
-                );
+                let one = self.b.const_i64("grad/c", &[], &[1]);
+                let ones = self.op("Expand", &[&one, &d], "grad/ones");
                 self.b.concat(&[&ones, &xs], 0, "grad/padded_shape")
             }
         };
