@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Every test: Rust unit and integration tests, then the ONNX Runtime Training end-to-end harness.
-# Installs what the tests need on first use (.venv for Python, .venv-ort for the ORT C library).
+# Installs what the tests need on first use (.venv for Python, .venv-rt for the torch-free
+# onnxruntime 1.31.1 environment, .venv-ort for the ORT C library).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
 scripts/setup-python.sh
+scripts/setup-runtime.sh   # .venv-rt: onnxruntime 1.31.1 + numpy only, for the step-graph runner tests
 ORT_DYLIB_PATH="$(scripts/setup-ort.sh)"
 export ORT_DYLIB_PATH
 
