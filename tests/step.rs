@@ -203,3 +203,37 @@ fn step_graphs_and_ort_training_graphs_are_refused() {
     assert!(stderr.contains("ntl-patch artifacts"), "{stderr}");
     assert_eq!(listing(t.parent().unwrap()), before);
 }
+
+#[test]
+fn validate_trains_a_step_graph_in_tract_like_onnxruntime() {
+    // Needs ORT_DYLIB_PATH (scripts/test.sh sets it): tract's three steps are compared with
+    // ONNX Runtime's, so without the library the comparison is missing and this fails.
+    for (fixture, args) in [
+        ("lm_flat", vec!["--loss", "wasserstein"]),
+        (
+            "lm_bvt",
+            vec!["--loss", "mse", "--optimizer", "sgd", "--momentum", "0.9"],
+        ),
+        ("lm_nll", vec!["--loss", "ntil", "--max-grad-norm", "1"]),
+    ] {
+        let (dir, m) = case(&model(fixture), |_| {});
+        bin().arg("step").arg(&m).args(&args).assert().success();
+        let out = bin()
+            .arg("validate")
+            .arg(dir.path().join("model.step.onnx"))
+            .arg("--json")
+            .assert()
+            .success();
+        let report: serde_json::Value = serde_json::from_slice(&out.get_output().stdout).unwrap();
+        let checks = report["checks"].as_array().unwrap();
+        let against_ort = checks
+            .iter()
+            .filter(|c| c["against"] == "onnxruntime")
+            .count();
+        assert_eq!(against_ort, 3 * 3 + 1, "{fixture}: {report}");
+        assert!(
+            checks.iter().all(|c| c["passed"] == true),
+            "{fixture}: {report}"
+        );
+    }
+}

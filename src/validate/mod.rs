@@ -22,6 +22,7 @@ mod primitive_ce;
 pub mod reference;
 pub mod reference_ntil;
 pub mod report;
+mod steps;
 pub mod tensor;
 pub mod testdata;
 mod tract_run;
@@ -136,8 +137,25 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
         ));
     }
     checks.extend(recorded_checks(req, &model, &feeds.recorded, &outputs));
-
     let mut notes = Vec::new();
+    if model
+        .metadata_props
+        .iter()
+        .any(|p| p.key() == steps::STEP_METADATA_KEY)
+    {
+        // Both runtimes train the tract-compatible copy (primitive-op cross-entropy).
+        let tract_copy;
+        let both = if req.runtime == Runtime::Tract {
+            &copy.model
+        } else {
+            tract_copy = copy::build(&model, &meta, &loss_name, true)?;
+            &tract_copy.model
+        };
+        let (step_checks, note) = steps::check(req, both, &dir, &feeds.inputs)?;
+        checks.extend(step_checks);
+        notes.push(note);
+    }
+
     if !copy.noise_removed.is_empty() {
         notes.push(format!(
             "Gumbel noise disabled for validation: the patch draws noise (scale {}) in {} random node(s); the validation copy adds none ({} read the clean digit logits), so the forward is the deterministic argmax path (noise scale 0) that the reference computes",

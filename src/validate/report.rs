@@ -9,6 +9,8 @@ pub enum Against {
     Independent,
     /// A recorded output from `--reference DIR`.
     Recorded,
+    /// The same training steps run by the other runtime (step graphs).
+    OtherRuntime(&'static str),
 }
 
 impl Against {
@@ -16,6 +18,7 @@ impl Against {
         match self {
             Against::Independent => "independent",
             Against::Recorded => "recorded",
+            Against::OtherRuntime(name) => name,
         }
     }
 }
@@ -85,6 +88,32 @@ impl Check {
 
     pub fn missing(output: &str, against: Against, why: String) -> Check {
         Check::compare(output, against, &[], &[], 0.0, 0.0).failed(why)
+    }
+
+    /// Norm-relative comparison of two whole vectors: `‖got − want‖ / ‖want‖ ≤ rtol`.
+    pub fn compare_norm(
+        output: &str,
+        against: Against,
+        got: &[f64],
+        want: &[f64],
+        rtol: f64,
+    ) -> Check {
+        let mut check = Check::compare(output, against, &[], &[], 0.0, 0.0);
+        check.elements = want.len();
+        if got.len() != want.len() {
+            return check.failed(format!("{} values, expected {}", got.len(), want.len()));
+        }
+        let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
+        let diff = norm(&mut got.iter().zip(want).map(|(a, b)| a - b));
+        let scale = norm(&mut want.iter().copied());
+        check.runtime = norm(&mut got.iter().copied());
+        check.expected = scale;
+        check.abs_err = diff;
+        check.rel_err = if scale > 0.0 { diff / scale } else { diff };
+        if !(check.rel_err <= rtol) {
+            return check.failed(format!("norm-relative error above {rtol:e}"));
+        }
+        check
     }
 
     fn failed(mut self, why: String) -> Check {
