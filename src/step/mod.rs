@@ -5,6 +5,7 @@
 //! between the two).
 
 pub mod optimizer;
+mod zero_state;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -23,6 +24,7 @@ use crate::ranks::Ranks;
 use crate::rewrite::{CE_OUTPUT, NUMBER_OUTPUT, PREFIX};
 use optimizer::{emit_update, ParamUpdate};
 pub use optimizer::{OptimizerKind, OptimizerOptions};
+use zero_state::ZeroState;
 
 /// Metadata key of step graphs.
 pub const STEP_METADATA_KEY: &str = "ntl_step";
@@ -146,7 +148,7 @@ pub fn run_step(req: &StepRequest) -> Result<StepSummary, Error> {
             return Err(Error::OutputIsInput(out.clone()));
         }
     }
-    let built = build(&mut patched.model, req)?;
+    let built = build(&mut patched.model, req, &outputs)?;
     let summary = StepSummary {
         outputs: outputs.clone(),
         patch: patched.summary,
@@ -156,26 +158,30 @@ pub fn run_step(req: &StepRequest) -> Result<StepSummary, Error> {
         buffers: built.buffers,
         warnings: built.warnings,
     };
-    match built.update {
-        None => save_model_from(
+    // Everything but the main graph first, removed again if a later write fails: an error
+    // leaves no output at all.
+    let mut written: Vec<PathBuf> = Vec::new();
+    let result = (|| {
+        let holder = outputs.last().expect("one output at least");
+        if let Some(path) = built.zeros.write(&crate::model_io::model_dir(holder))? {
+            written.push(path);
+        }
+        if let Some(update) = &built.update {
+            save_model_from(update, &outputs[1], None, None)?;
+            written.push(outputs[1].clone());
+        }
+        save_model_from(
             &patched.model,
             &outputs[0],
             Some(&patched.source),
             Some(&patched.external),
-        )?,
-        Some(update) => {
-            // The update graph first: it holds no weights, and an error in either leaves neither.
-            save_model_from(&update, &outputs[1], None, None)?;
-            if let Err(e) = save_model_from(
-                &patched.model,
-                &outputs[0],
-                Some(&patched.source),
-                Some(&patched.external),
-            ) {
-                let _ = std::fs::remove_file(&outputs[1]);
-                return Err(e);
-            }
+        )
+    })();
+    if let Err(e) = result {
+        for path in written {
+            let _ = std::fs::remove_file(path);
         }
+        return Err(e);
     }
     Ok(summary)
 }
@@ -188,6 +194,8 @@ struct Built {
     warnings: Vec<String>,
     /// The update graph of `--split`.
     update: Option<ModelProto>,
+    /// Where the optimizer state's zeros went (the step graph, or the update graph).
+    zeros: ZeroState,
 }
 
 fn is_buffer(name: &str) -> bool {
@@ -199,7 +207,7 @@ fn is_buffer(name: &str) -> bool {
 
 /// Turns the patched forward model into the step graph (or the gradient graph, returning the
 /// update graph as a separate model).
-fn build(model: &mut ModelProto, req: &StepRequest) -> Result<Built, Error> {
+fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Result<Built, Error> {
     let opset = default_opset(model).expect("checked by the patch step");
     let graph = model.graph.as_mut().expect("loaded models have a graph");
     let mut b = Builder::new(PREFIX, opset, GraphIndex::new(graph).taken_names());
@@ -267,6 +275,18 @@ fn build(model: &mut ModelProto, req: &StepRequest) -> Result<Built, Error> {
             "initializer '{p}' has a negative dimension"
         )));
     }
+    // Weights in external data: the zero state goes to a sparse file beside the graph that
+    // holds the optimizer state (the update graph with --split).
+    let external = graph.initializer.iter().any(|t| {
+        params.iter().any(|p| p == t.name())
+            && t.data_location() as i32
+                == crate::onnx::proto::tensor_proto::DataLocation::External as i32
+    });
+    let mut zeros = if external {
+        ZeroState::beside(outputs.last().expect("one output at least"))
+    } else {
+        ZeroState::inline()
+    };
     let parameter_elements: u64 = param_dims
         .iter()
         .map(|d| d.iter().map(|&x| x as u64).product::<u64>())
@@ -351,6 +371,7 @@ fn build(model: &mut ModelProto, req: &StepRequest) -> Result<Built, Error> {
             &step_out,
             &lr,
             &meta,
+            &mut zeros,
         )?;
         let graph = model.graph.as_mut().expect("graph");
         graph.node.extend(std::mem::take(&mut b.nodes));
@@ -377,7 +398,7 @@ fn build(model: &mut ModelProto, req: &StepRequest) -> Result<Built, Error> {
         graph
             .initializer
             .extend(std::mem::take(&mut b.initializers));
-        add_state_initializers(graph, &state)?;
+        add_state_initializers(graph, &state, &mut zeros)?;
         graph.initializer.push(crate::onnx::f32_tensor(
             &lr,
             &[],
@@ -408,6 +429,7 @@ fn build(model: &mut ModelProto, req: &StepRequest) -> Result<Built, Error> {
         buffers,
         warnings,
         update,
+        zeros,
     })
 }
 
@@ -449,6 +471,7 @@ fn set_outputs(graph: &mut GraphProto, loss: &str, extra: Vec<ValueInfoProto>) {
 fn add_state_initializers(
     graph: &mut GraphProto,
     state: &[(String, String, Vec<i64>, i32)],
+    zeros: &mut ZeroState,
 ) -> Result<(), Error> {
     let params: BTreeSet<String> = graph
         .initializer
@@ -465,24 +488,9 @@ fn add_state_initializers(
                 .push(crate::onnx::i64_tensor(name, &[], &[0]));
             continue;
         }
-        graph.initializer.push(zeros_f32(name, dims)?);
+        graph.initializer.push(zeros.tensor(name, dims)?);
     }
     Ok(())
-}
-
-fn zeros_f32(name: &str, dims: &[i64]) -> Result<TensorProto, Error> {
-    let n: u64 = dims.iter().map(|&d| d as u64).product();
-    let bytes = n
-        .checked_mul(4)
-        .filter(|&b| b < (1 << 40))
-        .ok_or_else(|| Error::MalformedGraph(format!("initializer '{name}' is too large")))?;
-    Ok(TensorProto {
-        name: Some(name.into()),
-        dims: dims.to_vec(),
-        data_type: Some(FLOAT),
-        raw_data: Some(vec![0u8; bytes as usize].into()),
-        ..Default::default()
-    })
 }
 
 /// The update graph of `--split`: parameters, optimizer state, gradients and the learning
@@ -498,6 +506,7 @@ fn update_model(
     step_out: &str,
     lr: &str,
     meta: &str,
+    zeros: &mut ZeroState,
 ) -> Result<ModelProto, Error> {
     let opset = default_opset(model).expect("checked");
     let taken: BTreeSet<String> = state
@@ -537,7 +546,7 @@ fn update_model(
             graph.initializer.push(if *t == INT64 {
                 crate::onnx::i64_tensor(name, &[], &[0])
             } else {
-                zeros_f32(name, dims)?
+                zeros.tensor(name, dims)?
             });
         }
     }

@@ -377,3 +377,33 @@ np.savez({str(tmp_path / 'rt.npz')!r}, losses=np.array(losses), **{{k.replace("/
     x, y = _batch()
     zero = _zero_grad_mask(_reference("wasserstein", weights, x, y)[3])
     _assert_params_close({p: got[p] for p in want_params}, want_params, zero)
+
+
+def test_external_data_model_keeps_weights_external(tmp_path):
+    """Weights in external data stay there (referenced, never copied into the graph); the zero
+    optimizer state goes to a sparse `<graph>.state.bin` beside the step graph; training gives
+    the same numbers as the inline model."""
+    m = onnx.load(str(MODELS / "lm_flat.onnx"))
+    folder = tmp_path / "ext"
+    folder.mkdir()
+    onnx.save(m, str(folder / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="weights.bin", size_threshold=0)
+    (folder / "tokenizer.json").write_bytes(TOKENIZER.read_bytes())
+    r = run_patch(["step", folder / "model.onnx"])
+    assert r.returncode == 0, r.stderr
+    step = folder / "model.step.onnx"
+    g = onnx.load(str(step), load_external_data=False)
+    locations = {e.value for t in g.graph.initializer for e in t.external_data if e.key == "location"}
+    assert locations == {"weights.bin", "model.step.onnx.state.bin"}, locations
+    meta = json.loads({p.key: p.value for p in g.metadata_props}["ntl_step"])
+    float_state = [i for i, _ in meta["state"] if i != "ntl/state/step"]
+    inits = {t.name: t for t in g.graph.initializer}
+    assert all(inits[n].data_location == onnx.TensorProto.EXTERNAL for n in float_state), "no weights inline"
+    inline = tmp_path / "inline.step.onnx"
+    _step(MODELS / "lm_flat.onnx", inline, "wasserstein")
+    batches = _batches(3)
+    got = _run_step_graph(step, batches)
+    want = _run_step_graph(inline, batches)
+    np.testing.assert_array_equal(got[0], want[0])
+    for p in want[1]:
+        np.testing.assert_array_equal(got[1][p], want[1][p])
