@@ -121,7 +121,12 @@ fn from_tract(name: &str, t: &Tensor) -> TractResult<HostTensor> {
         DatumType::I64 => Data::I64(slice(t)?),
         DatumType::I32 => Data::I32(slice(t)?),
         DatumType::Bool => Data::Bool(slice(t)?),
-        // anything else (f16, other ints) is widened for comparison
+        // other integers (and tract's symbolic-dimension type, which shape-derived int64
+        // tensors such as HF's shifted labels come back as) stay integers
+        dt if dt.is_integer() || dt == DatumType::TDim => {
+            Data::I64(slice(t.cast_to::<i64>()?.as_ref())?)
+        }
+        // anything else (f16) is widened for comparison
         _ => Data::F64(slice(t.cast_to::<f64>()?.as_ref())?),
     };
     Ok(HostTensor {

@@ -1,0 +1,63 @@
+//! transformers GPT-2 and Llama exported with their own (shifted) loss by the TorchScript
+//! exporter: patched, validated with tract against the independent reference, and trained by
+//! the step graph in tract like in ONNX Runtime (needs ORT_DYLIB_PATH, as scripts/test.sh sets).
+
+mod common;
+
+use common::*;
+
+fn validate_json(path: &std::path::Path) -> serde_json::Value {
+    let out = bin()
+        .arg("validate")
+        .arg(path)
+        .arg("--tokenizer")
+        .arg(tokenizer())
+        .arg("--json")
+        .assert()
+        .success();
+    serde_json::from_slice(&out.get_output().stdout).unwrap()
+}
+
+#[test]
+fn torchscript_transformers_graphs_validate_for_every_loss_family() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["gpt2_ts", "llama_ts"] {
+        for loss in ["wasserstein", "ntil"] {
+            let out = dir.path().join(format!("{name}-{loss}.onnx"));
+            bin()
+                .arg(model(name))
+                .args(["--loss", loss, "--tokenizer"])
+                .arg(tokenizer())
+                .arg("-o")
+                .arg(&out)
+                .assert()
+                .success();
+            let report = validate_json(&out);
+            let checks = report["checks"].as_array().unwrap();
+            assert_eq!(checks.len(), 3, "{name}/{loss}: {report}");
+            assert!(
+                checks.iter().all(|c| c["passed"] == true),
+                "{name}/{loss}: {report}"
+            );
+        }
+    }
+}
+
+#[test]
+fn gpt2_step_graph_trains_in_tract_like_onnxruntime() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("gpt2.step.onnx");
+    bin()
+        .arg("step")
+        .arg(model("gpt2_ts"))
+        .arg("--tokenizer")
+        .arg(tokenizer())
+        .arg("-o")
+        .arg(&out)
+        .assert()
+        .success();
+    let report = validate_json(&out);
+    let checks = report["checks"].as_array().unwrap();
+    assert_eq!(checks.len(), 3 + 3 * 3 + 1, "{report}");
+    assert!(checks.iter().all(|c| c["passed"] == true), "{report}");
+}
