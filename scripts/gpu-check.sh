@@ -1,12 +1,30 @@
 #!/usr/bin/env bash
-# GPU check for a machine with an NVIDIA GPU: patch every fixture with every loss, train the
+# GPU check for a machine with an NVIDIA GPU. Two parts, each in its own Python environment:
+#
+#   scripts/gpu-check.sh [gpu_check.py options: --steps N --models lm_flat --losses ntil ...]
+#   scripts/gpu-check.sh --step [gpu_check_step.py options: --models gpt2_ts --losses ntil --self-test ...]
+#
+# Default (ORT Training, scripts/gpu_check.py): patch every fixture with every loss, train the
 # patched graphs with ONNX Runtime Training on CUDAExecutionProvider and on the CPU, and compare
 # parameter gradients (step 1 within 1e-4, norm-relative; later steps within 1e-3) and losses;
 # compare the ops `ntl-patch inspect --target cuda-1.19` says fall back to CPU with what ORT logs; and
 # run `ntl-patch validate --runtime ort` with the onnxruntime-gpu wheel's libonnxruntime.so.
-# The Python part is scripts/gpu_check.py (its docstring has the details).
 #
-#   scripts/gpu-check.sh [gpu_check.py options: --steps N --models lm_flat --losses ntil ...]
+# --step (the step graph, scripts/gpu_check_step.py): `ntl-patch step` (AdamW, lr 1e-3) on
+# lm_flat, gpt2_ts, gpt2_dynamo, llama_ts and llama_dynamo with wasserstein and ntil (--gumbel-noise 0
+# --combine add); 10 steps with python/ntl_patch StepRunner on plain onnxruntime-gpu 1.31.1 (no
+# ORT Training, no torch, no onnx), on CUDAExecutionProvider (use_tf32=0) and on CPUExecutionProvider
+# with the same batches (fixtures/reference/step/*.npz trajectory batches; seeded ones for
+# lm_flat); every per-step loss within 1e-4 (relative) and every final parameter within 1e-4
+# (norm-relative, floor 1e-3 * all), leaving out the elements whose float64 reference gradient is
+# zero (there AdamW turns pure round-off into +-lr steps; lm_flat: k.bias); ORT's recorded node
+# assignment (the session must run on CUDA) against `ntl-patch inspect --target cuda`'s prediction.
+# Report OUT/gpu-check-step.json. Run both parts one after the other for the full check.
+# NOTE: PyPI's onnxruntime-gpu 1.31.1 is a CUDA 13.0 build (its build_and_package_info says
+# cuda_version 13.0; libonnxruntime_providers_cuda.so needs libcublas.so.13, libcudart.so.13): it
+# needs an NVIDIA driver >= 580 (`nvidia-smi` shows "CUDA Version: 13.0" or newer) and gets the
+# CUDA 13.0 / cuDNN 9 wheels below; with an older driver the check says the CUDA provider does
+# not start and runs the CPU side only.
 #
 # Environment (all optional):
 #   NTL_PATCH_BIN    a prebuilt ntl-patch; default: cargo build --release, target/release/ntl-patch
@@ -21,7 +39,16 @@
 #                    environment already has it; the comparison itself is GPU against CPU.
 #   GPU_CHECK_ORT    where the onnxruntime-gpu wheel for validate goes (default
 #                    ~/.cache/ntl-patch-gpu-check/ort)
-#   OUT              report folder (default target/gpu-check/): gpu-check.json
+#   GPU_CHECK_STEP_VENV  --step: the environment to make or reuse (default
+#                    ~/.cache/ntl-patch-gpu-check/venv-step; venv-step-cpu with GPU_CHECK_STEP_ORT=cpu);
+#                    it gets onnxruntime-gpu==1.31.1, numpy==2.2.6 and nvidia-cuda-runtime,
+#                    nvidia-cublas, nvidia-cuda-nvrtc, nvidia-nvjitlink (13.0), nvidia-cufft 12.0,
+#                    nvidia-curand 10.4, nvidia-cudnn-cu13 9.x (2.2 GB installed; onnxruntime.preload_dlls()
+#                    loads them, no LD_LIBRARY_PATH needed)
+#   GPU_CHECK_STEP_ORT  --step: `gpu` (default) as above; `cpu`: plain onnxruntime==1.31.1 and
+#                    numpy only, for a quick CPU-only dry run (add --self-test to exercise the
+#                    comparison code without a GPU)
+#   OUT              report folder (default target/gpu-check/): gpu-check.json, gpu-check-step.json
 # pip reads its usual variables (PIP_INDEX_URL, PIP_FIND_LINKS, PIP_NO_INDEX) for offline
 # machines. Without a usable GPU it says so and checks the CPU side only (exit 0; pass
 # --require-gpu to make that exit 2). Exit 1 when a comparison fails.
@@ -36,6 +63,90 @@ python="${PYTHON:-python3}"
 ort_gpu_version="1.31.1" # the ORT C API the `ort` crate (api-31) needs, as scripts/setup-ort.sh
 
 say() { echo "gpu-check: $*"; }
+
+# the ntl-patch binary -> $bin
+find_bin() {
+  bin="${NTL_PATCH_BIN:-}"
+  if [[ -z "$bin" ]]; then
+    if ! command -v cargo >/dev/null; then
+      say "no cargo here: build ntl-patch elsewhere and set NTL_PATCH_BIN=/path/to/ntl-patch" >&2
+      exit 2
+    fi
+    say "cargo build --release"
+    cargo build --release --locked -q
+    bin="$root/target/release/ntl-patch"
+  fi
+  [[ -x "$bin" ]] || { say "ntl-patch binary '$bin' is not executable" >&2; exit 2; }
+}
+
+# make or reuse venv $1 with the packages $2... (a stamp file records what was installed)
+ensure_venv() {
+  local v="$1"
+  shift
+  local stamp="$v/.gpu-check.pkgs" want
+  want="$(printf '%s\n' "$@")"
+  if [[ ! -x "$v/bin/python" ]]; then
+    say "creating $v"
+    mkdir -p "$(dirname "$v")"
+    "$python" -m venv "$v"
+  fi
+  if [[ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]]; then
+    say "installing $* into $v (log: $v/pip.log)"
+    # onnxruntime, onnxruntime-gpu and onnxruntime-training(-cpu) install the same `onnxruntime`
+    # package: remove the ones not wanted here
+    local other=() name
+    for name in onnxruntime onnxruntime-gpu onnxruntime-training onnxruntime-training-cpu; do
+      printf '%s\n' "$@" | grep -q "^$name==" || other+=("$name")
+    done
+    "$v/bin/python" -m pip uninstall -y -q "${other[@]}" >/dev/null 2>&1 || true
+    if ! "$v/bin/python" -m pip install --disable-pip-version-check "$@" >"$v/pip.log" 2>&1; then
+      tail -n 20 "$v/pip.log" >&2
+      say "pip install failed" >&2
+      exit 2
+    fi
+    echo "$want" >"$stamp"
+  fi
+}
+
+# -- the step graph on plain onnxruntime-gpu (--step)
+if [[ "${1:-}" == "--step" ]]; then
+  shift
+  case "${GPU_CHECK_STEP_ORT:-gpu}" in
+    gpu)
+      step_venv="${GPU_CHECK_STEP_VENV:-$cache/venv-step}"
+      step_pkgs=(
+        "onnxruntime-gpu==$ort_gpu_version"
+        "numpy==2.2.6"
+        # PyPI's onnxruntime-gpu 1.31.1 is built for CUDA 13.0 (its [cuda,cudnn] extras name these
+        # packages; cuBLAS comes in through cuDNN there): the CUDA 13.0 update 2 releases, cuDNN 9
+        "nvidia-cuda-runtime==13.0.96"
+        "nvidia-cublas==13.1.0.3"
+        "nvidia-cuda-nvrtc==13.0.88"
+        "nvidia-nvjitlink==13.0.88"
+        "nvidia-cufft==12.0.0.61"
+        "nvidia-curand==10.4.0.35"
+        "nvidia-cudnn-cu13==9.14.0.64"
+      )
+      ;;
+    cpu)
+      step_venv="${GPU_CHECK_STEP_VENV:-$cache/venv-step-cpu}"
+      step_pkgs=("onnxruntime==$ort_gpu_version" "numpy==2.2.6")
+      ;;
+    *)
+      say "GPU_CHECK_STEP_ORT must be gpu or cpu, not '${GPU_CHECK_STEP_ORT}'" >&2
+      exit 2
+      ;;
+  esac
+  ensure_venv "$step_venv" "${step_pkgs[@]}"
+  find_bin
+  if command -v nvidia-smi >/dev/null; then
+    say "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n 1 || echo 'nvidia-smi failed')"
+  else
+    say "no nvidia-smi on this machine"
+  fi
+  exec "$step_venv/bin/python" "$root/scripts/gpu_check_step.py" --bin "$bin" \
+    --out "${OUT:-$root/target/gpu-check}" "$@"
+fi
 
 # -- 1. Python environment
 pkgs=(
@@ -52,24 +163,7 @@ pkgs=(
 if [[ "${GPU_CHECK_TORCH:-1}" == 1 ]]; then
   pkgs+=("torch==2.7.1" "ntloss==0.3.2")
 fi
-stamp="$venv/.gpu-check.pkgs"
-want="$(printf '%s\n' "${pkgs[@]}")"
-if [[ ! -x "$venv/bin/python" ]]; then
-  say "creating $venv"
-  mkdir -p "$(dirname "$venv")"
-  "$python" -m venv "$venv"
-fi
-if [[ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]]; then
-  say "installing ${pkgs[*]} into $venv (log: $venv/pip.log)"
-  # onnxruntime-training-cpu and onnxruntime install the same `onnxruntime` package: keep one
-  "$venv/bin/python" -m pip uninstall -y -q onnxruntime onnxruntime-training-cpu onnxruntime-gpu >/dev/null 2>&1 || true
-  if ! "$venv/bin/python" -m pip install --disable-pip-version-check "${pkgs[@]}" >"$venv/pip.log" 2>&1; then
-    tail -n 20 "$venv/pip.log" >&2
-    say "pip install failed" >&2
-    exit 2
-  fi
-  echo "$want" >"$stamp"
-fi
+ensure_venv "$venv" "${pkgs[@]}"
 
 # -- 2. the ORT C library for `ntl-patch validate --runtime ort`: from the onnxruntime-gpu wheel
 dylib="$(ls "$ort_dir"/onnxruntime/capi/libonnxruntime.so.* 2>/dev/null | head -n 1 || true)"
@@ -84,17 +178,7 @@ if [[ -z "$dylib" ]]; then
 fi
 
 # -- 3. the binary
-bin="${NTL_PATCH_BIN:-}"
-if [[ -z "$bin" ]]; then
-  if ! command -v cargo >/dev/null; then
-    say "no cargo here: build ntl-patch elsewhere and set NTL_PATCH_BIN=/path/to/ntl-patch" >&2
-    exit 2
-  fi
-  say "cargo build --release"
-  cargo build --release --locked -q
-  bin="$root/target/release/ntl-patch"
-fi
-[[ -x "$bin" ]] || { say "ntl-patch binary '$bin' is not executable" >&2; exit 2; }
+find_bin
 
 # -- 4. the CUDA 11 libraries from the nvidia-* wheels, for the CUDA provider to load
 libdirs="$(ls -d "$venv"/lib/python3*/site-packages/nvidia/*/lib 2>/dev/null | tr '\n' ':' || true)"

@@ -19,6 +19,7 @@ pub mod progress;
 mod python_float;
 pub mod ranks;
 pub mod rewrite;
+pub mod shapes;
 pub mod step;
 mod unicode_digits;
 pub mod validate;

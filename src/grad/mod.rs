@@ -19,20 +19,25 @@ use crate::error::Error;
 use crate::onnx::{int_attr, NodeProto, FLOAT};
 use crate::ops::Builder;
 use crate::ranks::Ranks;
+use crate::shapes::Shapes;
 
 /// What a rule emits with: the node builder, ranks, the opset, and small cached constants.
 pub struct Ctx<'a> {
     pub b: &'a mut Builder,
     pub ranks: &'a mut Ranks,
+    /// Proven forward shapes: where an operand already has the output's shape, its gradient
+    /// needs no run-time reduction.
+    pub shapes: &'a Shapes,
     pub opset: i64,
     scalars: HashMap<(u32, &'static str), String>,
 }
 
 impl<'a> Ctx<'a> {
-    pub fn new(b: &'a mut Builder, ranks: &'a mut Ranks, opset: i64) -> Self {
+    pub fn new(b: &'a mut Builder, ranks: &'a mut Ranks, shapes: &'a Shapes, opset: i64) -> Self {
         Ctx {
             b,
             ranks,
+            shapes,
             opset,
             scalars: HashMap::new(),
         }
@@ -75,6 +80,16 @@ impl<'a> Ctx<'a> {
     pub fn zeros(&mut self, shape: &str) -> String {
         let zero = self.f32(0.0);
         self.op("Expand", &[&zero, shape], "grad/zeros")
+    }
+
+    /// The gradient `g` of the forward output `y`, summed down to the shape of its operand `x`:
+    /// nothing to do where the shapes provably agree.
+    pub fn unbroadcast_to(&mut self, g: &str, x: &str, y: &str) -> String {
+        if self.shapes.same(x, y) {
+            return g.to_string();
+        }
+        let rank = self.ranks.get(y);
+        self.unbroadcast(g, x, rank)
     }
 
     /// Sums `g` (the gradient of a broadcasting op's output) down to the shape of its input `x`:

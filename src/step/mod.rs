@@ -22,6 +22,7 @@ use crate::ops::Builder;
 use crate::pipeline::{patch_model, PatchRequest, PatchSummary};
 use crate::ranks::Ranks;
 use crate::rewrite::{CE_OUTPUT, NUMBER_OUTPUT, PREFIX};
+use crate::shapes::Shapes;
 use optimizer::{emit_update, ParamUpdate};
 pub use optimizer::{OptimizerKind, OptimizerOptions};
 use zero_state::ZeroState;
@@ -216,6 +217,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
     let loss = graph.output[0].name().to_string();
     let index = GraphIndex::new(graph);
     let mut ranks = Ranks::infer(&index);
+    let shapes = Shapes::infer(&index);
 
     let float_inits: Vec<&TensorProto> = graph
         .initializer
@@ -294,7 +296,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
 
     let nodes = graph.node.clone();
     let grads = {
-        let mut ctx = Ctx::new(&mut b, &mut ranks, opset);
+        let mut ctx = Ctx::new(&mut b, &mut ranks, &shapes, opset);
         grad::differentiate(&mut ctx, &nodes, &loss, &params)?
     };
 
@@ -391,7 +393,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         set_outputs(graph, &loss, grad_outputs);
         Some(update)
     } else {
-        let mut ctx = Ctx::new(&mut b, &mut ranks, opset);
+        let mut ctx = Ctx::new(&mut b, &mut ranks, &shapes, opset);
         emit_update(&mut ctx, &req.optimizer, &updates, &step_in, &step_out, &lr);
         let graph = model.graph.as_mut().expect("graph");
         graph.node.extend(std::mem::take(&mut b.nodes));
@@ -517,6 +519,7 @@ fn update_model(
         .collect();
     let mut b = Builder::new(PREFIX, opset, taken);
     let mut ranks = Ranks::default();
+    let shapes = Shapes::default();
     // In the update graph each gradient is an input under its `ntl/grad/<param>` name.
     let local: Vec<ParamUpdate> = updates
         .iter()
@@ -530,7 +533,7 @@ fn update_model(
         })
         .collect();
     {
-        let mut ctx = Ctx::new(&mut b, &mut ranks, opset);
+        let mut ctx = Ctx::new(&mut b, &mut ranks, &shapes, opset);
         emit_update(&mut ctx, &req.optimizer, &local, step_in, step_out, lr);
     }
     let mut graph = GraphProto {

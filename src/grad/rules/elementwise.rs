@@ -60,7 +60,14 @@ pub fn binary(
         if let Some(r) = rank {
             ctx.ranks.set(&full, r);
         }
-        out[i] = Some(unbroadcast_unless_same(ctx, &full, x, [a, b][1 - i], rank));
+        out[i] = Some(unbroadcast_unless_same(
+            ctx,
+            &full,
+            x,
+            [a, b][1 - i],
+            y,
+            rank,
+        ));
     }
     Ok(out)
 }
@@ -71,12 +78,13 @@ fn unbroadcast_unless_same(
     g: &str,
     x: &str,
     other: &str,
+    y: &str,
     rank: Option<usize>,
 ) -> String {
     if ctx.ranks.get(other) == Some(0) && ctx.ranks.get(x).is_some() && ctx.ranks.get(x) == rank {
         return g.to_string();
     }
-    ctx.unbroadcast(g, x, rank)
+    ctx.unbroadcast_to(g, x, y)
 }
 
 /// Max/Min of two inputs: torch's convention, the larger (smaller) input takes the gradient
@@ -96,7 +104,6 @@ pub fn max_min(
         )));
     }
     let g = g0(gy);
-    let rank = out_rank(ctx, node);
     let mut out = vec![None, None];
     for i in 0..2 {
         if !wants[i] {
@@ -116,7 +123,7 @@ pub fn max_min(
         let tie = ctx.op("Mul", &[&tie, &half], "grad/tie_half");
         let share = ctx.op("Add", &[&wins, &tie], "grad/share");
         let full = ctx.op("Mul", &[g, &share], "grad/max_min");
-        out[i] = Some(ctx.unbroadcast(&full, x, rank));
+        out[i] = Some(ctx.unbroadcast_to(&full, x, &node.output[0]));
     }
     Ok(out)
 }
@@ -129,9 +136,8 @@ pub fn sum(
     wants: &[bool],
 ) -> Result<Grads, Error> {
     let g = g0(gy).to_string();
-    let rank = out_rank(ctx, node);
     Ok((0..node.input.len())
-        .map(|i| wants[i].then(|| ctx.unbroadcast(&g, &node.input[i], rank)))
+        .map(|i| wants[i].then(|| ctx.unbroadcast_to(&g, &node.input[i], &node.output[0])))
         .collect())
 }
 
@@ -234,7 +240,6 @@ pub fn where_(
 ) -> Result<Grads, Error> {
     let g = g0(gy);
     let cond = node.input[0].as_str();
-    let rank = out_rank(ctx, node);
     let zero = ctx.f32(0.0);
     let mut out = vec![None, None, None];
     for i in [1, 2] {
@@ -247,7 +252,7 @@ pub fn where_(
             (zero.as_str(), g)
         };
         let full = ctx.b.where_(cond, a, b, "grad/where");
-        out[i] = Some(ctx.unbroadcast(&full, &node.input[i], rank));
+        out[i] = Some(ctx.unbroadcast_to(&full, &node.input[i], &node.output[0]));
     }
     Ok(out)
 }

@@ -136,7 +136,7 @@ pub fn gemm(
             ctx.op("Mul", &[&g, &k], "grad/gemm_c")
         };
         ctx.ranks.set(&scaled, 2);
-        out[2] = Some(ctx.unbroadcast(&scaled, c, Some(2)));
+        out[2] = Some(ctx.unbroadcast_to(&scaled, c, &node.output[0]));
     }
     Ok(out)
 }

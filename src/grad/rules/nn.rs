@@ -95,10 +95,10 @@ pub fn layer_norm(
         if let Some(r) = rank {
             ctx.ranks.set(&gs, r);
         }
-        out[1] = Some(ctx.unbroadcast(&gs, &node.input[1], rank));
+        out[1] = Some(ctx.unbroadcast_to(&gs, &node.input[1], &node.output[0]));
     }
     if wants.get(2).copied().unwrap_or(false) {
-        out[2] = Some(ctx.unbroadcast(g, &node.input[2], rank));
+        out[2] = Some(ctx.unbroadcast_to(g, &node.input[2], &node.output[0]));
     }
     Ok(out)
 }

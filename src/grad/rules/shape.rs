@@ -60,8 +60,11 @@ pub fn expand(
     gy: &[Option<String>],
     _: &[bool],
 ) -> Result<Grads, Error> {
-    let rank = ctx.ranks.get(&node.output[0]);
-    Ok(vec![Some(ctx.unbroadcast(&g0(gy), &node.input[0], rank))])
+    Ok(vec![Some(ctx.unbroadcast_to(
+        &g0(gy),
+        &node.input[0],
+        &node.output[0],
+    ))])
 }
 
 /// The gradient lands where the slice read: the same Slice applied to the flat element
