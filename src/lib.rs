@@ -1,6 +1,7 @@
 //! ntl-patch: splice number-aware losses (NTL) into exported ONNX training graphs.
 //! See ARCHITECTURE.md for the code map and the invariants.
 
+pub mod add_loss;
 pub mod artifacts;
 pub mod autodiff;
 pub mod ce_site;

@@ -142,6 +142,14 @@ struct SourceArgs {
     /// The cross-entropy node to patch (node name or loss output), when there are several.
     #[arg(long, value_name = "NAME")]
     ce_node: Option<String>,
+    /// Logits-only graph: add an int64 `labels` input and Hugging Face's causal-LM cross-entropy
+    /// (ignore_index -100) as output `loss` [default: added, with a notice, when the graph has no
+    /// cross-entropy and one [B, T, V] output].
+    #[arg(long)]
+    add_loss: bool,
+    /// With an added loss on [B, T, V] logits: no causal shift (labels align with positions).
+    #[arg(long)]
+    no_shift: bool,
 }
 
 /// The loss and its options, shared by patching a graph and patching artifacts.
@@ -420,10 +428,15 @@ fn run_patch_cli(args: PatchArgs) -> Result<String, ntl_patch::Error> {
         tokenizer: args.source.tokenizer,
         vocab_size: args.source.vocab_size,
         ce_node: args.source.ce_node,
+        add_loss: args.source.add_loss,
+        shift: !args.source.no_shift,
         copy_external_data: args.copy_external_data,
         loss: loss_options(&args.loss)?,
     };
     let s = run_patch(&req)?;
+    for n in &s.notices {
+        eprintln!("note: {n}");
+    }
     Ok(if args.json {
         serde_json::json!({
             "output": s.output.display().to_string(),
@@ -471,6 +484,8 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
             tokenizer: args.source.tokenizer,
             vocab_size: args.source.vocab_size,
             ce_node: args.source.ce_node,
+            add_loss: args.source.add_loss,
+            shift: !args.source.no_shift,
             copy_external_data: args.copy_external_data,
             loss: loss_options(&args.loss)?,
         },
@@ -491,6 +506,9 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
         split: args.split,
     };
     let s = run_step(&req)?;
+    for n in &s.patch.notices {
+        eprintln!("note: {n}");
+    }
     for w in &s.warnings {
         eprintln!("warning: {w}");
     }
@@ -540,6 +558,11 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
 }
 
 fn run_artifacts_cli(args: ArtifactsArgs) -> Result<String, ntl_patch::Error> {
+    if args.source.add_loss || args.source.no_shift {
+        return Err(ntl_patch::Error::Usage(
+            "--add-loss and --no-shift apply to exported forward graphs; training artifacts already carry their loss: drop them".into(),
+        ));
+    }
     let req = ArtifactsRequest {
         dir: args.dir,
         output: args.output,

@@ -23,6 +23,11 @@ pub struct PatchRequest {
     pub vocab_size: Option<usize>,
     pub ce_node: Option<String>,
     pub loss: LossOptions,
+    /// Add a cross-entropy to a logits-only graph (`--add-loss`); it is also added, with a
+    /// notice, when the graph has no cross-entropy and one logits-like output.
+    pub add_loss: bool,
+    /// With an added loss: the causal shift of Hugging Face causal LMs (`--no-shift` turns it off).
+    pub shift: bool,
     /// Copy external data files next to an output in another folder, even where the output
     /// folder already holds them.
     pub copy_external_data: bool,
@@ -37,6 +42,8 @@ pub struct PatchSummary {
     pub tokenizer: PathBuf,
     /// What became of the model's external data files.
     pub external_data: ExternalDataAction,
+    /// One-line notices for stderr (e.g. a loss added to a logits-only graph).
+    pub notices: Vec<String>,
 }
 
 /// `model.onnx` → `model.ntl.onnx` beside it.
@@ -91,6 +98,16 @@ pub fn patch_model(req: &PatchRequest, output: &Path) -> Result<Patched, Error> 
     check_external_data(graph, &model_dir(&req.model))?;
     let external = plan_external_data(graph, &req.model, output, req.copy_external_data)?;
 
+    let mut notices = Vec::new();
+    if req.add_loss && !find_ce_sites(&GraphIndex::new(graph)).is_empty() {
+        return Err(Error::Usage(
+            "--add-loss is for logits-only graphs and this one already has a cross-entropy; drop --add-loss".into(),
+        ));
+    }
+    if wants_added_loss(req, graph) {
+        notices.push(crate::add_loss::add_loss(&mut model, req.shift)?);
+    }
+    let graph = model.graph.as_ref().expect("checked on load");
     let index = GraphIndex::new(graph);
     let site = select_site(&index, req.ce_node.as_deref())?;
     let width = logits_width(&index, &site, req.vocab_size)?;
@@ -120,6 +137,7 @@ pub fn patch_model(req: &PatchRequest, output: &Path) -> Result<Patched, Error> 
         number_tokens: tokens.table.len(),
         tokenizer,
         external_data: external.action,
+        notices,
     };
     Ok(Patched {
         model,
@@ -127,6 +145,15 @@ pub fn patch_model(req: &PatchRequest, output: &Path) -> Result<Patched, Error> 
         external,
         summary,
     })
+}
+
+/// `--add-loss`, or a graph without any cross-entropy whose outputs include exactly one
+/// logits-like tensor.
+fn wants_added_loss(req: &PatchRequest, graph: &crate::onnx::GraphProto) -> bool {
+    req.add_loss
+        || find_ce_sites(&GraphIndex::new(graph)).is_empty()
+            && nested_ce_nodes(&GraphIndex::new(graph)).is_empty()
+            && crate::add_loss::logits_output(graph).is_ok()
 }
 
 /// Refuses an ONNX Runtime training graph (`training_model.onnx`: the backward is already in

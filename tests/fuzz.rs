@@ -94,6 +94,8 @@ fn patch_bytes(bytes: &[u8], loss: LossKind, outcomes: &Outcomes) -> Result<(), 
         tokenizer: Some(tokenizer()),
         vocab_size: None,
         ce_node: None,
+        add_loss: false,
+        shift: true,
         copy_external_data: false,
         loss: LossOptions {
             kind: loss,

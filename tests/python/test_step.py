@@ -407,3 +407,28 @@ def test_external_data_model_keeps_weights_external(tmp_path):
     np.testing.assert_array_equal(got[0], want[0])
     for p in want[1]:
         np.testing.assert_array_equal(got[1][p], want[1][p])
+
+
+@pytest.mark.parametrize("loss", ["wasserstein", "ntil"])
+def test_logits_only_export_with_added_loss(loss, tmp_path):
+    """A logits-only GPT-2 export gets Hugging Face's shifted causal-LM cross-entropy (added
+    automatically, with a notice): losses and gradients equal the same GPT-2 exported with its
+    own loss (torch references of fixtures/reference/step/gpt2.npz, `model(labels=...).loss`)."""
+    ref = _hf_reference("gpt2")
+    out = tmp_path / "m.grad.onnx"
+    args = ["step", MODELS / "gpt2_logits.onnx", "--loss", loss, "--tokenizer", TOKENIZER, "--weight", str(WEIGHT),
+            "-o", out, "--split", "--json"] + (NTIL_ARGS if loss == "ntil" else [])
+    r = run_patch(args)
+    assert r.returncode == 0, r.stderr
+    assert "added input 'labels'" in r.stderr
+    params = json.loads(r.stdout)["parameters"]
+    g = onnx.load(str(out))
+    assert [i.name for i in g.graph.input][:2] == ["input_ids", "labels"]
+    x, y = ref["batch/input_ids"], ref["batch/labels"]
+    outs = _session(out).run(None, {"input_ids": x, "labels": y})
+    np.testing.assert_allclose(outs[:3], ref[f"forward/{loss}/float64"], rtol=1e-5, atol=1e-7)
+    want = {p: ref[f"grad/{loss}/float64/{p}"] for p in params}
+    all_want = np.concatenate([w.ravel() for w in want.values()])
+    floor = 1e-3 * float(np.linalg.norm(all_want))
+    errs = {p: _norm_rel(o.astype(np.float64), want[p], floor) for p, o in zip(params, outs[3:])}
+    assert max(errs.values()) <= GRAD_RTOL, errs
