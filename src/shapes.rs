@@ -47,8 +47,135 @@ impl Shapes {
         }
     }
 
+    /// The axes of `y` (the output of a broadcasting op) that the operand `x` was broadcast
+    /// along, where the shapes prove them: the leading axes `x` lacks, and the axes where `x`
+    /// has size 1 and `y` may not. None where any axis is in doubt.
+    pub fn broadcast_axes(&self, x: &str, y: &str) -> Option<Vec<i64>> {
+        let (xs, ys) = (self.shape.get(x)?, self.shape.get(y)?);
+        let lead = ys.len().checked_sub(xs.len())?;
+        let mut axes: Vec<i64> = (0..lead as i64).collect();
+        for (k, (d, e)) in xs.iter().zip(&ys[lead..]).enumerate() {
+            match d {
+                Dim::Known(1) if *e != Dim::Known(1) => axes.push((lead + k) as i64),
+                Dim::Known(1) => {}
+                Dim::Known(_) => {}
+                _ if d.proven_eq(e) => {}
+                _ => return None,
+            }
+        }
+        Some(axes)
+    }
+
     pub fn get(&self, t: &str) -> Option<&Shape> {
         self.shape.get(t)
+    }
+
+    /// Elementwise arithmetic on shape vectors, as exporters write `expand(-1, ...)` and
+    /// `masked_fill` shapes: `Where(Equal(v, -1), ones, v)`, `ConstantOfShape(...) * -1`.
+    fn value_op(&self, index: &GraphIndex, node: &NodeProto) -> Option<Vec<Dim>> {
+        let value = |i: usize| -> Option<Vec<Dim>> {
+            let n = node.input.get(i).filter(|n| !n.is_empty())?;
+            self.value.get(n).cloned().or_else(|| {
+                index
+                    .constant_i64(n)
+                    .map(|v| v.into_iter().map(Dim::Known).collect())
+            })
+        };
+        let zip = |a: Vec<Dim>, b: Vec<Dim>, f: &dyn Fn(&Dim, &Dim) -> Dim| -> Option<Vec<Dim>> {
+            let n = a.len().max(b.len());
+            let at = |v: &Vec<Dim>, k: usize| {
+                if v.len() == 1 {
+                    v[0].clone()
+                } else {
+                    v[k].clone()
+                }
+            };
+            (a.len() == n || a.len() == 1)
+                .then_some(())
+                .filter(|_| b.len() == n || b.len() == 1)?;
+            Some((0..n).map(|k| f(&at(&a, k), &at(&b, k))).collect())
+        };
+        match node.op_type() {
+            "ConstantOfShape" => {
+                let len = match value(0)?.as_slice() {
+                    [Dim::Known(n)] if (0..=64).contains(n) => *n as usize,
+                    _ => return None,
+                };
+                let fill = attr(node, "value")
+                    .and_then(|a| a.t.as_ref())
+                    .and_then(|t| {
+                        if t.data_type() != crate::onnx::INT64 {
+                            return None;
+                        }
+                        t.int64_data.first().copied().or_else(|| {
+                            t.raw_data
+                                .as_ref()
+                                .and_then(|r| r.get(..8))
+                                .map(|b| i64::from_le_bytes(b.try_into().expect("8")))
+                        })
+                    })
+                    .unwrap_or(0);
+                Some(vec![Dim::Known(fill); len])
+            }
+            "Mul" | "Add" | "Sub" | "Div" => {
+                let op = node.op_type().to_string();
+                zip(value(0)?, value(1)?, &move |a, b| match (a, b) {
+                    // integer Div truncates toward zero, as Rust's `/`
+                    (Dim::Known(x), Dim::Known(y)) if op == "Div" && *y != 0 => Dim::Known(x / y),
+                    (_, _) if op == "Div" => match (a, b) {
+                        (d, Dim::Known(1)) => d.clone(),
+                        _ => Dim::Unknown,
+                    },
+                    (Dim::Known(x), Dim::Known(y)) => Dim::Known(match op.as_str() {
+                        "Mul" => x.saturating_mul(*y),
+                        "Add" => x.saturating_add(*y),
+                        _ => x.saturating_sub(*y),
+                    }),
+                    (d, Dim::Known(1)) | (Dim::Known(1), d) if op == "Mul" => d.clone(),
+                    (d, Dim::Known(0)) if op != "Mul" => d.clone(),
+                    _ => Dim::Unknown,
+                })
+            }
+            "Equal" => zip(value(0)?, value(1)?, &|a, b| match (a, b) {
+                (Dim::Known(x), Dim::Known(y)) => Dim::Known((x == y) as i64),
+                (a, b) if a.proven_eq(b) => Dim::Known(1),
+                // a symbolic size is never negative: it is not -1
+                (Dim::Sym(_), Dim::Known(y)) | (Dim::Known(y), Dim::Sym(_)) if *y < 0 => {
+                    Dim::Known(0)
+                }
+                _ => Dim::Unknown,
+            }),
+            "Where" => {
+                let c = value(0)?;
+                let ab = zip(value(1)?, value(2)?, &|a, b| {
+                    // pairs, encoded: kept only when equal
+                    if a.proven_eq(b) {
+                        a.clone()
+                    } else {
+                        Dim::Unknown
+                    }
+                })?;
+                let (a, b) = (value(1)?, value(2)?);
+                let n = ab.len().max(c.len());
+                let at = |v: &Vec<Dim>, k: usize| {
+                    if v.len() == 1 {
+                        v[0].clone()
+                    } else {
+                        v.get(k).cloned().unwrap_or(Dim::Unknown)
+                    }
+                };
+                Some(
+                    (0..n)
+                        .map(|k| match at(&c, k) {
+                            Dim::Known(0) => at(&b, k),
+                            Dim::Known(_) => at(&a, k),
+                            _ => at(&ab, k),
+                        })
+                        .collect(),
+                )
+            }
+            _ => None,
+        }
     }
 
     pub fn infer(index: &GraphIndex) -> Shapes {
@@ -88,6 +215,9 @@ impl Shapes {
     }
 
     fn infer_node(&mut self, index: &GraphIndex, node: &NodeProto) {
+        if let (Some(v), Some(o)) = (self.value_op(index, node), node.output.first()) {
+            self.value.insert(o.clone(), v);
+        }
         let shape = |i: usize| {
             node.input
                 .get(i)
@@ -178,11 +308,15 @@ impl Shapes {
                 })
             }
             "Slice" => {
-                let consts = |i: usize| {
-                    node.input
-                        .get(i)
-                        .filter(|n| !n.is_empty())
-                        .and_then(|n| index.constant_i64(n))
+                // starts/ends may be computed from shapes (x[..., : x.shape[-1] // 2])
+                let consts = |i: usize| -> Option<Vec<i64>> {
+                    value(i)?
+                        .into_iter()
+                        .map(|d| match d {
+                            Dim::Known(k) => Some(k),
+                            _ => None,
+                        })
+                        .collect()
                 };
                 let (starts, ends) = (consts(1), consts(2));
                 let axes = consts(3);
@@ -341,6 +475,39 @@ impl Shapes {
                 shape(0).zip(target).map(|(x, t)| broadcast(&[x, t]))
             }
             "ConstantOfShape" => value(0),
+            "ReduceSum" | "ReduceMean" | "ReduceMax" | "ReduceMin" | "ReduceProd"
+            | "ReduceSumSquare" | "ReduceL2" | "ReduceLogSumExp" => shape(0).and_then(|x| {
+                let keep = attr_i(node, "keepdims").unwrap_or(1) != 0;
+                let axes = attr_ints(node, "axes").or_else(|| {
+                    match node.input.get(1).filter(|n| !n.is_empty()) {
+                        Some(n) => index.constant_i64(n),
+                        None => Some(vec![]),
+                    }
+                })?;
+                let r = x.len() as i64;
+                let noop = attr_i(node, "noop_with_empty_axes").unwrap_or(0) != 0;
+                if axes.is_empty() && noop {
+                    return Some(x);
+                }
+                let all = axes.is_empty();
+                let norm: Vec<i64> = axes
+                    .iter()
+                    .map(|&a| if a < 0 { a + r } else { a })
+                    .collect();
+                Some(
+                    x.into_iter()
+                        .enumerate()
+                        .filter_map(|(k, d)| {
+                            let reduced = all || norm.contains(&(k as i64));
+                            match (reduced, keep) {
+                                (false, _) => Some(d),
+                                (true, true) => Some(Dim::Known(1)),
+                                (true, false) => None,
+                            }
+                        })
+                        .collect(),
+                )
+            }),
             "Range" => match (value(0), value(1), value(2)) {
                 (Some(s), Some(l), Some(d))
                     if s == [Dim::Known(0)] && d == [Dim::Known(1)] && l.len() == 1 =>
@@ -438,24 +605,118 @@ fn broadcast(shapes: &[Shape]) -> Shape {
         .collect()
 }
 
-/// The `-1` of a reshape: proven only when the input's dims, less the target's other dims
-/// (matched by proven equality, 1s ignored), leave exactly one dim.
+/// The `-1` of a reshape: the input's dims, less the target's other dims matched by proven
+/// equality, must leave exactly one dim, or known sizes whose product the target's unmatched
+/// known sizes divide.
 fn inferred_dim(input: &[Dim], target: &[Dim], minus_one: usize) -> Dim {
     let mut left: Vec<&Dim> = input.iter().filter(|d| **d != Dim::Known(1)).collect();
+    let mut unmatched: Vec<i64> = Vec::new();
     for (k, d) in target.iter().enumerate() {
         if k == minus_one || *d == Dim::Known(1) {
             continue;
         }
-        match left.iter().position(|l| l.proven_eq(d)) {
-            Some(i) => {
-                left.remove(i);
-            }
-            None => return Dim::Unknown,
+        if let Some(i) = left.iter().position(|l| l.proven_eq(d)) {
+            left.remove(i);
+            continue;
+        }
+        match d {
+            Dim::Known(n) if *n > 0 => unmatched.push(*n),
+            _ => return Dim::Unknown,
         }
     }
-    match left.as_slice() {
-        [only] => (*only).clone(),
-        [] => Dim::Known(1),
-        _ => Dim::Unknown,
+    if unmatched.is_empty() {
+        return match left.as_slice() {
+            [only] => (*only).clone(),
+            [] => Dim::Known(1),
+            _ => Dim::Unknown,
+        };
+    }
+    let mut known: i64 = 1;
+    for d in left {
+        match d {
+            Dim::Known(n) => known = known.saturating_mul(*n),
+            _ => return Dim::Unknown,
+        }
+    }
+    let divisor: i64 = unmatched.iter().product();
+    if divisor > 0 && known % divisor == 0 {
+        Dim::Known(known / divisor)
+    } else {
+        Dim::Unknown
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sym(s: &str) -> Dim {
+        Dim::Sym(s.into())
+    }
+
+    #[test]
+    fn broadcast_keeps_only_what_is_proven() {
+        use Dim::*;
+        assert_eq!(
+            broadcast(&[vec![sym("B"), Known(4)], vec![Known(4)]]),
+            vec![sym("B"), Known(4)]
+        );
+        assert_eq!(broadcast(&[vec![sym("B")], vec![Known(1)]]), vec![sym("B")]);
+        // two different symbols, or an unknown beside a symbol: nothing proven
+        assert_eq!(broadcast(&[vec![sym("B")], vec![sym("T")]]), vec![Unknown]);
+        assert_eq!(broadcast(&[vec![Unknown], vec![sym("T")]]), vec![Unknown]);
+        // a known size other than 1 is what a valid graph broadcasts to
+        assert_eq!(broadcast(&[vec![Unknown], vec![Known(7)]]), vec![Known(7)]);
+    }
+
+    #[test]
+    fn unknown_never_equals_unknown() {
+        assert!(!Dim::Unknown.proven_eq(&Dim::Unknown));
+        assert!(sym("B").proven_eq(&sym("B")));
+    }
+
+    #[test]
+    fn reshape_minus_one_is_inferred_only_when_proven() {
+        use Dim::*;
+        let x = [sym("B"), sym("T"), Known(32)];
+        assert_eq!(
+            inferred_dim(&x, &[sym("B"), sym("T"), Known(-1), Known(16)], 2),
+            Known(2)
+        );
+        assert_eq!(
+            inferred_dim(&x, &[Known(-1), Known(32)], 0),
+            Unknown,
+            "B·T is no single dim"
+        );
+        assert_eq!(
+            inferred_dim(&[sym("B"), sym("T")], &[Known(-1), sym("T")], 0),
+            sym("B")
+        );
+        assert_eq!(
+            inferred_dim(&x, &[sym("B"), Known(-1), Known(5)], 1),
+            Unknown
+        );
+    }
+
+    #[test]
+    fn broadcast_axes_need_every_axis_proven() {
+        let mut s = Shapes::default();
+        s.shape.insert("bias".into(), vec![Dim::Known(32)]);
+        s.shape
+            .insert("y".into(), vec![sym("B"), sym("T"), Dim::Known(32)]);
+        s.shape.insert(
+            "mask".into(),
+            vec![sym("B"), Dim::Known(1), Dim::Known(1), sym("T")],
+        );
+        s.shape.insert(
+            "scores".into(),
+            vec![sym("B"), Dim::Known(2), sym("T"), sym("T")],
+        );
+        s.shape
+            .insert("half".into(), vec![Dim::Unknown, Dim::Known(32)]);
+        assert_eq!(s.broadcast_axes("bias", "y"), Some(vec![0, 1]));
+        assert_eq!(s.broadcast_axes("mask", "scores"), Some(vec![1, 2]));
+        assert_eq!(s.broadcast_axes("half", "y"), None);
+        assert!(s.same("y", "y") && !s.same("half", "half"));
     }
 }

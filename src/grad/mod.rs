@@ -88,6 +88,22 @@ impl<'a> Ctx<'a> {
         if self.shapes.same(x, y) {
             return g.to_string();
         }
+        if let Some(axes) = self.shapes.broadcast_axes(x, y) {
+            // The reduced axes are known: one ReduceSum with constant axes, no run-time search.
+            let axes = self.i64s(&axes);
+            let summed = self.b.node(
+                "ReduceSum",
+                &[g, &axes],
+                "grad/unbroadcast_sum",
+                vec![int_attr("keepdims", 1), int_attr("noop_with_empty_axes", 1)],
+            );
+            let xs = self.shape(x);
+            let out = self.op("Reshape", &[&summed, &xs], "grad/unbroadcast");
+            if let Some(r) = self.ranks.get(x) {
+                self.ranks.set(&out, r);
+            }
+            return out;
+        }
         let rank = self.ranks.get(y);
         self.unbroadcast(g, x, rank)
     }
