@@ -1,15 +1,9 @@
 //! Elementwise ops: arithmetic with broadcasting, unary functions, casts, selections.
 
-use super::Grads;
+use super::{g0, like, Grads};
 use crate::error::Error;
 use crate::grad::Ctx;
 use crate::onnx::{attr_i, is_float_type, NodeProto, FLOAT};
-
-fn g0(gy: &[Option<String>]) -> &str {
-    gy[0]
-        .as_deref()
-        .expect("the engine calls a rule only when its output has a gradient")
-}
 
 fn out_rank(ctx: &Ctx, node: &NodeProto) -> Option<usize> {
     ctx.ranks.get(&node.output[0])
@@ -22,7 +16,7 @@ pub fn binary(
     gy: &[Option<String>],
     wants: &[bool],
 ) -> Result<Grads, Error> {
-    let g = g0(gy);
+    let g = g0(node, gy)?;
     let (a, b) = (node.input[0].as_str(), node.input[1].as_str());
     let y = node.output[0].as_str();
     let rank = out_rank(ctx, node);
@@ -103,7 +97,7 @@ pub fn max_min(
             node.input.len()
         )));
     }
-    let g = g0(gy);
+    let g = g0(node, gy)?;
     let mut out = vec![None, None];
     for i in 0..2 {
         if !wants[i] {
@@ -135,7 +129,7 @@ pub fn sum(
     gy: &[Option<String>],
     wants: &[bool],
 ) -> Result<Grads, Error> {
-    let g = g0(gy).to_string();
+    let g = g0(node, gy)?.to_string();
     Ok((0..node.input.len())
         .map(|i| wants[i].then(|| ctx.unbroadcast_to(&g, &node.input[i], &node.output[0])))
         .collect())
@@ -147,7 +141,7 @@ pub fn unary(
     gy: &[Option<String>],
     _: &[bool],
 ) -> Result<Grads, Error> {
-    let g = g0(gy);
+    let g = g0(node, gy)?;
     let x = node.input[0].as_str();
     let y = node.output[0].as_str();
     let gx = match node.op_type() {
@@ -197,10 +191,7 @@ pub fn unary(
         }
         op => unreachable!("unary rule registered for {op}"),
     };
-    if let Some(r) = ctx.ranks.get(x) {
-        ctx.ranks.set(&gx, r);
-    }
-    Ok(vec![Some(gx)])
+    like(ctx, gx, x)
 }
 
 /// A cast between float types carries the gradient (cast back); a cast to an integer or
@@ -222,14 +213,11 @@ pub fn cast(
     gy: &[Option<String>],
     _: &[bool],
 ) -> Result<Grads, Error> {
-    let g = g0(gy);
+    let g = g0(node, gy)?;
     let x = node.input[0].as_str();
     // Back to the input's type: CastLike(g, x).
     let gx = ctx.op("CastLike", &[g, x], "grad/cast");
-    if let Some(r) = ctx.ranks.get(x) {
-        ctx.ranks.set(&gx, r);
-    }
-    Ok(vec![Some(gx)])
+    like(ctx, gx, x)
 }
 
 pub fn where_(
@@ -238,7 +226,7 @@ pub fn where_(
     gy: &[Option<String>],
     wants: &[bool],
 ) -> Result<Grads, Error> {
-    let g = g0(gy);
+    let g = g0(node, gy)?;
     let cond = node.input[0].as_str();
     let zero = ctx.f32(0.0);
     let mut out = vec![None, None, None];
@@ -265,7 +253,7 @@ pub fn clip(
     gy: &[Option<String>],
     _: &[bool],
 ) -> Result<Grads, Error> {
-    let g = g0(gy);
+    let g = g0(node, gy)?;
     let x = node.input[0].as_str();
     let mut keep: Option<String> = None;
     for (k, cmp) in [(1, "GreaterOrEqual"), (2, "LessOrEqual")] {
@@ -295,7 +283,7 @@ pub fn dropout(
     gy: &[Option<String>],
     _: &[bool],
 ) -> Result<Grads, Error> {
-    let g = g0(gy);
+    let g = g0(node, gy)?;
     let training = node.input.get(2).is_some_and(|n| !n.is_empty());
     let ratio_given = node.input.get(1).is_some_and(|n| !n.is_empty());
     if !training {

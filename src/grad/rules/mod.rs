@@ -22,6 +22,26 @@ pub struct Rule {
     pub vjp: Vjp,
 }
 
+/// The gradient of a node's first output. The engine calls a rule when any output has one;
+/// where only a secondary output does (e.g. a Dropout mask cast to float), there is no rule.
+fn g0<'a>(node: &NodeProto, gy: &'a [Option<String>]) -> Result<&'a str, Error> {
+    gy.first().and_then(|g| g.as_deref()).ok_or_else(|| {
+        Error::Usage(format!(
+            "{} node '{}': a gradient reaches only a secondary output, which the step graph does not differentiate",
+            node.op_type(),
+            node.name()
+        ))
+    })
+}
+
+/// Records that `out` has the rank of `like` and returns it as the input's gradient.
+fn like(ctx: &mut Ctx, out: String, like: &str) -> Result<Grads, Error> {
+    if let Some(r) = ctx.ranks.get(like) {
+        ctx.ranks.set(&out, r);
+    }
+    Ok(vec![Some(out)])
+}
+
 fn first(_: &NodeProto) -> Vec<usize> {
     vec![0]
 }

@@ -1,15 +1,9 @@
 //! Softmax, LogSoftmax, LayerNormalization and the cross-entropy losses.
 
-use super::Grads;
+use super::{g0, like, Grads};
 use crate::error::Error;
 use crate::grad::Ctx;
 use crate::onnx::{attr, attr_i, attr_s, int_attr, NodeProto, FLOAT};
-
-fn g0(gy: &[Option<String>]) -> Result<&str, Error> {
-    gy[0]
-        .as_deref()
-        .ok_or_else(|| Error::Usage("a gradient reaches only a secondary output".into()))
-}
 
 /// Softmax: `dx = y ⊙ (g − Σ g ⊙ y)`; LogSoftmax: `dx = g − exp(y) ⊙ Σ g` (sums along `axis`).
 pub fn softmax(
@@ -18,7 +12,7 @@ pub fn softmax(
     gy: &[Option<String>],
     _: &[bool],
 ) -> Result<Grads, Error> {
-    let g = g0(gy)?;
+    let g = g0(node, gy)?;
     let y = node.output[0].as_str();
     let axis = attr_i(node, "axis").unwrap_or(-1);
     let gx = if node.op_type() == "Softmax" {
@@ -29,10 +23,7 @@ pub fn softmax(
     } else {
         log_softmax_vjp(ctx, g, y, axis)
     };
-    if let Some(r) = ctx.ranks.get(&node.input[0]) {
-        ctx.ranks.set(&gx, r);
-    }
-    Ok(vec![Some(gx)])
+    like(ctx, gx, &node.input[0])
 }
 
 fn log_softmax_vjp(ctx: &mut Ctx, g: &str, log_p: &str, axis: i64) -> String {
@@ -56,7 +47,7 @@ pub fn layer_norm(
             node.name()
         )));
     }
-    let g = g0(gy)?;
+    let g = g0(node, gy)?;
     let x = node.input[0].as_str();
     let axis = attr_i(node, "axis").unwrap_or(-1);
     let eps = attr(node, "epsilon").map(|a| a.f()).unwrap_or(1e-5);

@@ -1,6 +1,6 @@
 //! ReduceSum and ReduceMean: the gradient is spread back over the reduced axes.
 
-use super::Grads;
+use super::{like, Grads};
 use crate::error::Error;
 use crate::grad::Ctx;
 use crate::onnx::{attr_i, attr_ints, NodeProto, FLOAT};
@@ -41,8 +41,5 @@ pub fn reduce(
         let count = ctx.op("Div", &[&nx, &ny], "grad/mean_count");
         gx = ctx.op("Div", &[&gx, &count], "grad/reduce_mean");
     }
-    if let Some(r) = ctx.ranks.get(x) {
-        ctx.ranks.set(&gx, r);
-    }
-    Ok(vec![Some(gx)])
+    like(ctx, gx, x)
 }

@@ -1,14 +1,10 @@
 //! Layout ops: the gradient is the forward's layout change undone (reshape, transpose,
 //! slice, concat, split), summed where the forward copied (expand, gather).
 
-use super::Grads;
+use super::{g0, like, Grads};
 use crate::error::Error;
 use crate::grad::Ctx;
 use crate::onnx::{attr_i, attr_ints, int_attr, string_attr, NodeProto};
-
-fn g0(gy: &[Option<String>]) -> String {
-    gy[0].clone().expect("gradient")
-}
 
 /// Reshape, Squeeze, Unsqueeze, Flatten: back to the input's shape.
 pub fn reshape(
@@ -19,11 +15,8 @@ pub fn reshape(
 ) -> Result<Grads, Error> {
     let x = node.input[0].as_str();
     let s = ctx.shape(x);
-    let gx = ctx.op("Reshape", &[&g0(gy), &s], "grad/reshape");
-    if let Some(r) = ctx.ranks.get(x) {
-        ctx.ranks.set(&gx, r);
-    }
-    Ok(vec![Some(gx)])
+    let gx = ctx.op("Reshape", &[g0(node, gy)?, &s], "grad/reshape");
+    like(ctx, gx, x)
 }
 
 pub fn transpose(
@@ -49,7 +42,7 @@ pub fn transpose(
             }
         }
     }
-    let gx = ctx.b.transpose(&g0(gy), &inverse, "grad/transpose");
+    let gx = ctx.b.transpose(g0(node, gy)?, &inverse, "grad/transpose");
     ctx.ranks.set(&gx, perm.len());
     Ok(vec![Some(gx)])
 }
@@ -61,7 +54,7 @@ pub fn expand(
     _: &[bool],
 ) -> Result<Grads, Error> {
     Ok(vec![Some(ctx.unbroadcast_to(
-        &g0(gy),
+        g0(node, gy)?,
         &node.input[0],
         &node.output[0],
     ))])
@@ -87,7 +80,7 @@ pub fn slice(
     let picked = ctx.b.node("Slice", &inputs, "grad/slice_picked", vec![]);
     let minus_one = ctx.i64s(&[-1]);
     let picked = ctx.op("Reshape", &[&picked, &minus_one], "grad/slice_picked_flat");
-    let g = ctx.op("Reshape", &[&g0(gy), &minus_one], "grad/slice_g_flat");
+    let g = ctx.op("Reshape", &[g0(node, gy)?, &minus_one], "grad/slice_g_flat");
     let one_d = ctx.i64s(&[1]);
     let n1 = ctx.op("Reshape", &[&n, &one_d], "grad/slice_n_1d");
     let zeros = ctx.zeros(&n1);
@@ -98,10 +91,7 @@ pub fn slice(
         vec![int_attr("axis", 0)],
     );
     let gx = ctx.op("Reshape", &[&flat, &shape], "grad/slice");
-    if let Some(r) = ctx.ranks.get(x) {
-        ctx.ranks.set(&gx, r);
-    }
-    Ok(vec![Some(gx)])
+    like(ctx, gx, x)
 }
 
 /// Each input's part of the output gradient, sliced along the concat axis.
@@ -111,7 +101,7 @@ pub fn concat(
     gy: &[Option<String>],
     wants: &[bool],
 ) -> Result<Grads, Error> {
-    let g = g0(gy);
+    let g = g0(node, gy)?.to_string();
     let axis = attr_i(node, "axis").unwrap_or(0);
     let axis_t = ctx.i64s(&[axis]);
     let mut start = ctx.i64s(&[0]);
@@ -153,10 +143,7 @@ pub fn split(
         .collect();
     let refs: Vec<&str> = parts.iter().map(|s| s.as_str()).collect();
     let gx = ctx.b.concat(&refs, axis, "grad/split");
-    if let Some(r) = ctx.ranks.get(&node.input[0]) {
-        ctx.ranks.set(&gx, r);
-    }
-    Ok(vec![Some(gx)])
+    like(ctx, gx, &node.input[0])
 }
 
 /// Gather / GatherElements: the gradient is scattered back with addition (repeated indices
@@ -170,7 +157,7 @@ pub fn gather(
     gy: &[Option<String>],
     _: &[bool],
 ) -> Result<Grads, Error> {
-    let g = g0(gy);
+    let g = g0(node, gy)?.to_string();
     let data = node.input[0].as_str();
     let idx = node.input[1].as_str();
     let axis = attr_i(node, "axis").unwrap_or(0);
@@ -281,7 +268,7 @@ pub fn gather_nd(
     let zeros = ctx.zeros_like(&node.input[0]);
     let gx = ctx.b.node(
         "ScatterND",
-        &[&zeros, &node.input[1], &g0(gy)],
+        &[&zeros, &node.input[1], g0(node, gy)?],
         "grad/gather_nd",
         vec![string_attr("reduction", "add")],
     );
@@ -309,14 +296,11 @@ pub fn pad(
         .filter(|p| !p.is_empty())
         .ok_or_else(|| Error::Usage(format!("Pad node '{}' has no pads input", node.name())))?;
     let neg = ctx.op("Neg", &[pads], "grad/pad_crop");
-    let mut inputs: Vec<String> = vec![g0(gy), neg, String::new()];
+    let mut inputs: Vec<String> = vec![g0(node, gy)?.to_string(), neg, String::new()];
     if let Some(axes) = node.input.get(3).filter(|a| !a.is_empty()) {
         inputs.push(axes.clone());
     }
     let refs: Vec<&str> = inputs.iter().map(|s| s.as_str()).collect();
     let gx = ctx.b.node("Pad", &refs, "grad/pad", vec![]);
-    if let Some(r) = ctx.ranks.get(&node.input[0]) {
-        ctx.ranks.set(&gx, r);
-    }
-    Ok(vec![Some(gx)])
+    like(ctx, gx, &node.input[0])
 }
