@@ -99,7 +99,8 @@ fn check_options(o: &OptimizerOptions) -> Result<(), Error> {
     if !(o.lr > 0.0 && o.lr.is_finite() && o.lr < 1e30) {
         return bad("--lr must be a finite number > 0 (e.g. --lr 1e-3)");
     }
-    if !(0.0 <= o.beta1 && o.beta1 < 1.0) || !(0.0 <= o.beta2 && o.beta2 < 1.0) {
+    let in_unit = |b: f64| (0.0..1.0).contains(&b);
+    if !in_unit(o.beta1) || !in_unit(o.beta2) {
         return bad("--beta1 and --beta2 must be in [0, 1) (torch's AdamW defaults: 0.9, 0.999)");
     }
     if !(o.eps > 0.0 && o.eps.is_finite() && (o.eps as f32) > 0.0) {

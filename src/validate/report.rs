@@ -110,7 +110,7 @@ impl Check {
         check.expected = scale;
         check.abs_err = diff;
         check.rel_err = if scale > 0.0 { diff / scale } else { diff };
-        if !(check.rel_err <= rtol) {
+        if check.rel_err.is_nan() || check.rel_err > rtol {
             return check.failed(format!("norm-relative error above {rtol:e}"));
         }
         check

@@ -88,9 +88,12 @@ pub fn check(
     ))
 }
 
+/// A state tensor: its input name, its output name, its initial value.
+type StateSlot = (String, String, HostTensor);
+
 /// The model with its state inputs made feedable (their initializers removed), and the
 /// initial state.
-fn stateful(copy: &ModelProto) -> Result<(ModelProto, Vec<(String, String, HostTensor)>), Error> {
+fn stateful(copy: &ModelProto) -> Result<(ModelProto, Vec<StateSlot>), Error> {
     let meta = copy
         .metadata_props
         .iter()
@@ -127,7 +130,7 @@ fn train(
     model: &ModelProto,
     dir: &Path,
     data: &[HostTensor],
-    initial: &[(String, String, HostTensor)],
+    initial: &[StateSlot],
 ) -> Result<Trained, Error> {
     let graph = model.graph.as_ref().expect("checked on load");
     let mut state: Vec<HostTensor> = initial.iter().map(|(_, _, t)| t.clone()).collect();
