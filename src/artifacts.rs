@@ -228,7 +228,7 @@ fn training_patch(
     }
 
     let mut b = Builder::new(PREFIX, opset, index.taken_names());
-    let forward = build_forward(&mut b, index, site, tokens, opts, false)?;
+    let forward = build_forward(&mut b, index, site, tokens, opts, false, false)?;
 
     // d total / d number_loss: λ (add) or λ·CE/(L + 1e-10) (scaled; the factor is a constant).
     let weight = b.scalar_f32("grad_weight", opts.weight as f32);
@@ -270,7 +270,7 @@ fn training_patch(
         outputs: added_outputs(forward.loss_type),
         metadata: vec![(
             METADATA_KEY.into(),
-            metadata(site, &forward.flat, tokens, opts),
+            metadata(site, &forward.flat, tokens, opts, &site.loss_output, &[]),
         )],
     };
     Ok((patch, counts))

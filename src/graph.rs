@@ -197,9 +197,10 @@ pub fn normalize_axis(axis: i64, rank: usize) -> Option<usize> {
     (0..r).contains(&a).then_some(a as usize)
 }
 
-/// The rank of a tensor where the graph fixes it.
+/// The rank of a tensor where the graph fixes it: declared, or inferred through the graph
+/// (`crate::ranks`, which follows reshapes to run-time shapes).
 pub fn static_rank(index: &GraphIndex, tensor: &str) -> Option<usize> {
-    static_rank_at(index, tensor, 0)
+    static_rank_at(index, tensor, 0).or_else(|| crate::ranks::Ranks::infer(index).get(tensor))
 }
 
 fn static_rank_at(index: &GraphIndex, tensor: &str, depth: usize) -> Option<usize> {

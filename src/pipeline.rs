@@ -295,6 +295,24 @@ pub fn logits_width(
     } else {
         index.static_dim(&site.scores, 1, 0)
     };
+    // Reshapes to run-time shapes (`logits.reshape(-1, logits.shape[-1])`): the proven shape.
+    let found = found.or_else(|| {
+        let shapes = crate::shapes::Shapes::infer(index);
+        let (tensor, axis) = if site.logits_class_last {
+            (&site.logits, None)
+        } else {
+            (&site.scores, Some(1))
+        };
+        let dims = shapes.get(tensor)?;
+        let dim = match axis {
+            Some(a) => dims.get(a)?,
+            None => dims.last()?,
+        };
+        match dim {
+            crate::shapes::Dim::Known(v) if *v > 0 => Some(*v),
+            _ => None,
+        }
+    });
     match (found, given) {
         (Some(f), Some(g)) if f as usize != g => Err(Error::WidthMismatch {
             given: g,

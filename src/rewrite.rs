@@ -28,21 +28,70 @@ pub fn build_patch(
 ) -> Result<Patch, Error> {
     let mut b = Builder::new(PREFIX, opset, index.taken_names());
 
-    let forward = build_forward(&mut b, index, site, tokens, opts, true)?;
+    let chain = reported_chain(index, site);
+    let forward = build_forward(&mut b, index, site, tokens, opts, true, !chain.is_empty())?;
     let mut replacements = vec![(site.node_index, forward.nodes)];
+    let mut reported = site.loss_output.clone();
+    if let Some(&last) = chain.last() {
+        // The loss the graph reports is a rescaling of the cross-entropy (HF Trainer's
+        // `Div(num_items_in_batch)`): that value becomes `ce_loss`, and the number loss is added
+        // after it, so `loss = reported + λ·number_loss` whatever the scaling.
+        let mut node = index.graph.node[last].clone();
+        reported = node.output[0].clone();
+        node.output[0] = CE_OUTPUT.to_string();
+        let loss_type = index.elem_type(&reported).unwrap_or(forward.loss_type);
+        combine(&mut b, opts, loss_type, &reported);
+        let mut nodes = vec![node];
+        nodes.append(&mut b.nodes);
+        replacements.push((last, nodes));
+    }
     for other in others {
         let node = ce::cross_entropy_node(&mut b, other, &other.loss_output);
         replacements.push((other.node_index, vec![node]));
     }
+    let chain_ops: Vec<&str> = chain
+        .iter()
+        .map(|&i| index.graph.node[i].op_type())
+        .collect();
     Ok(Patch {
         replacements,
         initializers: b.initializers,
         outputs: added_outputs(forward.loss_type),
         metadata: vec![(
             METADATA_KEY.into(),
-            metadata(site, &forward.flat, tokens, opts),
+            metadata(site, &forward.flat, tokens, opts, &reported, &chain_ops),
         )],
     })
+}
+
+/// Ops that rescale a scalar loss on its way to the graph output.
+const RESCALING: &[&str] = &["Div", "Mul", "Cast", "Identity"];
+
+/// The nodes between the cross-entropy's loss output and the graph output that reports it,
+/// when the loss only passes through rescalings (one consumer each, the loss as the first
+/// operand of a Div). Empty when the CE's output is itself a graph output or anything else
+/// happens to it on the way.
+fn reported_chain(index: &GraphIndex, site: &CeSite) -> Vec<usize> {
+    let mut chain = Vec::new();
+    let mut t = site.loss_output.clone();
+    for _ in 0..16 {
+        if index.is_graph_output(&t) {
+            return chain;
+        }
+        let [consumer] = index.consumers(&t) else {
+            return Vec::new();
+        };
+        let node = &index.graph.node[*consumer];
+        let ok = RESCALING.contains(&node.op_type())
+            && node.output.len() == 1
+            && (node.op_type() != "Div" || node.input.first() == Some(&t));
+        if !ok {
+            return Vec::new();
+        }
+        chain.push(*consumer);
+        t = node.output[0].clone();
+    }
+    Vec::new()
 }
 
 /// The forward half of a patch: the CE node, the number loss and the total.
@@ -64,6 +113,7 @@ pub fn build_forward(
     tokens: &NumberTokens,
     opts: &LossOptions,
     peel: bool,
+    combine_later: bool,
 ) -> Result<Forward, Error> {
     if !matches!(site.reduction.as_str(), "mean" | "sum") {
         return Err(Error::UnsupportedReduction(site.reduction.clone()));
@@ -73,7 +123,14 @@ pub fn build_forward(
             return Err(Error::OutputNameTaken(name.into()));
         }
     }
-    let ce_node = ce::cross_entropy_node(b, site, CE_OUTPUT);
+    // With a rescaling chain after the CE, the CE keeps its output (the chain reads it) and the
+    // caller combines at the chain's end.
+    let ce_out = if combine_later {
+        site.loss_output.as_str()
+    } else {
+        CE_OUTPUT
+    };
+    let ce_node = ce::cross_entropy_node(b, site, ce_out);
     let flat = ce::flatten_inputs(b, index, site, tokens.table.width(), peel)?;
     let number = match opts.kind {
         LossKind::Wasserstein | LossKind::Mse | LossKind::L1 | LossKind::Huber => {
@@ -90,7 +147,9 @@ pub fn build_forward(
     };
     b.node_to("Identity", &[&number], &[NUMBER_OUTPUT], vec![]);
     let loss_type = index.elem_type(&site.logits).unwrap_or(FLOAT);
-    combine(b, opts, loss_type, &site.loss_output);
+    if !combine_later {
+        combine(b, opts, loss_type, &site.loss_output);
+    }
     let mut nodes = vec![ce_node];
     nodes.append(&mut b.nodes);
     Ok(Forward {
@@ -158,6 +217,8 @@ pub fn metadata(
     flat: &FlatInputs,
     tokens: &NumberTokens,
     opts: &LossOptions,
+    loss_output: &str,
+    rescaled_by: &[&str],
 ) -> String {
     let mut v = opts.to_json();
     let extra = serde_json::json!({
@@ -169,7 +230,8 @@ pub fn metadata(
         "flat_logits": flat.logits,
         "flat_labels": flat.labels,
         "vocab_width": tokens.table.width(),
-        "loss_output": site.loss_output,
+        "loss_output": loss_output,
+        "rescaled_by": rescaled_by,
     });
     for (k, x) in extra.as_object().expect("object") {
         v[k] = x.clone();

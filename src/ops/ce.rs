@@ -118,9 +118,8 @@ pub fn sequence_inputs(
 /// known rank >= 2.
 fn sequence_labels(index: &GraphIndex, labels: &str) -> Option<String> {
     let mut tensor = labels.to_string();
-    let ranks = crate::ranks::Ranks::infer(index);
     for _ in 0..16 {
-        let rank = crate::graph::static_rank(index, &tensor).or_else(|| ranks.get(&tensor));
+        let rank = crate::graph::static_rank(index, &tensor);
         if rank.is_some_and(|r| r >= 2) {
             return Some(tensor);
         }

@@ -35,14 +35,27 @@ pub struct ValidationCopy {
 
 const SCE: &str = "SoftmaxCrossEntropyLoss";
 
-/// The patched CE: the `SoftmaxCrossEntropyLoss` that writes `ce_loss`.
-pub fn find_ce_node(model: &ModelProto) -> Result<(usize, &NodeProto), Error> {
+/// The patched CE: the `SoftmaxCrossEntropyLoss` that writes `ce_loss`, or, where the graph
+/// rescales the CE before reporting it (`ce_loss` is then the rescaled value), the one the
+/// metadata names.
+pub fn find_ce_node<'m>(
+    model: &'m ModelProto,
+    meta: &PatchMeta,
+) -> Result<(usize, &'m NodeProto), Error> {
     let graph = model.graph.as_ref().expect("checked on load");
+    let rescaled = !meta.rescaled_by.is_empty();
     graph
         .node
         .iter()
         .enumerate()
-        .find(|(_, n)| n.op_type() == SCE && n.output.first().is_some_and(|o| o == CE_OUTPUT))
+        .find(|(_, n)| {
+            n.op_type() == SCE
+                && if rescaled {
+                    n.name() == meta.ce_node
+                } else {
+                    n.output.first().is_some_and(|o| o == CE_OUTPUT)
+                }
+        })
         .ok_or_else(|| {
             Error::Validation(format!(
                 "the graph has no {SCE} writing '{CE_OUTPUT}'; validate reads graphs written by ntl-patch, re-patch the original model"
@@ -58,7 +71,7 @@ pub fn build(
     total: &str,
     primitive_ce: bool,
 ) -> Result<ValidationCopy, Error> {
-    let (ce_index, ce_node) = find_ce_node(model)?;
+    let (ce_index, ce_node) = find_ce_node(model, meta)?;
     let graph = model.graph.as_ref().expect("checked on load");
     let index = GraphIndex::new(graph);
     for t in [&meta.flat_logits, &meta.flat_labels] {

@@ -40,6 +40,9 @@ pub struct PatchMeta {
     /// The tensor holding the total (the original loss output's name); older patches did not
     /// record it.
     pub loss_output: Option<String>,
+    /// Ops between the cross-entropy and the reported loss (e.g. `Div` by the number of
+    /// items); empty when the CE's value is reported as is.
+    pub rescaled_by: Vec<String>,
 }
 
 /// `add`: `CE + λ·L`; `scaled`: `CE + stopgrad(CE / (L + 1e-10))·λ·L` (value `(1+λ)·CE`).
@@ -135,6 +138,14 @@ impl PatchMeta {
             vocab_width,
             ce_node: v["ce_node"].as_str().unwrap_or_default().to_string(),
             loss_output: v["loss_output"].as_str().map(str::to_string),
+            rescaled_by: v["rescaled_by"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|x| x.as_str().map(str::to_string))
+                        .collect()
+                })
+                .unwrap_or_default(),
         })
     }
 

@@ -126,6 +126,9 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
         (CE_OUTPUT, CE_OUTPUT, ind.ce),
         (NUMBER_OUTPUT, NUMBER_OUTPUT, ind.number_loss),
     ] {
+        if name == CE_OUTPUT && !meta.rescaled_by.is_empty() {
+            continue; // the reported CE is the graph's own value: nothing independent to compare
+        }
         let got = outputs.get(output)?.to_f64();
         checks.push(Check::compare(
             name,
@@ -162,6 +165,12 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
             meta.gumbel_noise,
             copy.noise_removed.random_nodes.len(),
             copy.noise_removed.noisy_tensors.join(", "),
+        ));
+    }
+    if !meta.rescaled_by.is_empty() {
+        notes.push(format!(
+            "the graph reports its cross-entropy through {}: ce_loss is the reported value (not recomputed), the total is checked as ce_loss + the independent number loss",
+            meta.rescaled_by.join(" → ")
         ));
     }
     if let Some(s) = &sequences {
@@ -306,8 +315,18 @@ fn independent(
         "sum" => CeReduction::Sum,
         _ => CeReduction::Mean,
     };
-    let ce = reference::cross_entropy(&batch, meta.ignore_index, reduction, weights.as_deref())
+    let mut ce = reference::cross_entropy(&batch, meta.ignore_index, reduction, weights.as_deref())
         .map_err(flat_mismatch)?;
+    if !meta.rescaled_by.is_empty() {
+        // The graph rescales its cross-entropy (by inputs such as num_items_in_batch) before
+        // reporting it; ce_loss is that reported value, so the total is checked against it.
+        ce = outputs
+            .get(CE_OUTPUT)?
+            .to_f64()
+            .first()
+            .copied()
+            .unwrap_or(f64::NAN);
+    }
     let (number_loss, number_positions, numbers) = match (&meta.loss, sequences) {
         (LossSpec::Ntl(settings), _) => {
             let ntl = reference::number_token_loss(&batch, table, settings, meta.ignore_index)

@@ -432,3 +432,35 @@ def test_logits_only_export_with_added_loss(loss, tmp_path):
     floor = 1e-3 * float(np.linalg.norm(all_want))
     errs = {p: _norm_rel(o.astype(np.float64), want[p], floor) for p, o in zip(params, outs[3:])}
     assert max(errs.values()) <= GRAD_RTOL, errs
+
+
+def test_rescaled_loss_gets_the_number_loss_after_the_rescaling(weights, tmp_path):
+    """The Hugging Face Trainer's `CE_sum / num_items_in_batch`: the number loss is added to
+    the reported loss, so total = CE_sum/N + λ·NTL (not CE_sum/N + λ·NTL/N), `ce_loss` is the
+    reported CE_sum/N, and the step graph's gradients are torch autograd's of that total."""
+    import ntl_torch
+    import tiny_lm
+    from tiny_lm import VOCAB
+
+    out = tmp_path / "m.grad.onnx"
+    r = run_patch(["step", MODELS / "lm_sum_div.onnx", "--tokenizer", TOKENIZER, "--weight", str(WEIGHT),
+                   "-o", out, "--split", "--json"])
+    assert r.returncode == 0, r.stderr
+    params = json.loads(r.stdout)["parameters"]
+    x, y = _batch()
+    n_items = np.array(7.0, np.float32)
+    outs = _session(out).run(None, {"input_ids": x, "labels": y, "num_items_in_batch": n_items})
+
+    m = tiny_lm.build("flat", {k: v.double() for k, v in weights.items()}, dtype=torch.float64)
+    logits = m.logits(torch.from_numpy(x))
+    ce = F.cross_entropy(logits.reshape(-1, VOCAB), torch.from_numpy(y).reshape(-1), ignore_index=-100,
+                         reduction="sum") / 7.0
+    ntl = ntl_torch.ntl_value(ntl_torch.ntloss_object("wasserstein"), logits, torch.from_numpy(y))
+    total = ce + WEIGHT * ntl
+    np.testing.assert_allclose(outs[:3], [total.item(), ce.item(), ntl.item()], rtol=1e-5)
+    ps = dict(m.named_parameters())
+    want = dict(zip(ps, (g.numpy() for g in torch.autograd.grad(total, list(ps.values())))))
+    all_want = np.concatenate([w.ravel() for w in want.values()])
+    floor = 1e-3 * float(np.linalg.norm(all_want))
+    errs = {p: _norm_rel(o.astype(np.float64), want[p], floor) for p, o in zip(params, outs[3:])}
+    assert max(errs.values()) <= GRAD_RTOL, errs
