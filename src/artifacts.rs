@@ -155,6 +155,7 @@ fn load_artifact(path: &Path) -> Result<(ModelProto, ModelSource), Error> {
     refuse_patched(&model, path)?;
     check_opset(&model)?;
     crate::patch::check_consistency(&model).map_err(Error::MalformedGraph)?;
+    crate::structure::check_model(&model)?;
     check_external_data(
         model.graph.as_ref().expect("checked on load"),
         &model_dir(path),
@@ -215,8 +216,15 @@ fn training_patch(
             n.op_type() == "SoftmaxCrossEntropyLossGrad" && n.input.get(1) == Some(&log_prob)
         })
         .ok_or(Error::NoLossGradient)?;
-    let seed = grad_node.input[0].clone();
-    let scores_grad = grad_node.output[0].clone();
+    let (Some(seed), Some(scores_grad)) = (
+        grad_node.input.first().filter(|s| !s.is_empty()).cloned(),
+        grad_node.output.first().filter(|s| !s.is_empty()).cloned(),
+    ) else {
+        return Err(Error::MalformedGraph(format!(
+            "SoftmaxCrossEntropyLossGrad node '{}' has no gradient input or no output",
+            grad_node.name()
+        )));
+    };
     let rank =
         crate::graph::static_rank(index, &site.scores).ok_or_else(|| Error::UnknownRank {
             tensor: site.scores.clone(),

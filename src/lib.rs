@@ -7,6 +7,7 @@ pub mod ce_site;
 pub mod error;
 pub mod gpu_kernels;
 pub mod graph;
+pub mod limits;
 pub mod inspect;
 pub mod model_io;
 pub mod number_table;
@@ -17,6 +18,7 @@ pub mod pipeline;
 pub mod progress;
 mod python_float;
 pub mod rewrite;
+pub mod structure;
 mod unicode_digits;
 pub mod validate;
 
