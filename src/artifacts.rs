@@ -58,6 +58,7 @@ pub fn default_output(dir: &Path) -> PathBuf {
 }
 
 pub fn run_artifacts(req: &ArtifactsRequest) -> Result<ArtifactsSummary, Error> {
+    req.loss.check()?;
     for f in [TRAINING, EVAL, OPTIMIZER, CHECKPOINT] {
         if !req.dir.join(f).is_file() {
             return Err(Error::MissingArtifact {

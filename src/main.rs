@@ -74,7 +74,7 @@ struct SourceArgs {
     #[arg(long)]
     tokenizer: Option<PathBuf>,
     /// Logits width, where the graph leaves it symbolic.
-    #[arg(long, value_name = "V")]
+    #[arg(long, value_name = "V", allow_negative_numbers = true)]
     vocab_size: Option<usize>,
     /// The cross-entropy node to patch (node name or loss output), when there are several.
     #[arg(long, value_name = "NAME")]
@@ -88,13 +88,13 @@ struct LossArgs {
     #[arg(long, value_enum, default_value_t = LossArg::Wasserstein)]
     loss: LossArg,
     /// λ in CE + λ·NTL.
-    #[arg(long, default_value_t = 0.3)]
+    #[arg(long, default_value_t = 0.3, allow_negative_numbers = true)]
     weight: f64,
     /// Scale the loss by the softmax mass on number tokens (ntloss `reweigh`; off in the paper).
     #[arg(long)]
     reweigh: bool,
     /// ntloss squash factor S > 1 for the Wasserstein distances.
-    #[arg(long, value_name = "S")]
+    #[arg(long, value_name = "S", allow_negative_numbers = true)]
     squash: Option<f64>,
     /// Number tokens are exactly "0".."9" (ntloss digit_level=True) [default].
     #[arg(long, conflicts_with = "all_numbers")]
@@ -106,22 +106,22 @@ struct LossArgs {
     #[arg(long, value_enum)]
     combine: Option<CombineArg>,
     /// NTIL/EMD: weight base for digit places, w = digit_exp^r [default: 1.2 ntil, 1.0 emd].
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     digit_exp: Option<f64>,
     /// NTIL: weight of the relative absolute-difference term.
-    #[arg(long, default_value_t = 0.2)]
+    #[arg(long, default_value_t = 0.2, allow_negative_numbers = true)]
     abs_alpha: f64,
     /// NTIL: weight of the order-of-magnitude term.
-    #[arg(long, default_value_t = 0.2)]
+    #[arg(long, default_value_t = 0.2, allow_negative_numbers = true)]
     mag_alpha: f64,
     /// NTIL: weight of the digit EMD term.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     digit_alpha: f64,
     /// NTIL: Gumbel-softmax temperature.
-    #[arg(long, default_value_t = 0.1)]
+    #[arg(long, default_value_t = 0.1, allow_negative_numbers = true)]
     gumbel_tau: f64,
     /// NTIL: Gumbel noise scale (0: deterministic, forward = argmax digits).
-    #[arg(long, default_value_t = 0.01)]
+    #[arg(long, default_value_t = 0.01, allow_negative_numbers = true)]
     gumbel_noise: f64,
     /// number-level: a "." between digits joins one number ("12.34" -> 1234).
     #[arg(long)]
@@ -158,15 +158,15 @@ struct ValidateArgs {
     #[arg(long)]
     tokenizer: Option<PathBuf>,
     /// Relative tolerance.
-    #[arg(long, default_value_t = 1e-5)]
+    #[arg(long, default_value_t = 1e-5, allow_negative_numbers = true)]
     rtol: f64,
     /// Absolute tolerance.
-    #[arg(long, default_value_t = 1e-6)]
+    #[arg(long, default_value_t = 1e-6, allow_negative_numbers = true)]
     atol: f64,
     /// Batch size and sequence length of the generated inputs.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, allow_negative_numbers = true)]
     batch: usize,
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, allow_negative_numbers = true)]
     seq: usize,
     /// Seed of the generated inputs.
     #[arg(long, default_value_t = 0)]
@@ -265,8 +265,6 @@ fn main() -> ExitCode {
 }
 
 /// Checks the loss arguments and turns them into options.
-// `!(x > 0.0)` on purpose: NaN must be refused too.
-#[allow(clippy::neg_cmp_op_on_partial_ord)]
 fn loss_options(args: &LossArgs) -> Result<LossOptions, ntl_patch::Error> {
     let kind = match args.loss {
         LossArg::Wasserstein => LossKind::Wasserstein,
@@ -293,11 +291,6 @@ fn loss_options(args: &LossArgs) -> Result<LossOptions, ntl_patch::Error> {
         gumbel_tau: args.gumbel_tau,
         gumbel_noise: args.gumbel_noise,
     };
-    if !(ntil.gumbel_tau > 0.0) || !(ntil.gumbel_noise >= 0.0) || !(ntil.digit_exp > 0.0) {
-        return Err(ntl_patch::Error::Usage(
-            "--gumbel-tau and --digit-exp must be > 0 and --gumbel-noise >= 0".into(),
-        ));
-    }
     if args.float_level && kind != LossKind::NumberLevel {
         return Err(ntl_patch::Error::Usage(
             "--float-level applies to --loss number-level only".into(),
@@ -309,19 +302,7 @@ fn loss_options(args: &LossArgs) -> Result<LossOptions, ntl_patch::Error> {
             kind.name()
         )));
     }
-    if let Some(s) = args.squash {
-        if !(s > 1.0) || kind != LossKind::Wasserstein {
-            return Err(ntl_patch::Error::Usage(
-                "--squash takes a factor > 1 and applies to --loss wasserstein only".into(),
-            ));
-        }
-    }
-    if !args.weight.is_finite() {
-        return Err(ntl_patch::Error::Usage(
-            "--weight must be a finite number".into(),
-        ));
-    }
-    Ok(LossOptions {
+    let options = LossOptions {
         kind,
         weight: args.weight,
         reweigh: args.reweigh,
@@ -334,7 +315,9 @@ fn loss_options(args: &LossArgs) -> Result<LossOptions, ntl_patch::Error> {
         combine,
         ntil,
         float_level: args.float_level,
-    })
+    };
+    options.check()?;
+    Ok(options)
 }
 
 fn run_patch_cli(args: PatchArgs) -> Result<String, ntl_patch::Error> {

@@ -54,6 +54,7 @@ pub fn default_tokenizer(model: &Path) -> PathBuf {
 }
 
 pub fn run_patch(req: &PatchRequest) -> Result<PatchSummary, Error> {
+    req.loss.check()?;
     let output = req
         .output
         .clone()
