@@ -71,7 +71,7 @@ pub fn run_artifacts(req: &ArtifactsRequest) -> Result<ArtifactsSummary, Error> 
         .output
         .clone()
         .unwrap_or_else(|| default_output(&req.dir));
-    if output.exists() {
+    if output.symlink_metadata().is_ok() {
         return Err(Error::OutputExists(output));
     }
     let tokenizer = req

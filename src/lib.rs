@@ -5,6 +5,7 @@ pub mod artifacts;
 pub mod autodiff;
 pub mod ce_site;
 pub mod error;
+pub mod fsio;
 pub mod gpu_kernels;
 pub mod graph;
 pub mod limits;

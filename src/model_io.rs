@@ -63,7 +63,7 @@ pub fn load_model_source(path: &Path) -> Result<(ModelProto, ModelSource), Error
         source,
     };
     let _progress = Progress::start(&format!("loading {}", path.display()), None);
-    let file = File::open(path).map_err(read_err)?;
+    let file = crate::fsio::open_regular(path).map_err(read_err)?;
     // SAFETY: the map is read-only; the file is never written by this process.
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(read_err)?;
     // Decoding touches only the small fields between payloads: no read-ahead around them (on a
@@ -691,6 +691,7 @@ pub fn save_model_from(
         path: out.to_path_buf(),
         source,
     };
+    crate::fsio::check_output_path(out).map_err(write_err)?;
     let dir = model_dir(out);
     let tmp = tempfile::Builder::new()
         .prefix(".ntl-patch-")

@@ -62,6 +62,10 @@ pub fn run_patch(req: &PatchRequest) -> Result<PatchSummary, Error> {
     if same_file(&req.model, &output) {
         return Err(Error::OutputIsInput(output));
     }
+    crate::fsio::check_output_path(&output).map_err(|source| Error::Write {
+        path: output.clone(),
+        source,
+    })?;
     let (mut model, source) = load_model_source(&req.model)?;
     refuse_patched(&model, &req.model)?;
     check_opset(&model)?;
