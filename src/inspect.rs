@@ -14,7 +14,7 @@ pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
     let graph = model.graph.as_ref().expect("checked on load");
     let index = GraphIndex::new(graph);
     let sites = find_ce_sites(&index);
-    let external = external_locations(graph);
+    let external = external_locations(&model);
     let mut files: Vec<&str> = external.iter().map(|(_, l)| l.as_str()).collect();
     files.sort();
     files.dedup();

@@ -20,6 +20,7 @@ pub mod progress;
 mod python_float;
 pub mod rewrite;
 pub mod structure;
+pub mod temp;
 mod unicode_digits;
 pub mod validate;
 

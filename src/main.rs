@@ -230,6 +230,7 @@ enum RuntimeArg {
 }
 
 fn main() -> ExitCode {
+    ntl_patch::temp::install_signal_handlers();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {

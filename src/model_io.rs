@@ -22,8 +22,9 @@ use prost::Message;
 use crate::error::Error;
 use crate::onnx::proto::tensor_proto::DataLocation;
 use crate::onnx::proto::SparseTensorProto;
-use crate::onnx::{GraphProto, ModelProto, TensorProto};
+use crate::onnx::{AttributeProto, GraphProto, ModelProto, TensorProto};
 use crate::progress::Progress;
+use crate::temp::TempFile;
 
 /// Field numbers the streaming encoder splits messages at (onnx.proto).
 const MODEL_GRAPH: u32 = 7;
@@ -62,8 +63,17 @@ pub fn load_model_source(path: &Path) -> Result<(ModelProto, ModelSource), Error
         path: path.to_path_buf(),
         source,
     };
-    let _progress = Progress::start(&format!("loading {}", path.display()), None);
     let file = crate::fsio::open_regular(path).map_err(read_err)?;
+    load_model_file(file, path)
+}
+
+/// Loads a model from a file already opened (and checked to be regular) at `path`.
+pub fn load_model_file(file: File, path: &Path) -> Result<(ModelProto, ModelSource), Error> {
+    let read_err = |source| Error::Read {
+        path: path.to_path_buf(),
+        source,
+    };
+    let _progress = Progress::start(&format!("loading {}", path.display()), None);
     // SAFETY: the map is read-only; the file is never written by this process.
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(read_err)?;
     // Decoding touches only the small fields between payloads: no read-ahead around them (on a
@@ -92,7 +102,22 @@ pub fn model_dir(path: &Path) -> PathBuf {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Every tensor of a graph, subgraphs included
+// Every tensor of a model: graph, subgraphs, model-local functions, training info
+
+fn attribute_tensors<'a>(a: &'a AttributeProto, f: &mut dyn FnMut(&'a TensorProto)) {
+    let sparse = |s: &'a SparseTensorProto| s.values.iter().chain(s.indices.iter());
+    let sparse_tensors = a
+        .sparse_tensor
+        .iter()
+        .chain(a.sparse_tensors.iter())
+        .flat_map(sparse);
+    for t in a.t.iter().chain(a.tensors.iter()).chain(sparse_tensors) {
+        f(t);
+    }
+    for g in a.g.iter().chain(a.graphs.iter()) {
+        visit_tensors(g, f);
+    }
+}
 
 fn visit_tensors<'a>(graph: &'a GraphProto, f: &mut dyn FnMut(&'a TensorProto)) {
     let sparse = |s: &'a SparseTensorProto| s.values.iter().chain(s.indices.iter());
@@ -103,17 +128,52 @@ fn visit_tensors<'a>(graph: &'a GraphProto, f: &mut dyn FnMut(&'a TensorProto)) 
         f(t);
     }
     for a in graph.node.iter().flat_map(|n| n.attribute.iter()) {
-        let sparse_tensors = a
-            .sparse_tensor
+        attribute_tensors(a, f);
+    }
+}
+
+/// Every tensor of the model: the graph's (initializers, sparse initializers, attributes,
+/// subgraphs), the model-local functions' (node attributes and default attributes) and the
+/// training-info graphs'. Nesting is bounded by the decoder's recursion limit.
+pub fn visit_model_tensors<'a>(model: &'a ModelProto, f: &mut dyn FnMut(&'a TensorProto)) {
+    if let Some(g) = &model.graph {
+        visit_tensors(g, f);
+    }
+    for func in &model.functions {
+        for a in func
+            .node
             .iter()
-            .chain(a.sparse_tensors.iter())
-            .flat_map(sparse);
-        for t in a.t.iter().chain(a.tensors.iter()).chain(sparse_tensors) {
-            f(t);
+            .flat_map(|n| n.attribute.iter())
+            .chain(func.attribute_proto.iter())
+        {
+            attribute_tensors(a, f);
         }
-        for g in a.g.iter().chain(a.graphs.iter()) {
+    }
+    for info in &model.training_info {
+        for g in info.initialization.iter().chain(info.algorithm.iter()) {
             visit_tensors(g, f);
         }
+    }
+}
+
+fn attribute_tensors_mut(a: &mut AttributeProto, f: &mut dyn FnMut(&mut TensorProto)) {
+    fn sparse(s: &mut SparseTensorProto) -> impl Iterator<Item = &mut TensorProto> {
+        s.values.iter_mut().chain(s.indices.iter_mut())
+    }
+    let sparse_tensors = a
+        .sparse_tensor
+        .iter_mut()
+        .chain(a.sparse_tensors.iter_mut())
+        .flat_map(sparse);
+    for t in
+        a.t.iter_mut()
+            .chain(a.tensors.iter_mut())
+            .chain(sparse_tensors)
+    {
+        f(t);
+    }
+    for g in a.g.iter_mut().chain(a.graphs.iter_mut()) {
+        visit_tensors_mut(g, f);
     }
 }
 
@@ -128,19 +188,30 @@ fn visit_tensors_mut(graph: &mut GraphProto, f: &mut dyn FnMut(&mut TensorProto)
         f(t);
     }
     for a in graph.node.iter_mut().flat_map(|n| n.attribute.iter_mut()) {
-        let sparse_tensors = a
-            .sparse_tensor
+        attribute_tensors_mut(a, f);
+    }
+}
+
+fn visit_model_tensors_mut(model: &mut ModelProto, f: &mut dyn FnMut(&mut TensorProto)) {
+    if let Some(g) = &mut model.graph {
+        visit_tensors_mut(g, f);
+    }
+    for func in &mut model.functions {
+        for a in func
+            .node
             .iter_mut()
-            .chain(a.sparse_tensors.iter_mut())
-            .flat_map(sparse);
-        for t in
-            a.t.iter_mut()
-                .chain(a.tensors.iter_mut())
-                .chain(sparse_tensors)
+            .flat_map(|n| n.attribute.iter_mut())
+            .chain(func.attribute_proto.iter_mut())
         {
-            f(t);
+            attribute_tensors_mut(a, f);
         }
-        for g in a.g.iter_mut().chain(a.graphs.iter_mut()) {
+    }
+    for info in &mut model.training_info {
+        for g in info
+            .initialization
+            .iter_mut()
+            .chain(info.algorithm.iter_mut())
+        {
             visit_tensors_mut(g, f);
         }
     }
@@ -150,60 +221,112 @@ fn is_external(t: &TensorProto) -> bool {
     t.data_location() as i32 == DataLocation::External as i32
 }
 
-/// External-data locations of every tensor in the graph (initializers, sparse initializers,
-/// and tensor attributes, subgraphs included).
-pub fn external_locations(graph: &GraphProto) -> Vec<(String, String)> {
+/// The value of the one `key` entry of an external tensor's `external_data`; an error text
+/// when the key is missing or repeated (onnx and ONNX Runtime read the last of repeated
+/// keys, a check that read the first would check the wrong file).
+fn external_value<'a>(t: &'a TensorProto, key: &str) -> Result<Option<&'a str>, String> {
+    let mut found = t.external_data.iter().filter(|e| e.key() == key);
+    let first = found.next().map(|e| e.value());
+    if found.next().is_some() {
+        return Err(format!("has more than one '{key}' key"));
+    }
+    Ok(first)
+}
+
+/// External-data locations of every tensor in the model (see [`visit_model_tensors`]);
+/// a missing or repeated `location` key reads as the empty location, which
+/// [`check_external_data`] refuses.
+pub fn external_locations(model: &ModelProto) -> Vec<(String, String)> {
     let mut found = Vec::new();
-    visit_tensors(graph, &mut |t| {
+    visit_model_tensors(model, &mut |t| {
         if is_external(t) {
-            let location = t
-                .external_data
-                .iter()
-                .find(|e| e.key() == "location")
-                .map(|e| e.value().to_string())
+            let location = external_value(t, "location")
+                .ok()
+                .flatten()
                 .unwrap_or_default();
-            found.push((t.name().to_string(), location));
+            found.push((t.name().to_string(), location.to_string()));
         }
     });
     found
 }
 
-/// Refuses external-data locations that are absolute, climb out with `..`, or resolve
-/// (through symlinks) outside the model's folder.
-pub fn check_external_data(graph: &GraphProto, dir: &Path) -> Result<(), Error> {
-    let base = dir.canonicalize().map_err(|source| Error::Read {
-        path: dir.to_path_buf(),
-        source,
-    })?;
-    for (tensor, location) in external_locations(graph) {
-        let unsafe_loc = |problem: &str| Error::UnsafeExternalData {
-            tensor: tensor.clone(),
-            location: location.clone(),
-            problem: problem.into(),
+/// Refuses external data that is not one plain file inside the model's folder: locations
+/// that are empty, repeated, absolute, climb out with `..`, or resolve (through symlinks)
+/// outside the folder; files that are not regular; `offset`/`length` that are not numbers
+/// or reach past the file's end. Every tensor of the model is checked, wherever it lives.
+pub fn check_external_data(model: &ModelProto, dir: &Path) -> Result<(), Error> {
+    let mut problems: Vec<(String, String, String)> = Vec::new();
+    visit_model_tensors(model, &mut |t| {
+        if !is_external(t) || !problems.is_empty() {
+            return;
+        }
+        let location = external_value(t, "location").ok().flatten().unwrap_or("");
+        let mut fail = |why: String| {
+            problems.push((t.name().to_string(), location.to_string(), why));
         };
-        let rel = Path::new(&location);
+        if let Some(key) = repeated_key(t) {
+            return fail(format!("has more than one '{key}' key"));
+        }
         if location.is_empty() {
-            return Err(unsafe_loc("is empty"));
+            return fail("is empty or missing".into());
         }
-        if rel.is_absolute()
-            || rel
-                .components()
-                .any(|c| !matches!(c, Component::Normal(_) | Component::CurDir))
-        {
-            return Err(unsafe_loc("is absolute or climbs out of the model folder"));
-        }
-        match dir.join(rel).canonicalize() {
-            Ok(real) if !real.starts_with(&base) => {
-                return Err(unsafe_loc(
-                    "resolves (through a symlink) outside the model folder",
-                ))
+        let file = match crate::fsio::open_beneath(dir, Path::new(location)) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return fail("names a file that does not exist".into())
             }
-            Ok(real) if !real.is_file() => return Err(unsafe_loc("is not a file")),
-            Ok(_) => {}
-            Err(_) => return Err(unsafe_loc("names a file that does not exist")),
+            Err(e) => return fail(open_problem(&e)),
+        };
+        let number = |key: &str| -> Result<Option<u64>, String> {
+            match external_value(t, key)? {
+                None => Ok(None),
+                Some(v) => v
+                    .parse::<u64>()
+                    .map(Some)
+                    .map_err(|_| format!("has {key} '{v}', not a non-negative integer")),
+            }
+        };
+        let (offset, length) = match (number("offset"), number("length")) {
+            (Ok(o), Ok(l)) => (o.unwrap_or(0), l),
+            (Err(why), _) | (_, Err(why)) => return fail(why),
+        };
+        let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+        let end = offset.checked_add(length.unwrap_or(0));
+        if end.is_none_or(|end| end > size) || offset > size {
+            fail(format!(
+                "reaches past the end of the {size}-byte file (offset {offset}, length {})",
+                length.map_or("rest".into(), |l| l.to_string())
+            ));
         }
+    });
+    match problems.into_iter().next() {
+        Some((tensor, location, problem)) => Err(Error::UnsafeExternalData {
+            tensor,
+            location,
+            problem,
+        }),
+        None => Ok(()),
     }
-    Ok(())
+}
+
+/// An [`crate::fsio`] refusal ("it is a directory, ...") or an OS error, as the rest of a
+/// sentence about a location.
+fn open_problem(e: &std::io::Error) -> String {
+    let text = e.to_string();
+    match text.strip_prefix("it ") {
+        Some(rest) => rest.to_string(),
+        None => format!("cannot be opened ({text})"),
+    }
+}
+
+/// A key that occurs more than once in a tensor's `external_data`.
+fn repeated_key(t: &TensorProto) -> Option<String> {
+    let mut seen = std::collections::BTreeSet::new();
+    t.external_data
+        .iter()
+        .map(|e| e.key())
+        .find(|k| !seen.insert(*k))
+        .map(str::to_string)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -242,8 +365,17 @@ pub struct ExternalDataPlan {
     pub action: ExternalDataAction,
     /// Location as written in the model → location in the output (only those that change).
     relocate: BTreeMap<String, String>,
-    /// Data files to copy (source, destination), destinations not present yet.
-    copies: Vec<(PathBuf, PathBuf)>,
+    /// Data files to copy, destinations not present yet.
+    copies: Vec<DataCopy>,
+}
+
+/// One data file to copy: the descriptor opened when the plan was made (inside the model
+/// folder), its path, and where the copy goes.
+#[derive(Debug)]
+struct DataCopy {
+    source: File,
+    from: PathBuf,
+    dest: PathBuf,
 }
 
 impl ExternalDataPlan {
@@ -260,10 +392,7 @@ impl ExternalDataPlan {
         if self.relocate.is_empty() {
             return;
         }
-        let Some(graph) = model.graph.as_mut() else {
-            return;
-        };
-        visit_tensors_mut(graph, &mut |t| {
+        visit_model_tensors_mut(model, &mut |t| {
             if !is_external(t) {
                 return;
             }
@@ -279,7 +408,7 @@ impl ExternalDataPlan {
     pub fn copy_bytes(&self) -> u64 {
         self.copies
             .iter()
-            .filter_map(|(s, _)| s.metadata().ok())
+            .filter_map(|c| c.source.metadata().ok())
             .map(|m| m.len())
             .sum()
     }
@@ -308,12 +437,12 @@ fn location_string(p: &Path) -> String {
 /// Locations with `..` are never written: onnx (`onnx.load`, the checker, and so ORT Training's
 /// `generate_artifacts`) refuses them, and so does ntl-patch's own check.
 pub fn plan_external_data(
-    graph: &GraphProto,
-    model: &Path,
+    model: &ModelProto,
+    model_path: &Path,
     output: &Path,
     force_copy: bool,
 ) -> Result<ExternalDataPlan, Error> {
-    let locations: Vec<String> = external_locations(graph)
+    let locations: Vec<String> = external_locations(model)
         .into_iter()
         .map(|(_, l)| l)
         .collect();
@@ -329,7 +458,7 @@ pub fn plan_external_data(
             }
         })
     };
-    let from = canon(model_dir(model), false)?;
+    let from = canon(model_dir(model_path), false)?;
     let to = canon(model_dir(output), true)?;
     // The output must not replace a data file the model (and so the output) reads.
     let target = output.file_name().map(|n| to.join(n));
@@ -364,15 +493,28 @@ pub fn plan_external_data(
                     plan.relocate
                         .insert(location.clone(), location_string(&rel));
                 }
-                if dest.exists() || dest.symlink_metadata().is_ok() {
+                // Opened now, inside the model folder without following symlinks out of it;
+                // the copy reads this descriptor, so a later swap of the path changes nothing.
+                let source = crate::fsio::open_beneath(&from, &rel).map_err(|e| {
+                    Error::UnsafeExternalData {
+                        tensor: String::new(),
+                        location: location.clone(),
+                        problem: open_problem(&e),
+                    }
+                })?;
+                if dest.symlink_metadata().is_ok() {
                     if !same_content(&data, &dest).map_err(|source| Error::Read {
                         path: dest.clone(),
                         source,
                     })? {
                         return Err(Error::ExternalDataConflict { path: dest });
                     }
-                } else if !plan.copies.iter().any(|(_, d)| *d == dest) {
-                    plan.copies.push((data, dest));
+                } else if !plan.copies.iter().any(|c| c.dest == dest) {
+                    plan.copies.push(DataCopy {
+                        source,
+                        from: data,
+                        dest,
+                    });
                 }
             }
         }
@@ -428,25 +570,24 @@ fn copy_external_files(plan: &ExternalDataPlan) -> Result<Vec<PathBuf>, Error> {
     let progress = Progress::start("copying external data", Some(plan.copy_bytes()));
     let mut done = 0;
     let result = (|| {
-        for (src, dest) in &plan.copies {
+        for DataCopy { source, from, dest } in &plan.copies {
             let write_err = |source| Error::Write {
                 path: dest.clone(),
                 source,
             };
             let dir = model_dir(dest);
             std::fs::create_dir_all(&dir).map_err(write_err)?;
-            let mut tmp = tempfile::Builder::new()
-                .prefix(".ntl-patch-")
-                .suffix(".tmp")
-                .tempfile_in(&dir)
-                .map_err(write_err)?;
-            let mut input = File::open(src).map_err(|source| Error::Read {
-                path: src.clone(),
-                source,
-            })?;
+            let mut tmp = TempFile::new_in(&dir).map_err(write_err)?;
+            let mut input = source;
+            input
+                .seek(SeekFrom::Start(0))
+                .map_err(|source| Error::Read {
+                    path: from.clone(),
+                    source,
+                })?;
             loop {
                 // in steps, for the progress; each is a kernel copy (copy_file_range)
-                let n = std::io::copy(&mut (&mut input).take(COPY_STEP), tmp.as_file_mut())
+                let n = std::io::copy(&mut input.take(COPY_STEP), tmp.as_file_mut())
                     .map_err(write_err)?;
                 done += n;
                 progress.set(done);
@@ -457,14 +598,14 @@ fn copy_external_files(plan: &ExternalDataPlan) -> Result<Vec<PathBuf>, Error> {
             tmp.as_file().sync_all().map_err(write_err)?;
             set_readable(tmp.as_file()).map_err(write_err)?;
             match tmp.persist_noclobber(dest) {
-                Ok(_) => created.push(dest.clone()),
+                Ok(()) => created.push(dest.clone()),
                 // Appeared meanwhile: fine when it holds the same bytes.
-                Err(e) if e.error.kind() == std::io::ErrorKind::AlreadyExists => {
-                    if !same_content(src, dest).map_err(write_err)? {
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    if !same_content(from, dest).map_err(write_err)? {
                         return Err(Error::ExternalDataConflict { path: dest.clone() });
                     }
                 }
-                Err(e) => return Err(write_err(e.error)),
+                Err(e) => return Err(write_err(e)),
             }
         }
         Ok(())
@@ -693,11 +834,7 @@ pub fn save_model_from(
     };
     crate::fsio::check_output_path(out).map_err(write_err)?;
     let dir = model_dir(out);
-    let tmp = tempfile::Builder::new()
-        .prefix(".ntl-patch-")
-        .suffix(".tmp")
-        .tempfile_in(&dir)
-        .map_err(write_err)?;
+    let tmp = TempFile::new_in(&dir).map_err(write_err)?;
     let copied = match external {
         Some(plan) if !plan.copies.is_empty() => copy_external_files(plan)?,
         _ => Vec::new(),
@@ -712,7 +849,7 @@ pub fn save_model_from(
         let file = w.into_inner().map_err(|e| write_err(e.into_error()))?;
         file.sync_all().map_err(write_err)?;
         set_readable(&file).map_err(write_err)?;
-        tmp.persist(out).map_err(|e| write_err(e.error))?;
+        tmp.persist(out).map_err(write_err)?;
         Ok(())
     })();
     if result.is_err() {

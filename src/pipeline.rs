@@ -72,8 +72,8 @@ pub fn run_patch(req: &PatchRequest) -> Result<PatchSummary, Error> {
     crate::patch::check_consistency(&model).map_err(Error::MalformedGraph)?;
     crate::structure::check_model(&model)?;
     let graph = model.graph.as_ref().expect("checked on load");
-    check_external_data(graph, &model_dir(&req.model))?;
-    let external = plan_external_data(graph, &req.model, &output, req.copy_external_data)?;
+    check_external_data(&model, &model_dir(&req.model))?;
+    let external = plan_external_data(&model, &req.model, &output, req.copy_external_data)?;
 
     let index = GraphIndex::new(graph);
     let site = select_site(&index, req.ce_node.as_deref())?;
