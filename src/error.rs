@@ -74,6 +74,15 @@ pub enum Error {
     NoLossGradient,
     #[error("cannot find the [B, T] labels that '{labels}' was flattened from; per-sequence losses (ntil, emd, number-level) need the sequence grouping: export labels as [B, T] and flatten them in the graph")]
     NoSequenceShape { labels: String },
+    #[error("'{path}' changed while ntl-patch read it (another process wrote or truncated it); run again when nothing writes it (no output written)")]
+    InputChanged { path: PathBuf },
+    #[error("'{path}' holds {messages} protobuf messages that would take about {estimate_mb} MiB of memory to decode, more than the {limit_mb} MiB allowed (1 GiB, or 1.2× the file size if larger); this is not an exported model")]
+    DecodeTooLarge {
+        path: PathBuf,
+        messages: u64,
+        estimate_mb: u64,
+        limit_mb: u64,
+    },
     #[error("--float-level needs a \".\" token in the tokenizer and it has none; drop --float-level or pass the model's tokenizer")]
     NoDotToken,
 }

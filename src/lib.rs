@@ -16,6 +16,7 @@ pub mod onnx;
 pub mod ops;
 pub mod patch;
 pub mod pipeline;
+pub mod prescan;
 pub mod progress;
 mod python_float;
 pub mod rewrite;

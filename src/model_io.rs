@@ -16,7 +16,7 @@ use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Component, Path, PathBuf};
 
 use bytes::Bytes;
-use prost::encoding::{encode_key, encode_varint, encoded_len_varint, key_len, WireType};
+use prost::encoding::{encode_key, encode_varint, WireType};
 use prost::Message;
 
 use crate::error::Error;
@@ -34,15 +34,29 @@ const TENSOR_RAW_DATA: u32 = 9;
 const STREAM_MIN: usize = 4096;
 /// External data files are copied in steps of this many bytes.
 const COPY_STEP: u64 = 256 << 20;
+/// Pages of the input map are given back (`MADV_DONTNEED`) after this many bytes are decoded
+/// or written, so the map never holds more than this in this process's resident memory.
+const RELEASE_STEP: u64 = 64 << 20;
+/// A model may decode into at most this much memory, or 1.2× its file size if more
+/// (`crate::prescan` estimates it before decoding).
+const MIN_DECODE_LIMIT: u64 = 1 << 30;
 
 /// The memory-mapped input a model was decoded from: payloads that are slices of it are
 /// copied file-to-file on save instead of through this process's memory.
 pub struct ModelSource {
     file: File,
     map: Bytes,
+    path: PathBuf,
 }
 
 impl ModelSource {
+    /// Drops the map's pages from this process's resident memory (they stay in the page
+    /// cache and are faulted back in when read again): the map is read-only, so nothing is
+    /// lost.
+    fn release(&self) {
+        release_pages(self.map.as_ptr(), self.map.len());
+    }
+
     /// Where `data` sits in the input file, when it is a slice of the map.
     fn offset_of(&self, data: &[u8]) -> Option<u64> {
         let base = self.map.as_ptr() as usize;
@@ -80,9 +94,26 @@ pub fn load_model_file(file: File, path: &Path) -> Result<(ModelProto, ModelSour
     // cold cache each field read would otherwise pull megabytes of payload from disk).
     let _ = map.advise(memmap2::Advice::Random);
     let map = Bytes::from_owner(map);
-    let model = ModelProto::decode(map.clone()).map_err(|e| Error::NotOnnx {
+    let (estimate, messages) =
+        crate::prescan::decoded_size(&map, &mut |pos| release_pages(map.as_ptr(), pos));
+    let limit = MIN_DECODE_LIMIT.max(map.len() as u64 / 5 * 6);
+    if estimate > limit {
+        return Err(Error::DecodeTooLarge {
+            path: path.to_path_buf(),
+            messages,
+            estimate_mb: estimate >> 20,
+            limit_mb: limit >> 20,
+        });
+    }
+    let input = ReleasingBuf {
+        inner: map.clone(),
+        start: map.as_ptr(),
+        len: map.len(),
+        released: 0,
+    };
+    let model = ModelProto::decode(input).map_err(|e| Error::NotOnnx {
         path: path.to_path_buf(),
-        reason: format!("protobuf decode failed: {e}"),
+        reason: decode_reason(&e),
     })?;
     if model.graph.is_none() || model.ir_version.is_none() {
         return Err(Error::NotOnnx {
@@ -90,7 +121,94 @@ pub fn load_model_file(file: File, path: &Path) -> Result<(ModelProto, ModelSour
             reason: "no graph or IR version".into(),
         });
     }
-    Ok((model, ModelSource { file, map }))
+    Ok((
+        model,
+        ModelSource {
+            file,
+            map,
+            path: path.to_path_buf(),
+        },
+    ))
+}
+
+/// `MADV_DONTNEED` on the first `len` bytes (rounded down to pages) of a read-only map.
+fn release_pages(start: *const u8, len: usize) {
+    #[cfg(unix)]
+    {
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
+        let len = len & !(page - 1);
+        if len > 0 {
+            // SAFETY: `start` is the page-aligned start of a live read-only file mapping at
+            // least `len` long; dropping its pages only makes later reads fault them back in.
+            unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_DONTNEED) };
+        }
+    }
+}
+
+/// The map as the decoder's input: as decoding moves forward, the pages behind it are given
+/// back every [`RELEASE_STEP`] bytes, so decoding a model whose payloads are many small
+/// tensors does not keep the whole file resident. Byte fields stay zero-copy slices.
+struct ReleasingBuf {
+    inner: Bytes,
+    start: *const u8,
+    len: usize,
+    released: usize,
+}
+
+impl ReleasingBuf {
+    fn moved(&mut self) {
+        let pos = self.len - self.inner.len();
+        if (pos - self.released) as u64 >= RELEASE_STEP {
+            release_pages(self.start, pos);
+            self.released = pos;
+        }
+    }
+}
+
+impl bytes::Buf for ReleasingBuf {
+    fn remaining(&self) -> usize {
+        self.inner.remaining()
+    }
+
+    fn chunk(&self) -> &[u8] {
+        self.inner.chunk()
+    }
+
+    fn advance(&mut self, n: usize) {
+        self.inner.advance(n);
+        self.moved();
+    }
+
+    fn copy_to_bytes(&mut self, len: usize) -> Bytes {
+        let b = self.inner.copy_to_bytes(len);
+        self.moved();
+        b
+    }
+}
+
+/// A decode error in a few words. prost's text lists every enclosing field (thousands of
+/// characters for deeply nested input); keep the innermost field and the description.
+pub fn decode_reason(e: &prost::DecodeError) -> String {
+    let text = e.to_string();
+    let text = text
+        .strip_prefix("failed to decode Protobuf message: ")
+        .unwrap_or(&text);
+    let parts: Vec<&str> = text.split(": ").collect();
+    let reason = match parts.as_slice() {
+        [.., field, why] if parts.len() > 2 => format!("{why} (in {field})"),
+        [field, why] => format!("{why} (in {field})"),
+        _ => text.to_string(),
+    };
+    let reason = if reason.contains("recursion limit") {
+        format!("protobuf decode failed: messages nested too deeply, {reason}")
+    } else {
+        format!("protobuf decode failed: {reason}")
+    };
+    match reason.char_indices().nth(200) {
+        Some((cut, _)) => format!("{}...", &reason[..cut]),
+        None => reason,
+    }
 }
 
 /// The folder a model's relative paths (external data) are resolved against.
@@ -628,52 +746,17 @@ fn remove_all(files: &[PathBuf]) {
 // ---------------------------------------------------------------------------------------------
 // The streaming encoder
 
-/// A model's encoding as a list of pieces: small encoded buffers and payload slices.
-enum Piece {
-    Buf(Vec<u8>),
-    Data(Bytes),
+/// One piece of a model's encoding: encoded bytes, or a payload (a slice of the input map
+/// where the model was loaded zero-copy).
+enum Piece<'a> {
+    Buf(&'a [u8]),
+    Data(&'a Bytes),
 }
 
-#[derive(Default)]
-struct Pieces {
-    parts: Vec<Piece>,
-    len: u64,
-}
-
-impl Pieces {
-    fn buf(&mut self) -> &mut Vec<u8> {
-        if !matches!(self.parts.last(), Some(Piece::Buf(_))) {
-            self.parts.push(Piece::Buf(Vec::new()));
-        }
-        match self.parts.last_mut() {
-            Some(Piece::Buf(b)) => b,
-            _ => unreachable!("just pushed"),
-        }
-    }
-
-    fn put(&mut self, bytes: &[u8]) {
-        self.buf().extend_from_slice(bytes);
-        self.len += bytes.len() as u64;
-    }
-
-    /// Key and length of a length-delimited field.
-    fn put_header(&mut self, tag: u32, len: usize) {
-        let b = self.buf();
-        encode_key(tag, WireType::LengthDelimited, b);
-        encode_varint(len as u64, b);
-        self.len += (key_len(tag) + encoded_len_varint(len as u64)) as u64;
-    }
-
-    fn put_message(&mut self, m: &impl Message) {
-        let len = m.encoded_len();
-        m.encode(self.buf()).expect("a Vec grows");
-        self.len += len as u64;
-    }
-
-    fn put_data(&mut self, data: Bytes) {
-        self.len += data.len() as u64;
-        self.parts.push(Piece::Data(data));
-    }
+fn header(tag: u32, len: usize, scratch: &mut Vec<u8>) {
+    scratch.clear();
+    encode_key(tag, WireType::LengthDelimited, scratch);
+    encode_varint(len as u64, scratch);
 }
 
 /// Splits an encoded message at field `tag` (absent from it): the bytes of the fields before
@@ -700,44 +783,82 @@ fn split_at_field(encoded: &[u8], tag: u32) -> (&[u8], &[u8]) {
     }
 }
 
-fn model_pieces(model: &ModelProto) -> Pieces {
-    let mut p = Pieces::default();
+/// Emits `model`'s encoding piece by piece, in order, without building it: the model and
+/// graph "shells" (everything but the graph and the initializers) are encoded on their own,
+/// each initializer one at a time. Memory stays at one tensor's encoding, whatever the
+/// number of initializers.
+fn emit_model(
+    model: &ModelProto,
+    out: &mut dyn FnMut(Piece<'_>) -> std::io::Result<()>,
+) -> std::io::Result<()> {
     let Some(graph) = &model.graph else {
-        p.put_message(model);
-        return p;
+        return out(Piece::Buf(&model.encode_to_vec()));
     };
+    // every field but the graph (listed, not `..clone()`: that would copy the whole graph)
     let shell = ModelProto {
+        ir_version: model.ir_version,
+        opset_import: model.opset_import.clone(),
+        producer_name: model.producer_name.clone(),
+        producer_version: model.producer_version.clone(),
+        domain: model.domain.clone(),
+        model_version: model.model_version,
+        doc_string: model.doc_string.clone(),
         graph: None,
-        ..model.clone()
+        metadata_props: model.metadata_props.clone(),
+        training_info: model.training_info.clone(),
+        functions: model.functions.clone(),
+        configuration: model.configuration.clone(),
     }
     .encode_to_vec();
     let (before, after) = split_at_field(&shell, MODEL_GRAPH);
-    p.put(before);
-    p.put_header(MODEL_GRAPH, graph.encoded_len());
-    graph_pieces(&mut p, graph);
-    p.put(after);
-    p
+    let mut scratch = Vec::new();
+    out(Piece::Buf(before))?;
+    header(MODEL_GRAPH, graph.encoded_len(), &mut scratch);
+    out(Piece::Buf(&scratch))?;
+    emit_graph(graph, out)?;
+    out(Piece::Buf(after))
 }
 
-fn graph_pieces(p: &mut Pieces, graph: &GraphProto) {
+fn emit_graph(
+    graph: &GraphProto,
+    out: &mut dyn FnMut(Piece<'_>) -> std::io::Result<()>,
+) -> std::io::Result<()> {
     let shell = GraphProto {
+        node: graph.node.clone(),
+        name: graph.name.clone(),
         initializer: Vec::new(),
-        ..graph.clone()
+        sparse_initializer: graph.sparse_initializer.clone(),
+        doc_string: graph.doc_string.clone(),
+        input: graph.input.clone(),
+        output: graph.output.clone(),
+        value_info: graph.value_info.clone(),
+        quantization_annotation: graph.quantization_annotation.clone(),
+        metadata_props: graph.metadata_props.clone(),
     }
     .encode_to_vec();
     let (before, after) = split_at_field(&shell, GRAPH_INITIALIZER);
-    p.put(before);
+    out(Piece::Buf(before))?;
+    let mut scratch = Vec::new();
     for t in &graph.initializer {
-        p.put_header(GRAPH_INITIALIZER, t.encoded_len());
-        tensor_pieces(p, t);
+        header(GRAPH_INITIALIZER, t.encoded_len(), &mut scratch);
+        out(Piece::Buf(&scratch))?;
+        emit_tensor(t, &mut scratch, out)?;
     }
-    p.put(after);
+    out(Piece::Buf(after))
 }
 
-fn tensor_pieces(p: &mut Pieces, t: &TensorProto) {
+fn emit_tensor(
+    t: &TensorProto,
+    scratch: &mut Vec<u8>,
+    out: &mut dyn FnMut(Piece<'_>) -> std::io::Result<()>,
+) -> std::io::Result<()> {
     let raw = match &t.raw_data {
-        Some(raw) if raw.len() >= STREAM_MIN => raw.clone(),
-        _ => return p.put_message(t),
+        Some(raw) if raw.len() >= STREAM_MIN => raw,
+        _ => {
+            scratch.clear();
+            t.encode(scratch).expect("a Vec grows");
+            return out(Piece::Buf(scratch));
+        }
     };
     let shell = TensorProto {
         raw_data: None,
@@ -745,73 +866,88 @@ fn tensor_pieces(p: &mut Pieces, t: &TensorProto) {
     }
     .encode_to_vec();
     let (before, after) = split_at_field(&shell, TENSOR_RAW_DATA);
-    p.put(before);
-    p.put_header(TENSOR_RAW_DATA, raw.len());
-    p.put_data(raw);
-    p.put(after);
+    out(Piece::Buf(before))?;
+    header(TENSOR_RAW_DATA, raw.len(), scratch);
+    out(Piece::Buf(scratch))?;
+    out(Piece::Data(raw))?;
+    out(Piece::Buf(after))
 }
 
 /// Writes `model`'s protobuf encoding to `w` without building it in memory: byte for byte what
 /// `model.encode_to_vec()` gives. Returns the number of bytes written.
 pub fn encode_streaming(model: &ModelProto, w: &mut impl Write) -> std::io::Result<u64> {
-    let pieces = model_pieces(model);
-    check_length(model, &pieces)?;
-    for piece in &pieces.parts {
-        match piece {
-            Piece::Buf(b) => w.write_all(b)?,
-            Piece::Data(d) => w.write_all(d)?,
-        }
-    }
-    Ok(pieces.len)
+    let mut written = 0u64;
+    emit_model(model, &mut |piece| {
+        let bytes: &[u8] = match piece {
+            Piece::Buf(b) => b,
+            Piece::Data(d) => d,
+        };
+        written += bytes.len() as u64;
+        w.write_all(bytes)
+    })?;
+    check_length(model, written)?;
+    Ok(written)
 }
 
-fn check_length(model: &ModelProto, pieces: &Pieces) -> std::io::Result<()> {
+fn check_length(model: &ModelProto, written: u64) -> std::io::Result<()> {
     let expected = model.encoded_len() as u64;
-    if pieces.len != expected {
+    if written != expected {
         return Err(std::io::Error::other(format!(
-            "internal error: streaming encoder wrote {} bytes, the model encodes to {expected}",
-            pieces.len
+            "internal error: streaming encoder wrote {written} bytes, the model encodes to {expected}"
         )));
     }
     Ok(())
 }
 
-/// Writes the pieces to `out`, payloads from the input file where they are slices of it.
-fn write_pieces(
-    pieces: &Pieces,
+/// Writes `model` to `out`, payloads from the input file where they are slices of it.
+/// Returns the number of bytes written.
+fn write_model(
+    model: &ModelProto,
     out: &mut BufWriter<File>,
     source: Option<&ModelSource>,
     progress: &Progress,
-) -> std::io::Result<()> {
+) -> std::io::Result<u64> {
     let mut done = 0u64;
-    for piece in &pieces.parts {
+    let mut released = 0u64;
+    emit_model(model, &mut |piece| {
         match piece {
-            Piece::Buf(b) => out.write_all(b)?,
-            Piece::Data(d) => match source.and_then(|s| s.offset_of(d).map(|o| (s, o))) {
-                Some((s, offset)) => {
-                    out.flush()?;
-                    let mut input = &s.file;
-                    input.seek(SeekFrom::Start(offset))?;
-                    // File to file: the kernel copies (copy_file_range), the bytes never pass
-                    // through this process.
-                    let n = std::io::copy(&mut input.take(d.len() as u64), out.get_mut())?;
-                    if n != d.len() as u64 {
-                        return Err(std::io::Error::new(
-                            std::io::ErrorKind::UnexpectedEof,
-                            "the input model changed while it was being read",
-                        ));
+            Piece::Buf(b) => {
+                out.write_all(b)?;
+                done += b.len() as u64;
+            }
+            Piece::Data(d) => {
+                match source.and_then(|s| s.offset_of(d).map(|o| (s, o))) {
+                    Some((s, offset)) => {
+                        out.flush()?;
+                        let mut input = &s.file;
+                        input.seek(SeekFrom::Start(offset))?;
+                        // File to file: the kernel copies (copy_file_range), the bytes never
+                        // pass through this process.
+                        let n = std::io::copy(&mut input.take(d.len() as u64), out.get_mut())?;
+                        if n != d.len() as u64 {
+                            return Err(std::io::Error::new(
+                                std::io::ErrorKind::UnexpectedEof,
+                                "the input model changed while it was being read",
+                            ));
+                        }
                     }
+                    None => out.write_all(d)?,
                 }
-                None => out.write_all(d)?,
-            },
+                done += d.len() as u64;
+            }
         }
-        done += match piece {
-            Piece::Buf(b) => b.len() as u64,
-            Piece::Data(d) => d.len() as u64,
-        };
         progress.set(done);
-    }
-    out.flush()
+        // small payloads are encoded from the map: give its pages back as we go
+        if done - released >= RELEASE_STEP {
+            if let Some(s) = source {
+                s.release();
+            }
+            released = done;
+        }
+        Ok(())
+    })?;
+    out.flush()?;
+    Ok(done)
 }
 
 /// Encodes `model` and writes it atomically to `out` (temp file in the same folder, then rename).
@@ -840,12 +976,20 @@ pub fn save_model_from(
         _ => Vec::new(),
     };
     let result = (|| {
-        let pieces = model_pieces(model);
-        check_length(model, &pieces).map_err(|e| Error::Inconsistent(e.to_string()))?;
-        let progress = Progress::start(&format!("writing {}", out.display()), Some(pieces.len));
+        let total = model.encoded_len() as u64;
+        let progress = Progress::start(&format!("writing {}", out.display()), Some(total));
         let mut w =
             BufWriter::with_capacity(1 << 20, tmp.as_file().try_clone().map_err(write_err)?);
-        write_pieces(&pieces, &mut w, source, &progress).map_err(write_err)?;
+        let written =
+            write_model(model, &mut w, source, &progress).map_err(|e| match (e, source) {
+                (e, Some(s)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                    Error::InputChanged {
+                        path: s.path.clone(),
+                    }
+                }
+                (e, _) => write_err(e),
+            })?;
+        check_length(model, written).map_err(|e| Error::Inconsistent(e.to_string()))?;
         let file = w.into_inner().map_err(|e| write_err(e.into_error()))?;
         file.sync_all().map_err(write_err)?;
         set_readable(&file).map_err(write_err)?;
