@@ -88,20 +88,10 @@ pub enum Error {
 }
 
 impl Error {
-    /// The message as one line: control characters in names taken from the model (newlines,
-    /// raw bytes) are escaped.
+    /// The message as one line: control and bidirectional characters in names taken from the
+    /// model (newlines, raw bytes, U+202E) are escaped.
     pub fn one_line(&self) -> String {
-        self.to_string()
-            .chars()
-            .flat_map(|c| {
-                let escaped: Vec<char> = if c.is_control() {
-                    c.escape_default().collect()
-                } else {
-                    vec![c]
-                };
-                escaped
-            })
-            .collect()
+        crate::text::escape(&self.to_string()).into_owned()
     }
 
     /// Exit code: 1 for input and usage errors, 2 for internal ones.

@@ -22,6 +22,7 @@ mod python_float;
 pub mod rewrite;
 pub mod structure;
 pub mod temp;
+pub mod text;
 mod unicode_digits;
 pub mod validate;
 

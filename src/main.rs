@@ -9,6 +9,7 @@ use ntl_patch::model_io::ExternalDataAction;
 use ntl_patch::number_table::NumberSet;
 use ntl_patch::ops::{Combine, LossKind, LossOptions, NtilOptions};
 use ntl_patch::pipeline::{run_patch, PatchRequest};
+use ntl_patch::text::escape;
 use ntl_patch::validate::{self, Runtime, ValidateRequest};
 
 /// Splice a number-aware loss into the cross-entropy of an exported ONNX training graph, so
@@ -255,7 +256,8 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(text) => {
-            println!("{text}");
+            // names from the model are escaped where they are formatted; this catches the rest
+            println!("{}", ntl_patch::text::escape_json(&text));
             ExitCode::SUCCESS
         }
         Err(e) => {
@@ -355,9 +357,9 @@ fn run_patch_cli(args: PatchArgs) -> Result<String, ntl_patch::Error> {
         };
         format!(
             "wrote {} ({} on {} [{}], {} number tokens of {} logits, λ = {}){}",
-            s.output.display(),
+            escape(&s.output.display().to_string()),
             req.loss.kind.name(),
-            s.ce_node,
+            escape(&s.ce_node),
             s.pattern,
             s.number_tokens,
             s.logits_width,
@@ -389,7 +391,7 @@ fn run_artifacts_cli(args: ArtifactsArgs) -> Result<String, ntl_patch::Error> {
     } else {
         format!(
             "wrote {} ({} spliced into the training graph with its analytic backward: {} sparse, {} dense gradient update(s); eval graph patched; optimizer and checkpoint copied)",
-            s.output.display(),
+            escape(&s.output.display().to_string()),
             req.loss.kind.name(),
             s.sparse_updates,
             s.dense_updates
@@ -419,14 +421,12 @@ fn run_validate(args: ValidateArgs) -> ExitCode {
             return ExitCode::from(e.exit_code() as u8);
         }
     };
-    println!(
-        "{}",
-        if args.json {
-            report.to_json()
-        } else {
-            report.to_text()
-        }
-    );
+    let text = if args.json {
+        report.to_json()
+    } else {
+        report.to_text()
+    };
+    println!("{}", ntl_patch::text::escape_json(&text));
     if report.passed() {
         ExitCode::SUCCESS
     } else {
