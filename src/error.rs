@@ -102,3 +102,27 @@ impl Error {
         }
     }
 }
+
+thread_local! {
+    static CATCHING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` (third-party code that may panic on odd input, such as tract), turning a panic
+/// into its message. While it runs, [`panic_is_caught`] tells the binary's panic hook to stay
+/// quiet.
+pub fn catch_panic<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    let before = CATCHING.with(|c| c.replace(true));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    CATCHING.with(|c| c.set(before));
+    result.map_err(|p| {
+        p.downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into())
+    })
+}
+
+/// True inside [`catch_panic`] on this thread.
+pub fn panic_is_caught() -> bool {
+    CATCHING.with(|c| c.get())
+}

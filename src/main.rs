@@ -1,4 +1,7 @@
-//! The `ntl-patch` command line: parse, run, print, exit (0 ok, 1 input error, 2 internal).
+//! The `ntl-patch` command line: parse, run, print, exit (0 ok, 1 input error, 2 internal;
+//! `usage`).
+
+mod usage;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -232,13 +235,13 @@ enum RuntimeArg {
 
 fn main() -> ExitCode {
     ntl_patch::temp::install_signal_handlers();
+    usage::guard(run_cli)
+}
+
+fn run_cli() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
-        Err(e) => {
-            let code = if e.use_stderr() { 1 } else { 0 };
-            let _ = e.print();
-            return ExitCode::from(code);
-        }
+        Err(e) => return usage::clap_error(e),
     };
     let result = match cli.command {
         Some(Command::Inspect {
