@@ -804,6 +804,18 @@ fn every_external_data_key_and_tensor_is_checked() {
         }
         assert!(!root.path().join("secret.bin.copy").exists());
     }
+    // validate's runtimes open external data themselves: the same checks run first
+    let (dir, out) = patched("lm_flat", &[]);
+    let mut m = read_model(&out);
+    let t = &mut m.graph.as_mut().unwrap().initializer[0];
+    t.raw_data = None;
+    t.data_location = Some(DataLocation::External as i32);
+    t.external_data = external("../secret.bin", &[]);
+    std::fs::write(dir.path().join("escape.onnx"), m.encode_to_vec()).unwrap();
+    refused(
+        &run(&[os("validate"), os(&dir.path().join("escape.onnx"))]),
+        "external data location '../secret.bin'",
+    );
 }
 
 // ------------------------------------------------------------------ terminal output

@@ -91,6 +91,8 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
     }
     let model = load_model(&req.model)?;
     crate::structure::check_model(&model)?;
+    // the runtimes open external data themselves: only files the checks allow
+    crate::model_io::check_external_data(&model, &model_dir(&req.model))?;
     let meta = PatchMeta::from_model(&model)?;
     if req.reference.is_none() {
         let logits = (req.batch as u64)
