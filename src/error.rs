@@ -58,7 +58,7 @@ pub enum Error {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("the input graph is malformed: {0}; re-export the model (ONNX requires each tensor produced once, in topological order)")]
+    #[error("the input graph is malformed: {0}; re-export the model (ONNX requires nodes with the inputs, outputs and attributes their op defines, each tensor produced once, in topological order)")]
     MalformedGraph(String),
     #[error("internal error, the patched graph is inconsistent: {0}; please report this")]
     Inconsistent(String),

@@ -9,6 +9,9 @@
 use crate::error::Error;
 use crate::onnx::{default_opset, GraphProto, ModelProto, NodeProto};
 
+/// The largest tensor rank an axis attribute may refer to.
+const MAX_RANK: u64 = 64;
+
 /// Microsoft-domain training ops ntl-patch reads: (op, required inputs, required outputs).
 const TRAINING_OPS: [(&str, usize, usize); 1] = [("SoftmaxCrossEntropyLossGrad", 3, 1)];
 
@@ -50,6 +53,49 @@ pub fn arity_problem(node: &NodeProto, opset: i64) -> Option<String> {
     None
 }
 
+/// Attributes the graph walks and the runtimes interpret: `axis`/`axes` within any rank, a
+/// Transpose `perm` a permutation of `0..n` (tract loops forever, allocating, on `[1, 1]`,
+/// and allocates from an axis of -4e18).
+pub fn attribute_problem(node: &NodeProto) -> Option<String> {
+    if !matches!(node.domain(), "" | "ai.onnx") {
+        return None;
+    }
+    // axes index tensors of rank <= MAX_RANK (tract allocates from huge ones)
+    for a in node
+        .attribute
+        .iter()
+        .filter(|a| matches!(a.name(), "axis" | "axes"))
+    {
+        let values = a.i.iter().chain(a.ints.iter());
+        if let Some(v) = values.into_iter().find(|v| v.unsigned_abs() > MAX_RANK) {
+            return Some(format!(
+                "{} node '{}' has {} {v}, beyond any tensor rank (at most {MAX_RANK})",
+                node.op_type(),
+                node.name(),
+                a.name()
+            ));
+        }
+    }
+    if node.op_type() != "Transpose" {
+        return None;
+    }
+    let perm = crate::onnx::attr_ints(node, "perm")?;
+    let mut seen = vec![false; perm.len()];
+    let ok = perm.iter().all(|&p| {
+        usize::try_from(p)
+            .ok()
+            .and_then(|p| seen.get_mut(p))
+            .is_some_and(|s| !std::mem::replace(s, true))
+    });
+    (!ok).then(|| {
+        format!(
+            "Transpose node '{}' has perm {perm:?}, which is not a permutation of 0..{}",
+            node.name(),
+            perm.len()
+        )
+    })
+}
+
 /// The checks for the main graph of `model` (see the module doc).
 pub fn check_model(model: &ModelProto) -> Result<(), Error> {
     let Some(graph) = &model.graph else {
@@ -61,6 +107,9 @@ pub fn check_model(model: &ModelProto) -> Result<(), Error> {
 
 fn check_graph(graph: &GraphProto, opset: i64) -> Result<(), String> {
     if let Some(why) = graph.node.iter().find_map(|n| arity_problem(n, opset)) {
+        return Err(why);
+    }
+    if let Some(why) = graph.node.iter().find_map(attribute_problem) {
         return Err(why);
     }
     for t in &graph.initializer {
@@ -97,6 +146,13 @@ mod tests {
         assert!(arity_problem(&node("Reshape", 2, 0), 17).is_some());
         assert!(arity_problem(&node("Concat", 0, 1), 17).is_none());
         assert!(arity_problem(&node("NoSuchOp", 0, 0), 17).is_none());
+        let mut t = node("Transpose", 1, 1);
+        t.attribute = vec![crate::onnx::ints_attr("perm", &[1, 1])];
+        assert!(attribute_problem(&t).is_some());
+        t.attribute = vec![crate::onnx::ints_attr("perm", &[1, 0, 2])];
+        assert!(attribute_problem(&t).is_none());
+        t.attribute = vec![crate::onnx::ints_attr("perm", &[0, -1])];
+        assert!(attribute_problem(&t).is_some());
         let mut grad = node("SoftmaxCrossEntropyLossGrad", 3, 0);
         grad.domain = Some("com.microsoft".into());
         assert!(arity_problem(&grad, 17).is_some());

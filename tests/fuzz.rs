@@ -7,6 +7,9 @@
 //!
 //! Bounded and deterministic (fixed seed); `PROPTEST_RNG_SEED=N` explores other inputs and
 //! `NTL_FUZZ_CASES=N` runs more of them. Each test prints how many inputs it executed.
+//! `NTL_FUZZ_LOG=FILE` makes the validate fuzz write each case there before running it, to
+//! find an input that kills the process (run under `ulimit -v` to turn runaway allocation
+//! into an abort).
 
 mod common;
 
@@ -692,6 +695,9 @@ fn validate_never_panics_on_mutated_patched_graphs() {
     let executed = Cell::new(0usize);
     let strategy = (0..patched.len(), prop::collection::vec(graph_edit(), 1..4));
     let result = runner(cases(60)).run(&strategy, |(f, edits)| {
+        if let Ok(log) = std::env::var("NTL_FUZZ_LOG") {
+            let _ = std::fs::write(log, format!("{f} {edits:?}"));
+        }
         let mut m = patched[f].clone();
         edits.iter().for_each(|e| apply_graph(&mut m, e));
         let dir = tempfile::tempdir().unwrap();

@@ -151,6 +151,36 @@ fn validate_refuses_malformed_patched_graphs() {
     }
 }
 
+/// Attributes tract would allocate without bound for (found by the validate fuzz).
+#[test]
+fn validate_refuses_runaway_attributes() {
+    let (dir, out) = patched("lm_bvt", &["--loss", "ntil"]);
+    let m = read_model(&out);
+    let broken = dir.path().join("broken.onnx");
+    let cases: Vec<(&str, ntl_patch::onnx::AttributeProto)> = vec![
+        ("Transpose", ntl_patch::onnx::ints_attr("perm", &[1, 1, 0])),
+        (
+            "OneHot",
+            ntl_patch::onnx::int_attr("axis", -4319540435425949101),
+        ),
+    ];
+    for (op, attr) in cases {
+        let mut m = m.clone();
+        let n = m
+            .graph
+            .as_mut()
+            .unwrap()
+            .node
+            .iter_mut()
+            .find(|n| n.op_type() == op)
+            .unwrap();
+        n.attribute = vec![attr];
+        std::fs::write(&broken, m.encode_to_vec()).unwrap();
+        refused(&run(&[os("validate"), os(&broken)]), "malformed");
+        refused(&run(&[os(&broken)]), "");
+    }
+}
+
 #[test]
 fn artifacts_refuses_a_gradient_node_without_outputs() {
     let root = artifacts_folder(&[]);
