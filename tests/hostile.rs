@@ -964,3 +964,56 @@ fn small_files_of_many_empty_messages_are_refused_before_decoding() {
         refused(&run(&argv), "MiB of memory to decode");
     }
 }
+
+/// Another process truncates the (memory-mapped) input while it is written out: the run
+/// either finished first, or stops with one line (SIGBUS or a short copy), leaving nothing.
+#[test]
+fn an_input_truncated_mid_run_is_one_error_line_and_no_leftover() {
+    // lm_flat plus a merged second `graph` field of 100 000 small initializers (2 kB each,
+    // encoded from the map on save, so the truncated pages are touched)
+    let mut extra = Vec::new();
+    for i in 0..100_000 {
+        let mut t = ntl_patch::onnx::f32_tensor(&format!("small.{i}"), &[512], &[]);
+        t.raw_data = Some(vec![7u8; 2048].into());
+        let bytes = t.encode_to_vec();
+        extra.push(0x2a); // GraphProto.initializer (5)
+        prost::encoding::encode_varint(bytes.len() as u64, &mut extra);
+        extra.extend_from_slice(&bytes);
+    }
+    let mut bytes = std::fs::read(model("lm_flat")).unwrap();
+    bytes.push(0x3a); // ModelProto.graph (7)
+    prost::encoding::encode_varint(extra.len() as u64, &mut bytes);
+    bytes.extend_from_slice(&extra);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(tokenizer(), dir.path().join("tokenizer.json")).unwrap();
+    let input = dir.path().join("model.onnx");
+    let out = dir.path().join("out.onnx");
+    for delay_ms in [50u64, 150, 400] {
+        std::fs::write(&input, &bytes).unwrap();
+        let _ = std::fs::remove_file(&out);
+        let child = std::process::Command::new(assert_cmd::cargo::cargo_bin("ntl-patch"))
+            .arg(&input)
+            .arg("-o")
+            .arg(&out)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&input)
+            .unwrap()
+            .set_len(bytes.len() as u64 / 3)
+            .unwrap();
+        let result = child.wait_with_output().unwrap();
+        match result.status.code() {
+            Some(0) => assert!(read_model(&out).graph.is_some()),
+            _ => {
+                refused(&result, "");
+                assert!(!out.exists());
+            }
+        }
+        no_temp_left(dir.path());
+    }
+}
