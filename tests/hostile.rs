@@ -1017,3 +1017,40 @@ fn an_input_truncated_mid_run_is_one_error_line_and_no_leftover() {
         no_temp_left(dir.path());
     }
 }
+
+#[test]
+fn an_interrupted_artifacts_run_leaves_no_folder() {
+    let root = tempfile::tempdir().unwrap();
+    let mut training = training_graph(&["scores_grad"]);
+    let mut t = ntl_patch::onnx::f32_tensor("big", &[(256 << 20) / 4], &[]);
+    t.raw_data = Some(vec![1u8; 256 << 20].into());
+    training.graph.as_mut().unwrap().initializer.push(t);
+    let dir = artifacts_folder_with(root.path(), &training);
+    let mut interrupted = 0;
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("ntl-patch"))
+            .arg("artifacts")
+            .arg(&dir)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let started = std::time::Instant::now();
+        while !listing(root.path())
+            .iter()
+            .any(|n| n.starts_with(".ntl-patch-"))
+            && started.elapsed() < Duration::from_secs(60)
+            && child.try_wait().unwrap().is_none()
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        unsafe { libc::kill(child.id() as i32, sig) };
+        let status = child.wait().unwrap();
+        use std::os::unix::process::ExitStatusExt;
+        if status.signal() == Some(sig) {
+            interrupted += 1;
+            assert_eq!(listing(root.path()), ["art"], "signal {sig}");
+        }
+        let _ = std::fs::remove_dir_all(root.path().join("art-ntl"));
+    }
+    assert!(interrupted >= 1, "no run was interrupted mid-write");
+}
