@@ -829,11 +829,13 @@ impl OpGroup {
     }
 
     fn op_label(&self) -> String {
-        if self.domain == "ai.onnx" {
+        let label = if self.domain == "ai.onnx" {
             self.op.clone()
         } else {
             format!("{}:{}", self.domain, self.op)
-        }
+        };
+        // op types and domains come from the model: one line, no terminal controls
+        crate::text::escape(&label).into_owned()
     }
 }
 
@@ -1065,7 +1067,7 @@ fn node_list(nodes: &[String]) -> String {
     let mut s = nodes
         .iter()
         .take(SHOWN)
-        .cloned()
+        .map(|n| crate::text::escape(n).into_owned())
         .collect::<Vec<_>>()
         .join(", ");
     if nodes.len() > SHOWN {

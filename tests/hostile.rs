@@ -860,12 +860,20 @@ fn control_and_bidi_characters_are_escaped_in_every_output() {
         .find(|n| n.op_type() == "SoftmaxCrossEntropyLoss")
         .unwrap();
     ce.name = Some("ce\u{202e}xnn.\x1b[31mred\nline".into());
+    // a node of an op no GPU provider knows, so the GPU report lists its name
+    g.node.push(NodeProto {
+        name: Some("odd\u{202e}\nnode".into()),
+        op_type: Some("Bogus\u{2066}Op".into()),
+        domain: Some("x\u{202e}y".into()),
+        ..Default::default()
+    });
     let (dir, path) = folder(&m);
-    let out_path = dir.path().join("o.onnx");
+    let out_path = dir.path().join("o\u{202e}\u{1b}.onnx");
     let outputs = [
         run(&[os(&path), os("-o"), os(&out_path)]),
         run(&[os("inspect"), os(&path)]),
         run(&[os("inspect"), os(&path), os("--json")]),
+        run(&[os("inspect"), os(&path), os("--target"), os("cuda")]),
         run(&[
             os(&path),
             os("--ce-node"),
@@ -873,7 +881,9 @@ fn control_and_bidi_characters_are_escaped_in_every_output() {
             os("-o"),
             os(&out_path),
         ]),
+        run(&[os("validate"), os(&out_path)]),
     ];
+    assert_eq!(outputs[0].status.code(), Some(0), "{}", stderr(&outputs[0]));
     for out in &outputs {
         for text in [
             String::from_utf8_lossy(&out.stdout),
@@ -883,7 +893,10 @@ fn control_and_bidi_characters_are_escaped_in_every_output() {
                 !text.contains('\u{202e}') && !text.contains('\x1b'),
                 "raw: {text:?}"
             );
-            assert!(!text.contains("\nline"), "raw newline: {text:?}");
+            assert!(
+                !text.contains("\nline") && !text.contains("\nnode"),
+                "raw newline: {text:?}"
+            );
         }
     }
     assert!(String::from_utf8_lossy(&outputs[0].stdout).contains("\\u{202e}"));
