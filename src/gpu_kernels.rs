@@ -1217,7 +1217,10 @@ fn constant_size(node: &NodeProto) -> i64 {
     node.attribute
         .iter()
         .map(|a| match a.name() {
-            "value" => a.t.as_ref().map_or(1, |t| t.dims.iter().product::<i64>()),
+            "value" => {
+                a.t.as_ref()
+                    .map_or(1, |t| t.dims.iter().fold(1i64, |n, &d| n.saturating_mul(d)))
+            }
             "value_floats" => a.floats.len() as i64,
             "value_ints" => a.ints.len() as i64,
             "value_strings" => a.strings.len() as i64,
@@ -1275,7 +1278,7 @@ fn cpu_preferred_nodes(
     let mut small_init: HashSet<&str> = graph
         .initializer
         .iter()
-        .filter(|t| t.dims.iter().product::<i64>() <= SMALL_INITIALIZER)
+        .filter(|t| t.dims.iter().fold(1i64, |n, &d| n.saturating_mul(d)) <= SMALL_INITIALIZER)
         .map(|t| t.name())
         .collect();
     // Constant nodes are initializers by the time ORT partitions the graph

@@ -310,6 +310,17 @@ fn implausible_declared_widths_and_dims_are_refused() {
     m.graph.as_mut().unwrap().initializer[0].dims[0] = -1;
     let (_dir, path) = folder(&m);
     refused(&run(&[os(&path)]), "negative dimension");
+    // dims whose product overflows (the GPU check multiplies them)
+    let mut m = read_model(&model("lm_flat"));
+    m.graph.as_mut().unwrap().initializer[0].dims = vec![1 << 40, 1 << 40, 1 << 40];
+    let (_dir, path) = folder(&m);
+    clean(&run(&[
+        os("inspect"),
+        os(&path),
+        os("--target"),
+        os("cuda"),
+    ]));
+    clean(&run(&[os(&path)]));
 }
 
 #[test]
