@@ -683,8 +683,11 @@ fn read_full(f: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
 
 /// Copies each planned data file atomically (temp file beside the destination, then a rename
 /// that never replaces an existing file). Returns the files created.
-fn copy_external_files(plan: &ExternalDataPlan) -> Result<Vec<PathBuf>, Error> {
+fn copy_external_files(
+    plan: &ExternalDataPlan,
+) -> Result<(Vec<PathBuf>, Vec<crate::temp::Tracked>), Error> {
     let mut created = Vec::new();
+    let mut tracked = Vec::new();
     let progress = Progress::start("copying external data", Some(plan.copy_bytes()));
     let mut done = 0;
     let result = (|| {
@@ -716,7 +719,10 @@ fn copy_external_files(plan: &ExternalDataPlan) -> Result<Vec<PathBuf>, Error> {
             tmp.as_file().sync_all().map_err(write_err)?;
             set_readable(tmp.as_file()).map_err(write_err)?;
             match tmp.persist_noclobber(dest) {
-                Ok(()) => created.push(dest.clone()),
+                Ok(guard) => {
+                    created.push(dest.clone());
+                    tracked.push(guard);
+                }
                 // Appeared meanwhile: fine when it holds the same bytes.
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
                     if !same_content(from, dest).map_err(write_err)? {
@@ -729,7 +735,7 @@ fn copy_external_files(plan: &ExternalDataPlan) -> Result<Vec<PathBuf>, Error> {
         Ok(())
     })();
     match result {
-        Ok(()) => Ok(created),
+        Ok(()) => Ok((created, tracked)),
         Err(e) => {
             remove_all(&created);
             Err(e)
@@ -971,9 +977,10 @@ pub fn save_model_from(
     crate::fsio::check_output_path(out).map_err(write_err)?;
     let dir = model_dir(out);
     let tmp = TempFile::new_in(&dir).map_err(write_err)?;
-    let copied = match external {
+    // the copies stay registered for removal on a signal until the model is in place
+    let (copied, _tracked) = match external {
         Some(plan) if !plan.copies.is_empty() => copy_external_files(plan)?,
-        _ => Vec::new(),
+        _ => (Vec::new(), Vec::new()),
     };
     let result = (|| {
         let total = model.encoded_len() as u64;

@@ -49,17 +49,25 @@ fn live() -> std::sync::MutexGuard<'static, Vec<Entry>> {
 struct Registered(u64);
 
 impl Registered {
-    fn new(path: &Path, dir: bool) -> Registered {
+    /// Creates a temporary with `make` while holding the registry, and registers it: the
+    /// signal thread, which takes the registry before removing, sees either nothing created
+    /// yet or the created path, never a path created but not yet registered.
+    fn create<T>(
+        dir: bool,
+        make: impl FnOnce() -> std::io::Result<(T, PathBuf)>,
+    ) -> std::io::Result<(T, Registered)> {
         use std::os::unix::ffi::OsStrExt;
+        let mut registry = live();
+        let (made, path) = make()?;
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         let c_path = CString::new(path.as_os_str().as_bytes()).unwrap_or_default();
-        live().push(Entry {
+        registry.push(Entry {
             id,
-            path: path.to_path_buf(),
+            path,
             c_path,
             dir,
         });
-        Registered(id)
+        Ok((made, Registered(id)))
     }
 }
 
@@ -94,12 +102,15 @@ impl TempFile {
     pub fn new_in(dir: &Path) -> std::io::Result<TempFile> {
         crate::fsio::check_writable_folder(dir)?;
         sweep_stale(dir);
-        let file = tempfile::Builder::new()
-            .prefix(PREFIX)
-            .suffix(SUFFIX)
-            .rand_bytes(RAND_LEN)
-            .tempfile_in(dir)?;
-        let registered = Registered::new(file.path(), false);
+        let (file, registered) = Registered::create(false, || {
+            let file = tempfile::Builder::new()
+                .prefix(PREFIX)
+                .suffix(SUFFIX)
+                .rand_bytes(RAND_LEN)
+                .tempfile_in(dir)?;
+            let path = file.path().to_path_buf();
+            Ok((file, path))
+        })?;
         try_lock(file.as_file());
         Ok(TempFile {
             file: Some(file),
@@ -130,11 +141,24 @@ impl TempFile {
     }
 
     /// Renames the file to `dest` unless something exists there (`AlreadyExists`). On error
-    /// the temporary file is removed.
-    pub fn persist_noclobber(mut self, dest: &Path) -> std::io::Result<()> {
+    /// the temporary file is removed. `dest` stays registered (removed on a signal) until
+    /// the returned guard drops: a file that is only useful once the whole output exists
+    /// (an external data copy) does not outlive an interrupted run either.
+    pub fn persist_noclobber(mut self, dest: &Path) -> std::io::Result<Tracked> {
         let file = self.file.take().expect("present until persisted");
-        file.persist_noclobber(dest).map(drop).map_err(|e| e.error)
+        let ((), registered) = Registered::create(false, || {
+            file.persist_noclobber(dest).map_err(|e| e.error)?;
+            Ok(((), dest.to_path_buf()))
+        })?;
+        Ok(Tracked {
+            _registered: registered,
+        })
     }
+}
+
+/// A finished file still removed on a signal until this guard drops.
+pub struct Tracked {
+    _registered: Registered,
 }
 
 /// A temporary folder beside the target, removed (with its contents) unless persisted.
@@ -148,13 +172,15 @@ impl TempDir {
     pub fn new_in(parent: &Path) -> std::io::Result<TempDir> {
         crate::fsio::check_writable_folder(parent)?;
         sweep_stale(parent);
-        let dir = tempfile::Builder::new()
-            .prefix(PREFIX)
-            .suffix(SUFFIX)
-            .rand_bytes(RAND_LEN)
-            .tempdir_in(parent)?;
-        let path = dir.keep();
-        let registered = Registered::new(&path, true);
+        let (path, registered) = Registered::create(true, || {
+            let dir = tempfile::Builder::new()
+                .prefix(PREFIX)
+                .suffix(SUFFIX)
+                .rand_bytes(RAND_LEN)
+                .tempdir_in(parent)?;
+            let path = dir.keep();
+            Ok((path.clone(), path))
+        })?;
         let lock = File::open(&path).ok();
         if let Some(l) = &lock {
             try_lock(l);

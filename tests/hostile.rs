@@ -1078,3 +1078,55 @@ fn an_interrupted_artifacts_run_leaves_no_folder() {
     }
     assert!(interrupted >= 1, "no run was interrupted mid-write");
 }
+
+/// External data copied next to an output in another folder is part of the output: an
+/// interrupted run removes the copies it already finished too.
+#[test]
+fn an_interrupted_copy_of_external_data_leaves_nothing() {
+    let root = tempfile::tempdir().unwrap();
+    let src = root.path().join("src");
+    let dst = root.path().join("dst");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::create_dir_all(&dst).unwrap();
+    let size = 256usize << 20;
+    let mut m = read_model(&model("lm_flat"));
+    for (k, file) in ["a.bin", "b.bin"].iter().enumerate() {
+        std::fs::write(src.join(file), vec![k as u8 + 1; size]).unwrap();
+        let mut t = ntl_patch::onnx::f32_tensor(&format!("ext{k}"), &[(size / 4) as i64], &[]);
+        t.data_location = Some(DataLocation::External as i32);
+        t.external_data = external(file, &[("length", &size.to_string())]);
+        m.graph.as_mut().unwrap().initializer.push(t);
+    }
+    std::fs::write(src.join("model.onnx"), m.encode_to_vec()).unwrap();
+    std::fs::copy(tokenizer(), src.join("tokenizer.json")).unwrap();
+    let mut interrupted = 0;
+    for _ in 0..3 {
+        let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("ntl-patch"))
+            .arg(src.join("model.onnx"))
+            .arg("-o")
+            .arg(dst.join("o.onnx"))
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let started = std::time::Instant::now();
+        // wait for the first copy to be in place, then interrupt the second
+        while !dst.join("a.bin").exists()
+            && started.elapsed() < Duration::from_secs(60)
+            && child.try_wait().unwrap().is_none()
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+        let status = child.wait().unwrap();
+        use std::os::unix::process::ExitStatusExt;
+        if status.signal() == Some(libc::SIGINT) {
+            interrupted += 1;
+            assert!(listing(&dst).is_empty(), "left: {:?}", listing(&dst));
+        } else {
+            for f in listing(&dst) {
+                std::fs::remove_file(dst.join(f)).unwrap();
+            }
+        }
+    }
+    assert!(interrupted >= 1, "no run was interrupted mid-copy");
+}
