@@ -15,7 +15,7 @@ use crate::ce_site::CeSite;
 use crate::error::Error;
 use crate::graph::GraphIndex;
 use crate::model_io::{
-    check_external_data, load_model_source, model_dir, plan_external_data, save_model_from,
+    check_external_data, load_model_file, model_dir, plan_external_data, save_model_from,
     ModelSource,
 };
 use crate::number_table::Vocab;
@@ -58,19 +58,33 @@ pub fn default_output(dir: &Path) -> PathBuf {
 }
 
 pub fn run_artifacts(req: &ArtifactsRequest) -> Result<ArtifactsSummary, Error> {
+    req.loss.check()?;
+    // Opened inside the folder without following symlinks out of it; read from these
+    // descriptors only, so a swapped path cannot bring an outside file into the output.
+    let mut opened = Vec::new();
     for f in [TRAINING, EVAL, OPTIMIZER, CHECKPOINT] {
-        if !req.dir.join(f).is_file() {
-            return Err(Error::MissingArtifact {
-                dir: req.dir.clone(),
-                file: f.into(),
-            });
-        }
+        let file = crate::fsio::open_beneath(&req.dir, Path::new(f)).map_err(|source| {
+            if source.kind() == std::io::ErrorKind::NotFound {
+                Error::MissingArtifact {
+                    dir: req.dir.clone(),
+                    file: f.into(),
+                }
+            } else {
+                Error::Read {
+                    path: req.dir.join(f),
+                    source,
+                }
+            }
+        })?;
+        opened.push(file);
     }
+    let [training_file, eval_file, optimizer, checkpoint]: [std::fs::File; 4] =
+        opened.try_into().expect("four files");
     let output = req
         .output
         .clone()
         .unwrap_or_else(|| default_output(&req.dir));
-    if output.exists() {
+    if output.symlink_metadata().is_ok() {
         return Err(Error::OutputExists(output));
     }
     let tokenizer = req
@@ -82,8 +96,8 @@ pub fn run_artifacts(req: &ArtifactsRequest) -> Result<ArtifactsSummary, Error> 
     }
     let vocab = Vocab::from_file(&tokenizer)?;
 
-    let (mut training, training_source) = load_artifact(&req.dir.join(TRAINING))?;
-    let (mut eval, eval_source) = load_artifact(&req.dir.join(EVAL))?;
+    let (mut training, training_source) = load_artifact(training_file, &req.dir.join(TRAINING))?;
+    let (mut eval, eval_source) = load_artifact(eval_file, &req.dir.join(EVAL))?;
 
     let (train_patch, tokens_len, grad) = {
         let target = Target::locate(&training, req, &vocab)?;
@@ -116,6 +130,7 @@ pub fn run_artifacts(req: &ArtifactsRequest) -> Result<ArtifactsSummary, Error> 
             (TRAINING, &training, &training_source),
             (EVAL, &eval, &eval_source),
         ],
+        [(OPTIMIZER, optimizer), (CHECKPOINT, checkpoint)],
     )?;
     Ok(ArtifactsSummary {
         output,
@@ -150,15 +165,13 @@ impl<'m> Target<'m> {
 }
 
 /// Loads one artifact graph read-only and checks it can be patched.
-fn load_artifact(path: &Path) -> Result<(ModelProto, ModelSource), Error> {
-    let (model, source) = load_model_source(path)?;
+fn load_artifact(file: std::fs::File, path: &Path) -> Result<(ModelProto, ModelSource), Error> {
+    let (model, source) = load_model_file(file, path)?;
     refuse_patched(&model, path)?;
     check_opset(&model)?;
     crate::patch::check_consistency(&model).map_err(Error::MalformedGraph)?;
-    check_external_data(
-        model.graph.as_ref().expect("checked on load"),
-        &model_dir(path),
-    )?;
+    crate::structure::check_model(&model)?;
+    check_external_data(&model, &model_dir(path))?;
     Ok((model, source))
 }
 
@@ -168,32 +181,27 @@ fn write_folder(
     src: &Path,
     output: &Path,
     graphs: [(&str, &ModelProto, &ModelSource); 2],
+    copies: [(&str, std::fs::File); 2],
 ) -> Result<(), Error> {
     let write_err = |source| Error::Write {
         path: output.to_path_buf(),
         source,
     };
     let parent = crate::model_io::model_dir(output);
-    let tmp = tempfile::Builder::new()
-        .prefix(".ntl-patch-")
-        .tempdir_in(&parent)
-        .map_err(write_err)?;
+    let tmp = crate::temp::TempDir::new_in(&parent).map_err(write_err)?;
     for (name, model, source) in graphs {
         let out = tmp.path().join(name);
-        let graph = model.graph.as_ref().expect("checked on load");
-        let external = plan_external_data(graph, &src.join(name), &out, true)?;
+        let external = plan_external_data(model, &src.join(name), &out, true)?;
         let mut model = model.clone();
         external.apply(&mut model);
         save_model_from(&model, &out, Some(source), Some(&external))?;
     }
-    for f in [OPTIMIZER, CHECKPOINT] {
-        std::fs::copy(src.join(f), tmp.path().join(f)).map_err(write_err)?;
+    for (name, mut file) in copies {
+        let mut dest = std::fs::File::create(tmp.path().join(name)).map_err(write_err)?;
+        std::io::copy(&mut file, &mut dest).map_err(write_err)?;
+        dest.sync_all().map_err(write_err)?;
     }
-    let tmp = tmp.keep();
-    std::fs::rename(&tmp, output).map_err(|e| {
-        let _ = std::fs::remove_dir_all(&tmp);
-        write_err(e)
-    })
+    tmp.persist(output).map_err(write_err)
 }
 
 /// The training-graph patch: forward nodes in place of the loss node, and the number loss's
@@ -215,8 +223,15 @@ fn training_patch(
             n.op_type() == "SoftmaxCrossEntropyLossGrad" && n.input.get(1) == Some(&log_prob)
         })
         .ok_or(Error::NoLossGradient)?;
-    let seed = grad_node.input[0].clone();
-    let scores_grad = grad_node.output[0].clone();
+    let (Some(seed), Some(scores_grad)) = (
+        grad_node.input.first().filter(|s| !s.is_empty()).cloned(),
+        grad_node.output.first().filter(|s| !s.is_empty()).cloned(),
+    ) else {
+        return Err(Error::MalformedGraph(format!(
+            "SoftmaxCrossEntropyLossGrad node '{}' has no gradient input or no output",
+            grad_node.name()
+        )));
+    };
     let rank =
         crate::graph::static_rank(index, &site.scores).ok_or_else(|| Error::UnknownRank {
             tensor: site.scores.clone(),

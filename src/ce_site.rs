@@ -51,7 +51,8 @@ pub struct CeSite {
     pub log_prob_output: Option<String>,
 }
 
-/// All cross-entropy nodes of the main graph, in node order.
+/// All cross-entropy nodes of the main graph, in node order (malformed ones, without
+/// scores, labels or a loss output, are left out: [`malformed_ce_node`] names them).
 pub fn find_ce_sites(index: &GraphIndex) -> Vec<CeSite> {
     index
         .graph
@@ -60,12 +61,12 @@ pub fn find_ce_sites(index: &GraphIndex) -> Vec<CeSite> {
         .enumerate()
         .filter_map(|(i, node)| match (node.domain(), node.op_type()) {
             ("" | "ai.onnx", "SoftmaxCrossEntropyLoss") => {
-                Some(site(index, i, node, CePattern::SoftmaxCrossEntropy))
+                site(index, i, node, CePattern::SoftmaxCrossEntropy)
             }
             ("" | "ai.onnx", "NegativeLogLikelihoodLoss")
                 if feeds_from_log_softmax(index, node) =>
             {
-                Some(site(index, i, node, CePattern::LogSoftmaxNll))
+                site(index, i, node, CePattern::LogSoftmaxNll)
             }
             _ => None,
         })
@@ -127,7 +128,10 @@ fn feeds_from_log_softmax(index: &GraphIndex, nll: &NodeProto) -> bool {
     for _ in 0..8 {
         match index.producer(tensor) {
             Some((_, n)) if n.op_type() == "LogSoftmax" => return true,
-            Some((_, n)) if is_layout_op(n) => tensor = n.input[0].as_str(),
+            Some((_, n)) if is_layout_op(n) => match n.input.first() {
+                Some(input) => tensor = input.as_str(),
+                None => return false,
+            },
             _ => return false,
         }
     }
@@ -141,23 +145,25 @@ fn is_layout_op(node: &NodeProto) -> bool {
     )
 }
 
-fn site(index: &GraphIndex, i: usize, node: &NodeProto, pattern: CePattern) -> CeSite {
-    let scores = node.input[0].clone();
+fn site(index: &GraphIndex, i: usize, node: &NodeProto, pattern: CePattern) -> Option<CeSite> {
+    let scores = node.input.first().filter(|s| !s.is_empty())?.clone();
+    let labels = node.input.get(1).filter(|s| !s.is_empty())?.clone();
+    let loss_output = node.output.first().filter(|s| !s.is_empty())?.clone();
     let (logits, logits_class_last) = class_last_source(index, &scores);
-    CeSite {
+    Some(CeSite {
         pattern,
         node_index: i,
         node_name: node.name().to_string(),
         scores,
         logits,
         logits_class_last,
-        labels: node.input.get(1).cloned().unwrap_or_default(),
+        labels,
         weights: node.input.get(2).filter(|w| !w.is_empty()).cloned(),
         ignore_index: attr_i(node, "ignore_index"),
         reduction: attr_s(node, "reduction").unwrap_or_else(|| "mean".into()),
-        loss_output: node.output[0].clone(),
+        loss_output,
         log_prob_output: node.output.get(1).filter(|o| !o.is_empty()).cloned(),
-    }
+    })
 }
 
 /// If the scores are `Transpose(x)` moving x's last axis to axis 1 (a `[B, T, V]` tensor
@@ -169,8 +175,9 @@ fn class_last_source(index: &GraphIndex, scores: &str) -> (String, bool) {
                 let r = perm.len() as i64;
                 let mut expected = vec![0, r - 1];
                 expected.extend(1..r - 1);
-                if r >= 3 && perm == expected {
-                    return (node.input[0].clone(), true);
+                match node.input.first().filter(|x| !x.is_empty()) {
+                    Some(x) if r >= 3 && perm == expected => return (x.clone(), true),
+                    _ => {}
                 }
             }
         }

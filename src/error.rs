@@ -58,7 +58,7 @@ pub enum Error {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("the input graph is malformed: {0}; re-export the model (ONNX requires each tensor produced once, in topological order)")]
+    #[error("the input graph is malformed: {0}; re-export the model (ONNX requires nodes with the inputs, outputs and attributes their op defines, each tensor produced once, in topological order)")]
     MalformedGraph(String),
     #[error("internal error, the patched graph is inconsistent: {0}; please report this")]
     Inconsistent(String),
@@ -84,25 +84,24 @@ pub enum Error {
         node: String,
         param: String,
     },
+    #[error("'{path}' changed while ntl-patch read it (another process wrote or truncated it); run again when nothing writes it (no output written)")]
+    InputChanged { path: PathBuf },
+    #[error("'{path}' holds {messages} protobuf messages that would take about {estimate_mb} MiB of memory to decode, more than the {limit_mb} MiB allowed (1 GiB, or 1.2× the file size if larger); this is not an exported model")]
+    DecodeTooLarge {
+        path: PathBuf,
+        messages: u64,
+        estimate_mb: u64,
+        limit_mb: u64,
+    },
     #[error("--float-level needs a \".\" token in the tokenizer and it has none; drop --float-level or pass the model's tokenizer")]
     NoDotToken,
 }
 
 impl Error {
-    /// The message as one line: control characters in names taken from the model (newlines,
-    /// raw bytes) are escaped.
+    /// The message as one line: control and bidirectional characters in names taken from the
+    /// model (newlines, raw bytes, U+202E) are escaped.
     pub fn one_line(&self) -> String {
-        self.to_string()
-            .chars()
-            .flat_map(|c| {
-                let escaped: Vec<char> = if c.is_control() {
-                    c.escape_default().collect()
-                } else {
-                    vec![c]
-                };
-                escaped
-            })
-            .collect()
+        crate::text::escape(&self.to_string()).into_owned()
     }
 
     /// Exit code: 1 for input and usage errors, 2 for internal ones.
@@ -112,4 +111,28 @@ impl Error {
             _ => 1,
         }
     }
+}
+
+thread_local! {
+    static CATCHING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` (third-party code that may panic on odd input, such as tract), turning a panic
+/// into its message. While it runs, [`panic_is_caught`] tells the binary's panic hook to stay
+/// quiet.
+pub fn catch_panic<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    let before = CATCHING.with(|c| c.replace(true));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    CATCHING.with(|c| c.set(before));
+    result.map_err(|p| {
+        p.downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into())
+    })
+}
+
+/// True inside [`catch_panic`] on this thread.
+pub fn panic_is_caught() -> bool {
+    CATCHING.with(|c| c.get())
 }

@@ -927,11 +927,13 @@ impl OpGroup {
     }
 
     fn op_label(&self) -> String {
-        if self.domain == "ai.onnx" {
+        let label = if self.domain == "ai.onnx" {
             self.op.clone()
         } else {
             format!("{}:{}", self.domain, self.op)
-        }
+        };
+        // op types and domains come from the model: one line, no terminal controls
+        crate::text::escape(&label).into_owned()
     }
 }
 
@@ -1189,7 +1191,7 @@ fn node_list(nodes: &[String]) -> String {
     let mut s = nodes
         .iter()
         .take(SHOWN)
-        .cloned()
+        .map(|n| crate::text::escape(n).into_owned())
         .collect::<Vec<_>>()
         .join(", ");
     if nodes.len() > SHOWN {
@@ -1422,7 +1424,10 @@ fn constant_size(node: &NodeProto) -> i64 {
     node.attribute
         .iter()
         .map(|a| match a.name() {
-            "value" => a.t.as_ref().map_or(1, |t| t.dims.iter().product::<i64>()),
+            "value" => {
+                a.t.as_ref()
+                    .map_or(1, |t| t.dims.iter().fold(1i64, |n, &d| n.saturating_mul(d)))
+            }
             "value_floats" => a.floats.len() as i64,
             "value_ints" => a.ints.len() as i64,
             "value_strings" => a.strings.len() as i64,
@@ -1480,7 +1485,7 @@ fn cpu_preferred_nodes(
     let mut small_init: HashSet<&str> = graph
         .initializer
         .iter()
-        .filter(|t| t.dims.iter().product::<i64>() <= SMALL_INITIALIZER)
+        .filter(|t| t.dims.iter().fold(1i64, |n, &d| n.saturating_mul(d)) <= SMALL_INITIALIZER)
         .map(|t| t.name())
         .collect();
     // Constant nodes are initializers by the time ORT partitions the graph

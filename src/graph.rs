@@ -60,6 +60,30 @@ impl<'g> GraphIndex<'g> {
         names.extend(g.output.iter().map(|v| v.name().to_string()));
         names.extend(g.value_info.iter().map(|v| v.name().to_string()));
         names.extend(g.initializer.iter().map(|t| t.name().to_string()));
+        names.extend(
+            g.sparse_initializer
+                .iter()
+                .flat_map(|s| s.values.iter().chain(s.indices.iter()))
+                .map(|t| t.name().to_string()),
+        );
+        // names inside subgraphs (If/Loop/Scan bodies) too: a new name must not shadow one
+        let mut stack: Vec<&GraphProto> = g
+            .node
+            .iter()
+            .flat_map(|n| n.attribute.iter())
+            .flat_map(|a| a.g.iter().chain(a.graphs.iter()))
+            .collect();
+        while let Some(sub) = stack.pop() {
+            for n in &sub.node {
+                names.insert(n.name().to_string());
+                names.extend(n.output.iter().cloned());
+                for a in &n.attribute {
+                    stack.extend(a.g.iter().chain(a.graphs.iter()));
+                }
+            }
+            names.extend(sub.input.iter().map(|v| v.name().to_string()));
+            names.extend(sub.initializer.iter().map(|t| t.name().to_string()));
+        }
         names.remove("");
         names
     }
@@ -86,29 +110,31 @@ impl<'g> GraphIndex<'g> {
     /// Element type of a tensor where the graph declares it, or where it follows from a
     /// producer that keeps its input's type.
     pub fn elem_type(&self, tensor: &str) -> Option<i32> {
-        if let Some((Some(t), _)) = self.declared_shape(tensor) {
-            return Some(t);
-        }
-        if let Some((_, node)) = self.producer(tensor) {
-            if let Some(t) = node.input.first().and_then(|i| self.elem_type(i)) {
-                let keeps_type = matches!(
-                    node.op_type(),
-                    "Reshape"
-                        | "Transpose"
-                        | "Add"
-                        | "MatMul"
-                        | "Gemm"
-                        | "LogSoftmax"
-                        | "Softmax"
-                        | "Identity"
-                        | "Squeeze"
-                        | "Unsqueeze"
-                        | "Flatten"
-                );
-                if keeps_type {
-                    return Some(t);
-                }
+        // iterative, and bounded: a chain of type-keeping nodes can be as long as the graph
+        let mut tensor = tensor;
+        for _ in 0..=self.graph.node.len() {
+            if let Some((Some(t), _)) = self.declared_shape(tensor) {
+                return Some(t);
             }
+            let (_, node) = self.producer(tensor)?;
+            let keeps_type = matches!(
+                node.op_type(),
+                "Reshape"
+                    | "Transpose"
+                    | "Add"
+                    | "MatMul"
+                    | "Gemm"
+                    | "LogSoftmax"
+                    | "Softmax"
+                    | "Identity"
+                    | "Squeeze"
+                    | "Unsqueeze"
+                    | "Flatten"
+            );
+            if !keeps_type {
+                return None;
+            }
+            tensor = node.input.first().filter(|i| !i.is_empty())?;
         }
         None
     }
@@ -126,7 +152,8 @@ impl<'g> GraphIndex<'g> {
         }
         if let Some((_, dims)) = self.declared_shape(tensor) {
             let i = normalize_axis(axis, dims.len())?;
-            if let Some(d) = dims[i] {
+            // a declared size below 1 (malformed, or -1 for "unknown") tells nothing
+            if let Some(d) = dims[i].filter(|&d| d > 0) {
                 return Some(d);
             }
         }
@@ -176,7 +203,11 @@ impl<'g> GraphIndex<'g> {
                 crate::onnx::attr(node, "value")?.t.as_ref()?
             }
         };
-        if t.data_type() != crate::onnx::INT64 || t.dims.iter().product::<i64>() > 16 {
+        let count = t
+            .dims
+            .iter()
+            .try_fold(1i64, |n, &d| (d >= 0).then(|| n.checked_mul(d)).flatten());
+        if t.data_type() != crate::onnx::INT64 || count.is_none_or(|n| n > 16) {
             return None;
         }
         if !t.int64_data.is_empty() {

@@ -8,13 +8,14 @@ use crate::graph::GraphIndex;
 use crate::model_io::{external_locations, load_model};
 use crate::onnx::default_opset;
 use crate::pipeline::{logits_width, site_label};
+use crate::text::escape as esc;
 
 pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
     let model = load_model(path)?;
     let graph = model.graph.as_ref().expect("checked on load");
     let index = GraphIndex::new(graph);
     let sites = find_ce_sites(&index);
-    let external = external_locations(graph);
+    let external = external_locations(&model);
     let mut files: Vec<&str> = external.iter().map(|(_, l)| l.as_str()).collect();
     files.sort();
     files.dedup();
@@ -57,13 +58,14 @@ pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
     }
     let mut out = format!(
         "model: {}\nIR version: {ir}\ndefault opset: {}\n",
-        path.display(),
+        esc(&path.display().to_string()),
         opset.map_or("none".into(), |o| o.to_string())
     );
     if site_rows.is_empty() {
         out.push_str("cross-entropy: none found\n");
     }
     for (n, p, sc, l, r, w) in &site_rows {
+        let (n, sc, l, r) = (esc(n), esc(sc), esc(l), esc(r));
         out.push_str(&format!(
             "cross-entropy: {n} ({p})\n  scores: {sc}\n  labels: {l}\n  reduction: {r}\n  vocab width: {}\n",
             w.map_or("symbolic (pass --vocab-size)".into(), |w| w.to_string())
@@ -71,7 +73,8 @@ pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
     }
     for n in nested_ce_nodes(&index) {
         out.push_str(&format!(
-            "cross-entropy inside a subgraph (not patched): {n}\n"
+            "cross-entropy inside a subgraph (not patched): {}\n",
+            esc(&n)
         ));
     }
     out.push_str(&format!(
@@ -81,7 +84,7 @@ pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
         if files.is_empty() {
             String::new()
         } else {
-            format!(": {}", files.join(", "))
+            format!(": {}", esc(&files.join(", ")))
         }
     ));
     out.push_str(&format!(

@@ -1,4 +1,7 @@
-//! The `ntl-patch` command line: parse, run, print, exit (0 ok, 1 input error, 2 internal).
+//! The `ntl-patch` command line: parse, run, print, exit (0 ok, 1 input error, 2 internal;
+//! `usage`).
+
+mod usage;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -10,6 +13,7 @@ use ntl_patch::number_table::NumberSet;
 use ntl_patch::ops::{Combine, LossKind, LossOptions, NtilOptions};
 use ntl_patch::pipeline::{run_patch, PatchRequest};
 use ntl_patch::step::{run_step, OptimizerKind, OptimizerOptions, StepRequest};
+use ntl_patch::text::escape;
 use ntl_patch::validate::{self, Runtime, ValidateRequest};
 
 /// Splice a number-aware loss into the cross-entropy of an exported ONNX training graph, so
@@ -137,7 +141,7 @@ struct SourceArgs {
     #[arg(long)]
     tokenizer: Option<PathBuf>,
     /// Logits width, where the graph leaves it symbolic.
-    #[arg(long, value_name = "V")]
+    #[arg(long, value_name = "V", allow_negative_numbers = true)]
     vocab_size: Option<usize>,
     /// The cross-entropy node to patch (node name or loss output), when there are several.
     #[arg(long, value_name = "NAME")]
@@ -159,13 +163,13 @@ struct LossArgs {
     #[arg(long, value_enum, default_value_t = LossArg::Wasserstein)]
     loss: LossArg,
     /// λ in CE + λ·NTL.
-    #[arg(long, default_value_t = 0.3)]
+    #[arg(long, default_value_t = 0.3, allow_negative_numbers = true)]
     weight: f64,
     /// Scale the loss by the softmax mass on number tokens (ntloss `reweigh`; off in the paper).
     #[arg(long)]
     reweigh: bool,
     /// ntloss squash factor S > 1 for the Wasserstein distances.
-    #[arg(long, value_name = "S")]
+    #[arg(long, value_name = "S", allow_negative_numbers = true)]
     squash: Option<f64>,
     /// Number tokens are exactly "0".."9" (ntloss digit_level=True) [default].
     #[arg(long, conflicts_with = "all_numbers")]
@@ -177,22 +181,22 @@ struct LossArgs {
     #[arg(long, value_enum)]
     combine: Option<CombineArg>,
     /// NTIL/EMD: weight base for digit places, w = digit_exp^r [default: 1.2 ntil, 1.0 emd].
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     digit_exp: Option<f64>,
     /// NTIL: weight of the relative absolute-difference term.
-    #[arg(long, default_value_t = 0.2)]
+    #[arg(long, default_value_t = 0.2, allow_negative_numbers = true)]
     abs_alpha: f64,
     /// NTIL: weight of the order-of-magnitude term.
-    #[arg(long, default_value_t = 0.2)]
+    #[arg(long, default_value_t = 0.2, allow_negative_numbers = true)]
     mag_alpha: f64,
     /// NTIL: weight of the digit EMD term.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     digit_alpha: f64,
     /// NTIL: Gumbel-softmax temperature.
-    #[arg(long, default_value_t = 0.1)]
+    #[arg(long, default_value_t = 0.1, allow_negative_numbers = true)]
     gumbel_tau: f64,
     /// NTIL: Gumbel noise scale (0: deterministic, forward = argmax digits).
-    #[arg(long, default_value_t = 0.01)]
+    #[arg(long, default_value_t = 0.01, allow_negative_numbers = true)]
     gumbel_noise: f64,
     /// number-level: a "." between digits joins one number ("12.34" -> 1234).
     #[arg(long)]
@@ -229,15 +233,15 @@ struct ValidateArgs {
     #[arg(long)]
     tokenizer: Option<PathBuf>,
     /// Relative tolerance.
-    #[arg(long, default_value_t = 1e-5)]
+    #[arg(long, default_value_t = 1e-5, allow_negative_numbers = true)]
     rtol: f64,
     /// Absolute tolerance.
-    #[arg(long, default_value_t = 1e-6)]
+    #[arg(long, default_value_t = 1e-6, allow_negative_numbers = true)]
     atol: f64,
     /// Batch size and sequence length of the generated inputs.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, allow_negative_numbers = true)]
     batch: usize,
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, allow_negative_numbers = true)]
     seq: usize,
     /// Seed of the generated inputs.
     #[arg(long, default_value_t = 0)]
@@ -313,13 +317,14 @@ enum RuntimeArg {
 }
 
 fn main() -> ExitCode {
+    ntl_patch::temp::install_signal_handlers();
+    usage::guard(run_cli)
+}
+
+fn run_cli() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
-        Err(e) => {
-            let code = if e.use_stderr() { 1 } else { 0 };
-            let _ = e.print();
-            return ExitCode::from(code);
-        }
+        Err(e) => return usage::clap_error(e),
     };
     let result = match cli.command {
         Some(Command::Inspect {
@@ -338,7 +343,8 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(text) => {
-            println!("{text}");
+            // names from the model are escaped where they are formatted; this catches the rest
+            println!("{}", ntl_patch::text::escape_json(&text));
             ExitCode::SUCCESS
         }
         Err(e) => {
@@ -349,8 +355,6 @@ fn main() -> ExitCode {
 }
 
 /// Checks the loss arguments and turns them into options.
-// `!(x > 0.0)` on purpose: NaN must be refused too.
-#[allow(clippy::neg_cmp_op_on_partial_ord)]
 fn loss_options(args: &LossArgs) -> Result<LossOptions, ntl_patch::Error> {
     let kind = match args.loss {
         LossArg::Wasserstein => LossKind::Wasserstein,
@@ -377,11 +381,6 @@ fn loss_options(args: &LossArgs) -> Result<LossOptions, ntl_patch::Error> {
         gumbel_tau: args.gumbel_tau,
         gumbel_noise: args.gumbel_noise,
     };
-    if !(ntil.gumbel_tau > 0.0) || !(ntil.gumbel_noise >= 0.0) || !(ntil.digit_exp > 0.0) {
-        return Err(ntl_patch::Error::Usage(
-            "--gumbel-tau and --digit-exp must be > 0 and --gumbel-noise >= 0".into(),
-        ));
-    }
     if args.float_level && kind != LossKind::NumberLevel {
         return Err(ntl_patch::Error::Usage(
             "--float-level applies to --loss number-level only".into(),
@@ -393,19 +392,7 @@ fn loss_options(args: &LossArgs) -> Result<LossOptions, ntl_patch::Error> {
             kind.name()
         )));
     }
-    if let Some(s) = args.squash {
-        if !(s > 1.0) || kind != LossKind::Wasserstein {
-            return Err(ntl_patch::Error::Usage(
-                "--squash takes a factor > 1 and applies to --loss wasserstein only".into(),
-            ));
-        }
-    }
-    if !args.weight.is_finite() {
-        return Err(ntl_patch::Error::Usage(
-            "--weight must be a finite number".into(),
-        ));
-    }
-    Ok(LossOptions {
+    let options = LossOptions {
         kind,
         weight: args.weight,
         reweigh: args.reweigh,
@@ -418,7 +405,9 @@ fn loss_options(args: &LossArgs) -> Result<LossOptions, ntl_patch::Error> {
         combine,
         ntil,
         float_level: args.float_level,
-    })
+    };
+    options.check()?;
+    Ok(options)
 }
 
 fn run_patch_cli(args: PatchArgs) -> Result<String, ntl_patch::Error> {
@@ -460,9 +449,9 @@ fn run_patch_cli(args: PatchArgs) -> Result<String, ntl_patch::Error> {
         };
         format!(
             "wrote {} ({} on {} [{}], {} number tokens of {} logits, λ = {}){}",
-            s.output.display(),
+            escape(&s.output.display().to_string()),
             req.loss.kind.name(),
-            s.ce_node,
+            escape(&s.ce_node),
             s.pattern,
             s.number_tokens,
             s.logits_width,
@@ -584,7 +573,7 @@ fn run_artifacts_cli(args: ArtifactsArgs) -> Result<String, ntl_patch::Error> {
     } else {
         format!(
             "wrote {} ({} spliced into the training graph with its analytic backward: {} sparse, {} dense gradient update(s); eval graph patched; optimizer and checkpoint copied)",
-            s.output.display(),
+            escape(&s.output.display().to_string()),
             req.loss.kind.name(),
             s.sparse_updates,
             s.dense_updates
@@ -614,14 +603,12 @@ fn run_validate(args: ValidateArgs) -> ExitCode {
             return ExitCode::from(e.exit_code() as u8);
         }
     };
-    println!(
-        "{}",
-        if args.json {
-            report.to_json()
-        } else {
-            report.to_text()
-        }
-    );
+    let text = if args.json {
+        report.to_json()
+    } else {
+        report.to_text()
+    };
+    println!("{}", ntl_patch::text::escape_json(&text));
     if report.passed() {
         ExitCode::SUCCESS
     } else {

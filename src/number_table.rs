@@ -171,10 +171,12 @@ impl Vocab {
     /// Face tokenizer.json) if it starts with `{`, else a plain vocab file.
     pub fn from_file(path: &Path) -> Result<Vocab, TableError> {
         let label = path.display().to_string();
-        let bytes = std::fs::read(path).map_err(|source| TableError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let bytes = crate::fsio::read_regular(path, crate::limits::MAX_TOKENIZER_BYTES).map_err(
+            |source| TableError::Read {
+                path: path.to_path_buf(),
+                source,
+            },
+        )?;
         let text = String::from_utf8(bytes).map_err(|_| TableError::NotUtf8 {
             tokenizer: label.clone(),
         })?;

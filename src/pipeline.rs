@@ -61,6 +61,7 @@ pub fn default_tokenizer(model: &Path) -> PathBuf {
 }
 
 pub fn run_patch(req: &PatchRequest) -> Result<PatchSummary, Error> {
+    req.loss.check()?;
     let output = req
         .output
         .clone()
@@ -89,14 +90,19 @@ pub fn patch_model(req: &PatchRequest, output: &Path) -> Result<Patched, Error> 
     if same_file(&req.model, output) {
         return Err(Error::OutputIsInput(output.to_path_buf()));
     }
+    crate::fsio::check_output_path(output).map_err(|source| Error::Write {
+        path: output.to_path_buf(),
+        source,
+    })?;
     let (mut model, source) = load_model_source(&req.model)?;
     refuse_patched(&model, &req.model)?;
     refuse_training_graph(&model)?;
     check_opset(&model)?;
     crate::patch::check_consistency(&model).map_err(Error::MalformedGraph)?;
+    crate::structure::check_model(&model)?;
     let graph = model.graph.as_ref().expect("checked on load");
-    check_external_data(graph, &model_dir(&req.model))?;
-    let external = plan_external_data(graph, &req.model, output, req.copy_external_data)?;
+    check_external_data(&model, &model_dir(&req.model))?;
+    let external = plan_external_data(&model, &req.model, output, req.copy_external_data)?;
 
     let mut notices = Vec::new();
     if req.add_loss && !find_ce_sites(&GraphIndex::new(graph)).is_empty() {
@@ -290,6 +296,7 @@ pub fn logits_width(
     site: &CeSite,
     given: Option<usize>,
 ) -> Result<usize, Error> {
+    check_logits_type(index, site)?;
     let found = if site.logits_class_last {
         index.static_last_dim(&site.logits)
     } else {
@@ -313,15 +320,53 @@ pub fn logits_width(
             _ => None,
         }
     });
+    let found = found
+        .map(|f| {
+            crate::limits::check_width(
+                f,
+                "the logits width the graph declares",
+                "re-export the model with its real vocabulary size",
+            )
+        })
+        .transpose()?;
+    let given = given
+        .map(|g| {
+            crate::limits::check_width(
+                i64::try_from(g).unwrap_or(i64::MAX),
+                "--vocab-size",
+                "pass the logits width of the model",
+            )
+        })
+        .transpose()?;
     match (found, given) {
-        (Some(f), Some(g)) if f as usize != g => Err(Error::WidthMismatch {
-            given: g,
-            found: f as usize,
-        }),
-        (Some(f), _) => Ok(f as usize),
+        (Some(f), Some(g)) if f != g => Err(Error::WidthMismatch { given: g, found: f }),
+        (Some(f), _) => Ok(f),
         (None, Some(g)) => Ok(g),
         (None, None) => Err(Error::UnknownWidth {
             tensor: site.scores.clone(),
         }),
     }
+}
+
+/// The number loss reads the logits as probabilities: refuse integer (or other non-float)
+/// logits where the graph declares their type.
+fn check_logits_type(index: &GraphIndex, site: &CeSite) -> Result<(), Error> {
+    use crate::onnx::proto::tensor_proto::DataType;
+    let float = [
+        DataType::Float,
+        DataType::Float16,
+        DataType::Double,
+        DataType::Bfloat16,
+    ];
+    for tensor in [&site.logits, &site.scores] {
+        if let Some(t) = index.elem_type(tensor) {
+            if !float.iter().any(|f| *f as i32 == t) {
+                return Err(Error::NonFloatLogits {
+                    tensor: tensor.clone(),
+                    elem_type: t,
+                });
+            }
+        }
+    }
+    Ok(())
 }

@@ -1,10 +1,15 @@
 //! Hostile inputs: mutated fixture bytes (bit flips, inserts, deletes, truncations) and mutated
 //! graphs (dropped nodes, renamed or duplicated tensors, changed attributes, op types, opsets,
-//! shapes) go through load → find CE → patch → save. Whatever the input: no panic, no hang, and
-//! on error no output file and no temporary file is left.
+//! shapes) go through load → find CE → patch → save, and through the other commands: `inspect`
+//! (text, JSON, GPU targets), `validate` (mutated patched graphs, tract) and `artifacts`
+//! (mutated training graphs). Whatever the input: no panic, no hang, errors in one line, and on
+//! error no output file and no temporary file is left.
 //!
 //! Bounded and deterministic (fixed seed); `PROPTEST_RNG_SEED=N` explores other inputs and
 //! `NTL_FUZZ_CASES=N` runs more of them. Each test prints how many inputs it executed.
+//! `NTL_FUZZ_LOG=FILE` makes the validate fuzz write each case there before running it, to
+//! find an input that kills the process (run under `ulimit -v` to turn runaway allocation
+//! into an abort).
 
 mod common;
 
@@ -590,5 +595,250 @@ fn the_binary_fails_cleanly_on_mutated_graphs() {
     let _ = std::io::stderr()
         .lock()
         .write_all(format!("fuzz binary: {} inputs executed\n", executed.get()).as_bytes());
+    result.unwrap();
+}
+
+// ------------------------------------------------------------------ the other commands
+
+/// Runs `f` on its own thread: a panic or a hang fails the case.
+fn in_thread<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, TestCaseError> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(HANG) {
+        Ok(v) => Ok(v),
+        Err(mpsc::RecvTimeoutError::Timeout) => Err(TestCaseError::fail("hangs")),
+        Err(mpsc::RecvTimeoutError::Disconnected) => Err(TestCaseError::fail("panicked")),
+    }
+}
+
+fn one_line_error(e: &Error) -> Result<(), TestCaseError> {
+    let message = e.one_line();
+    prop_assert!(!message.contains('\n'), "one line: {}", message);
+    prop_assert!(
+        !matches!(e, Error::Inconsistent(_)),
+        "internal error: {}",
+        message
+    );
+    Ok(())
+}
+
+/// `inspect` (text, JSON, GPU targets) on mutated graphs and mutated bytes.
+#[test]
+fn inspect_never_panics_on_mutated_input() {
+    let fixtures: Vec<ModelProto> = FIXTURES.iter().map(|n| read_model(&model(n))).collect();
+    let executed = Cell::new(0usize);
+    let strategy = (
+        0..FIXTURES.len(),
+        prop::collection::vec(graph_edit(), 1..5),
+        prop::collection::vec(byte_edit(), 0..2),
+        any::<bool>(),
+    );
+    let result = runner(cases(150)).run(&strategy, |(f, edits, bytes_edits, json)| {
+        let mut m = fixtures[f].clone();
+        edits.iter().for_each(|e| apply_graph(&mut m, e));
+        let mut bytes = m.encode_to_vec();
+        bytes_edits.iter().for_each(|e| apply_bytes(&mut bytes, e));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.onnx");
+        std::fs::write(&path, bytes).unwrap();
+        let targets = [
+            ntl_patch::gpu_kernels::Target::Cuda,
+            ntl_patch::gpu_kernels::Target::Rocm,
+        ];
+        let result = in_thread(move || ntl_patch::inspect::inspect_targets(&path, json, &targets))?;
+        bump(&executed);
+        if let Err(e) = result {
+            one_line_error(&e)?;
+        }
+        Ok(())
+    });
+    let _ = std::io::stderr()
+        .lock()
+        .write_all(format!("fuzz inspect: {} inputs executed\n", executed.get()).as_bytes());
+    result.unwrap();
+}
+
+/// `validate` (tract) on mutated patched graphs.
+#[test]
+fn validate_never_panics_on_mutated_patched_graphs() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut patched = Vec::new();
+    for (name, loss) in [
+        ("lm_flat", LossKind::Wasserstein),
+        ("lm_bvt", LossKind::Ntil),
+        ("lm_nll", LossKind::Mse),
+    ] {
+        let out = dir.path().join(format!("{name}.ntl.onnx"));
+        let req = PatchRequest {
+            model: model(name),
+            output: Some(out.clone()),
+            tokenizer: Some(tokenizer()),
+            vocab_size: None,
+            ce_node: None,
+            copy_external_data: false,
+            loss: LossOptions {
+                kind: loss,
+                weight: 0.3,
+                reweigh: false,
+                squash: None,
+                number_set: ntl_patch::number_table::NumberSet::DigitLevel,
+                combine: Combine::Add,
+                ntil: NtilOptions::default(),
+                float_level: false,
+            },
+        };
+        run_patch(&req).unwrap();
+        patched.push(read_model(&out));
+    }
+    let executed = Cell::new(0usize);
+    let strategy = (0..patched.len(), prop::collection::vec(graph_edit(), 1..4));
+    let result = runner(cases(60)).run(&strategy, |(f, edits)| {
+        if let Ok(log) = std::env::var("NTL_FUZZ_LOG") {
+            let _ = std::fs::write(log, format!("{f} {edits:?}"));
+        }
+        let mut m = patched[f].clone();
+        edits.iter().for_each(|e| apply_graph(&mut m, e));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.onnx");
+        std::fs::write(&path, m.encode_to_vec()).unwrap();
+        let req = ntl_patch::validate::ValidateRequest {
+            model: path,
+            runtime: ntl_patch::validate::Runtime::Tract,
+            reference: None,
+            tokenizer: Some(tokenizer()),
+            rtol: 1e-5,
+            atol: 1e-6,
+            batch: 2,
+            seq: 8,
+            seed: 0,
+        };
+        let result = in_thread(move || ntl_patch::validate::run(&req).map(|_| ()))?;
+        bump(&executed);
+        if let Err(e) = result {
+            one_line_error(&e)?;
+        }
+        Ok(())
+    });
+    let _ = std::io::stderr()
+        .lock()
+        .write_all(format!("fuzz validate: {} inputs executed\n", executed.get()).as_bytes());
+    result.unwrap();
+}
+
+/// `artifacts` on mutated training graphs: no panic, and on error no output folder and no
+/// temporary left.
+#[test]
+fn artifacts_never_panics_and_leaves_nothing_on_error() {
+    let base = training_graph(&["scores_grad"]);
+    let executed = Cell::new(0usize);
+    let strategy = (prop::collection::vec(graph_edit(), 1..4), 0..LOSSES.len());
+    let result = runner(cases(120)).run(&strategy, |(edits, l)| {
+        let mut m = base.clone();
+        edits.iter().for_each(|e| apply_graph(&mut m, e));
+        let root = tempfile::tempdir().unwrap();
+        let dir = artifacts_folder_with(root.path(), &m);
+        let req = ntl_patch::artifacts::ArtifactsRequest {
+            dir: dir.clone(),
+            output: None,
+            tokenizer: None,
+            vocab_size: None,
+            ce_node: None,
+            loss: LossOptions {
+                kind: LOSSES[l],
+                weight: 0.3,
+                reweigh: false,
+                squash: None,
+                number_set: ntl_patch::number_table::NumberSet::DigitLevel,
+                combine: Combine::Add,
+                ntil: NtilOptions::default(),
+                float_level: false,
+            },
+        };
+        let result = in_thread(move || ntl_patch::artifacts::run_artifacts(&req).map(|_| ()))?;
+        bump(&executed);
+        let mut left: Vec<String> = std::fs::read_dir(root.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        match result {
+            Ok(()) => prop_assert_eq!(left, vec!["art".to_string(), "art-ntl".to_string()]),
+            Err(e) => {
+                one_line_error(&e)?;
+                prop_assert_eq!(left, vec!["art".to_string()], "{}", e.one_line());
+            }
+        }
+        Ok(())
+    });
+    let _ = std::io::stderr()
+        .lock()
+        .write_all(format!("fuzz artifacts: {} inputs executed\n", executed.get()).as_bytes());
+    result.unwrap();
+}
+
+/// The binary's four commands on a few mutated inputs: exit 0 or 1 with one error line.
+#[test]
+fn every_command_of_the_binary_fails_cleanly() {
+    let fixture = read_model(&model("lm_bvt"));
+    let executed = Cell::new(0usize);
+    let result = runner(cases(12)).run(&prop::collection::vec(graph_edit(), 1..4), |edits| {
+        let mut m = fixture.clone();
+        edits.iter().for_each(|e| apply_graph(&mut m, e));
+        let root = tempfile::tempdir().unwrap();
+        let input = root.path().join("model.onnx");
+        std::fs::write(&input, m.encode_to_vec()).unwrap();
+        let art = artifacts_folder_with(root.path(), &m);
+        let t = tokenizer();
+        let runs: Vec<Vec<&std::ffi::OsStr>> = vec![
+            vec!["inspect".as_ref(), input.as_os_str()],
+            vec![
+                "inspect".as_ref(),
+                input.as_os_str(),
+                "--json".as_ref(),
+                "--target".as_ref(),
+                "cuda".as_ref(),
+            ],
+            vec![
+                "validate".as_ref(),
+                input.as_os_str(),
+                "--tokenizer".as_ref(),
+                t.as_os_str(),
+            ],
+            vec!["artifacts".as_ref(), art.as_os_str()],
+        ];
+        for args in runs {
+            let output = bin().args(&args).timeout(HANG).output().unwrap();
+            bump(&executed);
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            match output.status.code() {
+                Some(0) => {}
+                Some(1) => prop_assert!(
+                    stderr.starts_with("error: ") && stderr.trim_end().lines().count() == 1,
+                    "{:?}: {}",
+                    args,
+                    stderr
+                ),
+                other => {
+                    return Err(TestCaseError::fail(format!(
+                        "{args:?}: exit {other:?}: {stderr}"
+                    )))
+                }
+            }
+        }
+        let left: Vec<String> = std::fs::read_dir(root.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(".ntl-patch-"))
+            .collect();
+        prop_assert!(left.is_empty(), "{:?}", left);
+        Ok(())
+    });
+    let _ = std::io::stderr()
+        .lock()
+        .write_all(format!("fuzz binary, all commands: {} runs\n", executed.get()).as_bytes());
     result.unwrap();
 }

@@ -130,7 +130,7 @@ fn external_model(dir: &Path) -> PathBuf {
 fn external_payloads(path: &Path) -> Vec<(String, PathBuf, Vec<u8>)> {
     let m = read_model(path);
     let g = m.graph.as_ref().unwrap();
-    check_external_data(g, &model_dir(path)).expect("locations stay inside the output folder");
+    check_external_data(&m, &model_dir(path)).expect("locations stay inside the output folder");
     let mut out = Vec::new();
     for t in &g.initializer {
         let get = |k: &str| {
@@ -180,7 +180,7 @@ fn external_data_beside_the_model_is_kept() {
     let m = external_model(dir.path());
     let out = dir.path().join("out.onnx");
     assert_eq!(patch_to(&m, &out, &[])["external_data"], "kept");
-    let locs = external_locations(read_model(&out).graph.as_ref().unwrap());
+    let locs = external_locations(&read_model(&out));
     assert!(
         locs.iter().any(|(_, l)| l == "./b.bin"),
         "locations untouched: {locs:?}"
@@ -194,7 +194,7 @@ fn output_above_the_model_folder_gets_relative_locations() {
     let m = external_model(&dir.path().join("model"));
     let out = dir.path().join("out.onnx");
     assert_eq!(patch_to(&m, &out, &[])["external_data"], "relocated");
-    let mut locs: Vec<String> = external_locations(read_model(&out).graph.as_ref().unwrap())
+    let mut locs: Vec<String> = external_locations(&read_model(&out))
         .into_iter()
         .map(|(_, l)| l)
         .collect();
@@ -226,7 +226,7 @@ fn output_in_another_folder_gets_copies() {
         assert_eq!(patch_to(&m, &out, &[])["external_data"], "copied");
         let o = model_dir(&out);
         assert!(o.join("data/a.bin").is_file() && o.join("b.bin").is_file());
-        let locs = external_locations(read_model(&out).graph.as_ref().unwrap());
+        let locs = external_locations(&read_model(&out));
         assert!(
             locs.iter().all(|(_, l)| l == "data/a.bin" || l == "b.bin"),
             "{locs:?}"
@@ -441,7 +441,7 @@ fn escaping_locations_in_subgraphs_are_refused() {
         g: Some(branch),
         ..Default::default()
     });
-    assert_eq!(external_locations(g).len(), 1);
+    assert_eq!(external_locations(&m).len(), 1);
     let path = dir.path().join("model.onnx");
     std::fs::write(&path, m.encode_to_vec()).unwrap();
     let out = dir.path().join("out.onnx");

@@ -16,6 +16,9 @@ pub struct Builder {
     /// The model's default-domain opset: some ops moved attributes to inputs over time.
     opset: i64,
     taken: BTreeSet<String>,
+    /// Per base name, the suffix to try next (names are only ever added, so the first free
+    /// suffix never goes down): `fresh` stays linear when one hint is used many times.
+    next_suffix: std::collections::HashMap<String, u64>,
     pub nodes: Vec<NodeProto>,
     pub initializers: Vec<TensorProto>,
 }
@@ -27,6 +30,7 @@ impl Builder {
             prefix: prefix.to_string(),
             opset,
             taken,
+            next_suffix: std::collections::HashMap::new(),
             nodes: Vec::new(),
             initializers: Vec::new(),
         }
@@ -36,11 +40,12 @@ impl Builder {
     pub fn fresh(&mut self, hint: &str) -> String {
         let base = format!("{}/{}", self.prefix, hint);
         let mut name = base.clone();
-        let mut k = 2;
+        let mut k = self.next_suffix.get(&base).copied().unwrap_or(2);
         while self.taken.contains(&name) {
             name = format!("{base}_{k}");
             k += 1;
         }
+        self.next_suffix.insert(base, k);
         self.taken.insert(name.clone());
         name
     }

@@ -11,6 +11,7 @@ pub mod runs;
 
 pub use builder::Builder;
 
+use crate::error::Error;
 use crate::number_table::NumberSet;
 
 /// The number losses ntl-patch can splice in.
@@ -102,7 +103,76 @@ pub struct LossOptions {
     pub float_level: bool,
 }
 
+/// A numeric option in `[lo, hi]`, finite, and still within range once converted to the
+/// float32 the graph stores (so `1e39` is refused rather than written as inf).
+fn check_range(flag: &str, value: f64, lo: f64, hi: f64, why: &str) -> Result<(), Error> {
+    let as_f32 = value as f32;
+    let fine = value.is_finite()
+        && as_f32.is_finite()
+        && (lo..=hi).contains(&value)
+        && (lo..=hi).contains(&(as_f32 as f64))
+        && (value == 0.0 || as_f32 != 0.0);
+    if fine {
+        return Ok(());
+    }
+    Err(Error::Usage(format!(
+        "{flag} {value} is out of range: it takes a number from {lo} to {hi} ({why})"
+    )))
+}
+
 impl LossOptions {
+    /// Refuses option values that are not finite, not representable in float32, or outside
+    /// what each loss needs to stay finite (so the patched graph never holds a constant that
+    /// turns the loss into NaN or inf).
+    // `!(s > 1.0)` on purpose: NaN must be refused too.
+    #[allow(clippy::neg_cmp_op_on_partial_ord)]
+    pub fn check(&self) -> Result<(), Error> {
+        check_range("--weight", self.weight, 0.0, 1e6, "λ in CE + λ·L")?;
+        if let Some(s) = self.squash {
+            if self.kind != LossKind::Wasserstein {
+                return Err(Error::Usage(
+                    "--squash takes a factor > 1 and applies to --loss wasserstein only".into(),
+                ));
+            }
+            if !(s > 1.0) {
+                return Err(Error::Usage(format!(
+                    "--squash {s}: it takes a factor > 1 (and applies to --loss wasserstein only)"
+                )));
+            }
+            check_range("--squash", s, 1.0, 1e6, "the largest squashed distance")?;
+        }
+        let n = &self.ntil;
+        check_range(
+            "--digit-exp",
+            n.digit_exp,
+            1e-3,
+            10.0,
+            "place weights digit_exp^r, r up to 30, must stay finite in float32",
+        )?;
+        for (flag, v) in [
+            ("--abs-alpha", n.abs_alpha),
+            ("--mag-alpha", n.mag_alpha),
+            ("--digit-alpha", n.digit_alpha),
+        ] {
+            check_range(flag, v, 0.0, 1e6, "a term weight")?;
+        }
+        check_range(
+            "--gumbel-tau",
+            n.gumbel_tau,
+            1e-4,
+            1e4,
+            "logits are divided by it; smaller values overflow float32 and give NaN",
+        )?;
+        check_range(
+            "--gumbel-noise",
+            n.gumbel_noise,
+            0.0,
+            1e3,
+            "the scale of Gumbel noise added to logits",
+        )?;
+        Ok(())
+    }
+
     /// The options as JSON, recorded in the patched model's metadata.
     pub fn to_json(&self) -> serde_json::Value {
         let mut v = serde_json::json!({

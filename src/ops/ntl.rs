@@ -117,7 +117,14 @@ fn huber(b: &mut Builder, diff: &str) -> String {
 /// ntloss `squash_factor`: non-zero distances map linearly onto [1, s].
 fn squash(b: &mut Builder, dist: &str, values: &[f32], s: f64) -> String {
     let (min_nz, max) = distance_range(values);
-    let scale = (s as f32 - 1.0) / (max - min_nz);
+    // one distinct non-zero distance (or none): every non-zero distance maps to 1, as a
+    // zero-width range would otherwise divide by zero and write inf (0·inf = NaN)
+    let scale = if max > min_nz {
+        (s as f32 - 1.0) / (max - min_nz)
+    } else {
+        0.0
+    };
+    let scale = if scale.is_finite() { scale } else { 0.0 };
     let min_c = b.scalar_f32("squash_min", min_nz);
     let scale_c = b.scalar_f32("squash_scale", scale);
     let one = b.scalar_f32("squash_one", 1.0);

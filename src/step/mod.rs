@@ -149,6 +149,10 @@ pub fn run_step(req: &StepRequest) -> Result<StepSummary, Error> {
         if crate::model_io::same_file(&req.patch.model, out) {
             return Err(Error::OutputIsInput(out.clone()));
         }
+        crate::fsio::check_output_path(out).map_err(|source| Error::Write {
+            path: out.clone(),
+            source,
+        })?;
     }
     let built = build(&mut patched.model, req, &outputs)?;
     let summary = StepSummary {

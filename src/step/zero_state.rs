@@ -85,11 +85,8 @@ impl ZeroState {
             path: path.clone(),
             source,
         };
-        let tmp = tempfile::Builder::new()
-            .prefix(".ntl-patch-")
-            .suffix(".tmp")
-            .tempfile_in(dir)
-            .map_err(err)?;
+        // registered: removed on error and on SIGINT/SIGTERM/SIGHUP (crate::temp)
+        let tmp = crate::temp::TempFile::new_in(dir).map_err(err)?;
         tmp.as_file().set_len(self.len).map_err(err)?;
         tmp.as_file().sync_all().map_err(err)?;
         #[cfg(unix)]
@@ -98,7 +95,7 @@ impl ZeroState {
             let mode = std::fs::Permissions::from_mode(0o644);
             tmp.as_file().set_permissions(mode).map_err(err)?;
         }
-        tmp.persist(&path).map_err(|e| err(e.error))?;
+        tmp.persist(&path).map_err(err)?;
         Ok(Some(path))
     }
 }

@@ -114,7 +114,7 @@ pub fn generate(
             // one ChaCha stream per input: adding an input does not change the others' values
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
             rng.set_stream(k as u64);
-            let dims = concrete_dims(spec, shape);
+            let dims = concrete_dims(spec, shape)?;
             let data = match labels.filter(|l| l.input == spec.name) {
                 Some(plan) => {
                     let n = dims.iter().product();
@@ -138,16 +138,29 @@ pub fn generate(
         .collect()
 }
 
-fn concrete_dims(spec: &InputSpec, shape: &Shape) -> Vec<usize> {
-    spec.dims
+fn concrete_dims(spec: &InputSpec, shape: &Shape) -> Result<Vec<usize>, Error> {
+    let dims: Vec<usize> = spec
+        .dims
         .iter()
         .enumerate()
         .map(|(axis, d)| match d {
-            Some(v) => *v as usize,
-            None if axis == 0 => shape.batch,
-            None => shape.seq,
+            Some(v) if *v >= 0 => *v as usize,
+            Some(_) | None if axis == 0 => shape.batch,
+            Some(_) | None => shape.seq,
         })
-        .collect()
+        .collect();
+    let count = dims
+        .iter()
+        .try_fold(1u64, |n, &d| n.checked_mul(d as u64))
+        .filter(|&n| n <= crate::limits::MAX_GENERATED_ELEMENTS);
+    if count.is_none() {
+        return Err(Error::Usage(format!(
+            "graph input '{}' would get shape {dims:?}, more than the {} values validate generates; lower --batch/--seq or pass --reference DIR",
+            spec.name,
+            crate::limits::MAX_GENERATED_ELEMENTS
+        )));
+    }
+    Ok(dims)
 }
 
 /// Values for an input that is not the labels.

@@ -124,6 +124,7 @@ impl PatchMeta {
         };
         let vocab_width = v["vocab_width"]
             .as_u64()
+            .filter(|&w| (1..=crate::limits::MAX_VOCAB).contains(&w))
             .ok_or_else(|| bad("vocab_width"))? as usize;
         Ok(PatchMeta {
             loss,

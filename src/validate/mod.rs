@@ -78,13 +78,37 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
     if req.batch == 0 || req.seq == 0 {
         return Err(Error::Usage("--batch and --seq must be at least 1".into()));
     }
-    if !(req.rtol >= 0.0 && req.atol >= 0.0) {
+    if !(req.rtol >= 0.0 && req.atol >= 0.0 && req.rtol.is_finite() && req.atol.is_finite()) {
         return Err(Error::Usage(
-            "--rtol and --atol must be non-negative numbers".into(),
+            "--rtol and --atol must be finite non-negative numbers".into(),
         ));
     }
+    let max = crate::limits::MAX_BATCH_OR_SEQ;
+    if req.batch as u64 > max || req.seq as u64 > max {
+        return Err(Error::Usage(format!(
+            "--batch {} / --seq {} is too large (at most {max} each)",
+            req.batch, req.seq
+        )));
+    }
     let model = load_model(&req.model)?;
+    crate::structure::check_model(&model)?;
+    // the runtimes open external data themselves: only files the checks allow
+    crate::model_io::check_external_data(&model, &model_dir(&req.model))?;
     let meta = PatchMeta::from_model(&model)?;
+    if req.reference.is_none() {
+        let logits = (req.batch as u64)
+            .checked_mul(req.seq as u64)
+            .and_then(|n| n.checked_mul(meta.vocab_width as u64));
+        if logits.is_none_or(|n| n > crate::limits::MAX_GENERATED_ELEMENTS) {
+            return Err(Error::Usage(format!(
+                "--batch {} × --seq {} × vocabulary {} logits is more than validate generates ({} values); lower --batch or --seq",
+                req.batch,
+                req.seq,
+                meta.vocab_width,
+                crate::limits::MAX_GENERATED_ELEMENTS
+            )));
+        }
+    }
     let (vocab, table) = number_table(req, &meta)?;
     let loss_name = total_tensor(&model, &meta)?;
     let copy = copy::build(&model, &meta, &loss_name, req.runtime == Runtime::Tract)?;

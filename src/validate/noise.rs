@@ -60,7 +60,9 @@ pub fn remove_patch_noise(graph: &mut GraphProto) -> Result<Removed, Error> {
 
     let mut noise_path = vec![false; graph.node.len()];
     for (i, node) in graph.node.iter_mut().enumerate() {
-        if RANDOM_OPS.contains(&node.op_type()) && tainted.contains(&node.output[0]) {
+        if RANDOM_OPS.contains(&node.op_type())
+            && node.output.first().is_some_and(|o| tainted.contains(o))
+        {
             noise_path[i] = true;
             continue;
         }
@@ -75,7 +77,11 @@ pub fn remove_patch_noise(graph: &mut GraphProto) -> Result<Removed, Error> {
             .filter(|(x, h)| !**h && !x.is_empty())
             .map(|(x, _)| x)
             .collect();
-        if node.op_type() == "Add" && node.input.len() == 2 && clean.len() == 1 {
+        if node.op_type() == "Add"
+            && node.input.len() == 2
+            && clean.len() == 1
+            && node.output.first().is_some_and(|o| !o.is_empty())
+        {
             // noisy = clean + c·g  ->  noisy = clean
             let clean = clean[0].clone();
             removed.noisy_tensors.push(node.output[0].clone());

@@ -118,7 +118,15 @@ pub fn cross_entropy(
         }
         let row = batch.row(i);
         let nll = log_sum_exp(row.iter().copied()) - row[label as usize];
-        let w = class_weights.map_or(1.0, |w| w[label as usize]);
+        let w = match class_weights {
+            None => 1.0,
+            Some(w) => *w.get(label as usize).ok_or_else(|| {
+                format!(
+                    "the class weights have {} entries, label {label} needs more",
+                    w.len()
+                )
+            })?,
+        };
         total += w * nll;
         weight_sum += w;
     }

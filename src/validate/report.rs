@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+use crate::text::escape as esc;
+
 /// What a runtime output was compared against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Against {
@@ -156,9 +158,9 @@ impl Report {
     pub fn to_text(&self) -> String {
         let mut s = format!(
             "validate {} on {}\n  patch: {}\n  inputs: {}; {} positions, {} with number labels, {} ignored\n  tolerance: |a - b| <= {:e} + {:e}*|b|\n\n",
-            self.model.display(),
+            esc(&self.model.display().to_string()),
             self.runtime,
-            self.settings,
+            esc(&self.settings),
             self.inputs,
             self.positions,
             self.number_positions,
@@ -170,14 +172,14 @@ impl Report {
             let notes: Vec<String> = self
                 .notes
                 .iter()
-                .map(|n| format!("  note: {n}\n"))
+                .map(|n| format!("  note: {}\n", esc(n)))
                 .collect();
             s.insert_str(s.len() - 1, &notes.concat());
         }
         let width = self
             .checks
             .iter()
-            .map(|c| c.output.len())
+            .map(|c| esc(&c.output).chars().count())
             .max()
             .unwrap_or(6)
             .max(6);
@@ -188,7 +190,7 @@ impl Report {
         for c in &self.checks {
             s += &format!(
                 "  {:<width$}  {:<11}  {:>20.12e}  {:>20.12e}  {:>9.2e}  {:>9.2e}  {}{}\n",
-                c.output,
+                esc(&c.output),
                 c.against.name(),
                 c.runtime,
                 c.expected,
@@ -197,7 +199,7 @@ impl Report {
                 if c.passed { "ok" } else { "FAIL" },
                 c.note
                     .as_ref()
-                    .map(|n| format!(" ({n})"))
+                    .map(|n| format!(" ({})", esc(n)))
                     .unwrap_or_default(),
             );
         }
@@ -214,7 +216,7 @@ impl Report {
                 "\nFAILED: {} of {} checks differ ({})",
                 failed.len(),
                 self.checks.len(),
-                failed.join(", ")
+                esc(&failed.join(", "))
             )
         };
         s

@@ -100,13 +100,17 @@ impl HostTensor {
             shape,
             data,
         };
-        if tensor.len() != tensor.shape.iter().product::<usize>() {
+        let needed = tensor
+            .shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d));
+        if needed != Some(tensor.len()) {
             return Err(format!(
                 "tensor '{}' holds {} values but its shape {:?} needs {}",
                 tensor.name,
                 tensor.len(),
                 tensor.shape,
-                tensor.shape.iter().product::<usize>()
+                needed.map_or("more than can be addressed".into(), |n| n.to_string())
             ));
         }
         Ok(tensor)

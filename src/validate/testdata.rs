@@ -37,13 +37,15 @@ fn read_series(dir: &Path, kind: &str) -> Result<Vec<HostTensor>, Error> {
     let mut out = Vec::new();
     loop {
         let path = dir.join(format!("{kind}_{}.pb", out.len()));
-        if !path.exists() {
+        if path.symlink_metadata().is_err() {
             return Ok(out);
         }
-        let bytes = std::fs::read(&path).map_err(|source| Error::Read {
-            path: path.clone(),
-            source,
-        })?;
+        let bytes = crate::fsio::read_regular(&path, crate::limits::MAX_REFERENCE_BYTES).map_err(
+            |source| Error::Read {
+                path: path.clone(),
+                source,
+            },
+        )?;
         let bad = |why: String| {
             Error::Validation(format!(
                 "'{}' is not a readable TensorProto ({why})",

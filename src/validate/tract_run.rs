@@ -17,6 +17,16 @@ pub fn run(
     model_dir: &Path,
     inputs: &[HostTensor],
 ) -> Result<Vec<HostTensor>, Error> {
+    // tract may panic on graphs it does not expect: report that as tract failing
+    crate::error::catch_panic(|| run_tract(model, model_dir, inputs))
+        .unwrap_or_else(|why| Err(fail(&format!("tract panicked: {}", one_line(&why)))))
+}
+
+fn run_tract(
+    model: &ModelProto,
+    model_dir: &Path,
+    inputs: &[HostTensor],
+) -> Result<Vec<HostTensor>, Error> {
     // value_info names symbolic dims (B, T) that cannot unify with the concrete input facts
     // set below; tract infers every intermediate shape anyway.
     let onnx = tract_onnx::onnx().with_ignore_value_info(true);

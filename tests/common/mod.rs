@@ -131,3 +131,46 @@ pub fn model_proto(graph: GraphProto, opset: i64) -> ModelProto {
         ..Default::default()
     }
 }
+
+/// The training graph of an artifacts folder made from `lm_flat`: the forward graph plus a
+/// `SoftmaxCrossEntropyLossGrad` (as ORT's generate_artifacts writes it) with `grad_outputs`.
+pub fn training_graph(grad_outputs: &[&str]) -> ModelProto {
+    let mut m = read_model(&model("lm_flat"));
+    let g = m.graph.as_mut().unwrap();
+    let ce = g
+        .node
+        .iter_mut()
+        .find(|n| n.op_type() == "SoftmaxCrossEntropyLoss")
+        .unwrap();
+    ce.output = vec!["loss".into(), "log_prob".into()];
+    let labels = ce.input[1].clone();
+    g.node.push(NodeProto {
+        name: Some("grad".into()),
+        op_type: Some("SoftmaxCrossEntropyLossGrad".into()),
+        domain: Some("com.microsoft".into()),
+        input: vec!["loss_grad".into(), "log_prob".into(), labels],
+        output: grad_outputs.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    });
+    g.input.push(value("loss_grad", DataType::Float, &[]));
+    m
+}
+
+/// `root/art`: an artifacts folder with `training` as its training graph, `lm_flat` as the
+/// eval graph, small stand-ins for the optimizer model and checkpoint, and the tokenizer.
+pub fn artifacts_folder_with(root: &Path, training: &ModelProto) -> PathBuf {
+    let dir = root.join("art");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("training_model.onnx"), training.encode_to_vec()).unwrap();
+    std::fs::copy(model("lm_flat"), dir.join("eval_model.onnx")).unwrap();
+    std::fs::write(dir.join("optimizer_model.onnx"), b"opt").unwrap();
+    std::fs::write(dir.join("checkpoint"), b"ckpt").unwrap();
+    std::fs::copy(tokenizer(), dir.join("tokenizer.json")).unwrap();
+    dir
+}
+
+pub fn artifacts_folder(grad_outputs: &[&str]) -> tempfile::TempDir {
+    let root = tempfile::tempdir().unwrap();
+    artifacts_folder_with(root.path(), &training_graph(grad_outputs));
+    root
+}
