@@ -679,6 +679,8 @@ fn validate_never_panics_on_mutated_patched_graphs() {
             tokenizer: Some(tokenizer()),
             vocab_size: None,
             ce_node: None,
+            add_loss: false,
+            shift: true,
             copy_external_data: false,
             loss: LossOptions {
                 kind: loss,

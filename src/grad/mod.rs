@@ -30,6 +30,18 @@ pub struct Ctx<'a> {
     pub shapes: &'a Shapes,
     pub opset: i64,
     scalars: HashMap<(u32, &'static str), String>,
+    /// Sparse contributions a rule hands back instead of a dense gradient (see `Scatter`).
+    scatters: Vec<(String, Scatter)>,
+}
+
+/// A gradient that is zero except at a few places along one axis: `updates` belong at
+/// `indices` (same shape) of the tensor's gradient. Added into the dense gradient with one
+/// `ScatterElements(reduction="add")` instead of building zeros, scattering and summing —
+/// the number loss reads K of the V logits columns, so its gradient touches `[N, K]` values.
+pub struct Scatter {
+    pub indices: String,
+    pub updates: String,
+    pub axis: i64,
 }
 
 impl<'a> Ctx<'a> {
@@ -40,7 +52,13 @@ impl<'a> Ctx<'a> {
             shapes,
             opset,
             scalars: HashMap::new(),
+            scatters: Vec::new(),
         }
+    }
+
+    /// Records a sparse gradient contribution to `tensor` (a rule then returns None for it).
+    pub fn scatter_into(&mut self, tensor: &str, scatter: Scatter) {
+        self.scatters.push((tensor.to_string(), scatter));
     }
 
     /// A float32 scalar constant, shared by every rule that asks for the same value.
@@ -266,9 +284,9 @@ pub fn differentiate(
 ) -> Result<Vec<String>, Error> {
     let live = live_tensors(nodes, params);
     let needed = needed_tensors(nodes, loss, &live);
-    let mut grads: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut grads: BTreeMap<String, Parts> = BTreeMap::new();
     let seed = ctx.f32(1.0);
-    grads.insert(loss.to_string(), vec![seed]);
+    grads.entry(loss.to_string()).or_default().dense.push(seed);
 
     for node in nodes.iter().rev() {
         if !node.output.iter().any(|o| grads.contains_key(o)) {
@@ -277,7 +295,7 @@ pub fn differentiate(
         let gy: Vec<Option<String>> = node
             .output
             .iter()
-            .map(|o| grads.remove(o).map(|parts| sum(ctx, parts)))
+            .map(|o| grads.remove(o).map(|parts| parts.total(ctx, o)))
             .collect();
         let wants: Vec<bool> = (0..node.input.len())
             .map(|i| needed.contains(node.input[i].as_str()) && !node.input[i].is_empty())
@@ -308,17 +326,57 @@ pub fn differentiate(
         let gx = (rule.vjp)(ctx, node, &gy, &wants)?;
         for (i, g) in gx.into_iter().enumerate() {
             if let (Some(g), true) = (g, wants.get(i).copied().unwrap_or(false)) {
-                grads.entry(node.input[i].clone()).or_default().push(g);
+                grads
+                    .entry(node.input[i].clone())
+                    .or_default()
+                    .dense
+                    .push(g);
             }
+        }
+        for (tensor, scatter) in std::mem::take(&mut ctx.scatters) {
+            grads.entry(tensor).or_default().sparse.push(scatter);
         }
     }
     params
         .iter()
         .map(|p| match grads.remove(p) {
-            Some(parts) => Ok(sum(ctx, parts)),
+            Some(parts) => Ok(parts.total(ctx, p)),
             None => Ok(ctx.zeros_like(p)),
         })
         .collect()
+}
+
+/// The contributions to one tensor's gradient.
+#[derive(Default)]
+struct Parts {
+    dense: Vec<String>,
+    sparse: Vec<Scatter>,
+}
+
+impl Parts {
+    /// The gradient of `tensor`: the dense parts summed, the sparse ones added in place.
+    fn total(self, ctx: &mut Ctx, tensor: &str) -> String {
+        let mut g = if self.dense.is_empty() {
+            ctx.zeros_like(tensor)
+        } else {
+            sum(ctx, self.dense)
+        };
+        for s in self.sparse {
+            g = ctx.b.node(
+                "ScatterElements",
+                &[&g, &s.indices, &s.updates],
+                "grad/scatter_add",
+                vec![
+                    int_attr("axis", s.axis),
+                    crate::onnx::string_attr("reduction", "add"),
+                ],
+            );
+        }
+        if let Some(r) = ctx.ranks.get(tensor) {
+            ctx.ranks.set(&g, r);
+        }
+        g
+    }
 }
 
 fn sum(ctx: &mut Ctx, mut parts: Vec<String>) -> String {

@@ -12,7 +12,8 @@ use crate::error::Error;
 use crate::onnx::NodeProto;
 
 /// `vjp(ctx, node, gy, wants) -> gx`: `gy[k]` is the gradient of output k (None where no
-/// gradient reaches it); `gx[i]` must be Some for every input i with `wants[i]`.
+/// gradient reaches it); `gx[i]` is Some for every input i with `wants[i]`, unless the rule
+/// handed that input's gradient over as a sparse contribution (`Ctx::scatter_into`).
 pub type Vjp = fn(&mut Ctx, &NodeProto, &[Option<String>], &[bool]) -> Result<Grads, Error>;
 pub type Grads = Vec<Option<String>>;
 

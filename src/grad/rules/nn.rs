@@ -172,25 +172,31 @@ pub fn cross_entropy(
         } else {
             coef
         };
-        let shape = ctx.shape(scores);
-        let depth = ctx.b.slice(&shape, 1, 2, 0, "grad/ce_classes");
-        let values = ctx.b.const_f32("grad/onehot_values", &[2], &[0.0, 1.0]);
-        let onehot = ctx.b.node(
-            "OneHot",
-            &[&safe_labels, &depth, &values],
-            "grad/ce_onehot",
-            vec![int_attr("axis", 1)],
-        );
-        let d = if is_sce {
+        // coef·(softmax − onehot): the dense part, then −coef written at each row's label
+        // (one index per row, so a plain ScatterElements; ignored rows have coef 0).
+        let idx = ctx.b.unsqueeze(&safe_labels, &[1], "grad/ce_label_idx");
+        let dense = if is_sce {
             let p = match node.output.get(1).filter(|o| !o.is_empty()) {
                 Some(lp) => ctx.op("Exp", &[lp], "grad/ce_p"),
                 None => ctx.b.softmax(scores, 1, "grad/ce_p"),
             };
-            ctx.op("Sub", &[&p, &onehot], "grad/ce_p_minus_y")
+            ctx.op("Mul", &[&p, &coef], "grad/ce_p_coef")
         } else {
-            ctx.op("Neg", &[&onehot], "grad/nll_minus_y")
+            ctx.zeros_like(scores)
         };
-        result = Some(ctx.op("Mul", &[&d, &coef], "grad/ce_scores"));
+        let at_label = ctx.b.node(
+            "GatherElements",
+            &[&dense, &idx],
+            "grad/ce_at_label",
+            vec![int_attr("axis", 1)],
+        );
+        let minus = ctx.op("Sub", &[&at_label, &coef], "grad/ce_at_label_minus_y");
+        result = Some(ctx.b.node(
+            "ScatterElements",
+            &[&dense, &idx, &minus],
+            "grad/ce_scores",
+            vec![int_attr("axis", 1)],
+        ));
     }
     if let Some(glp) = gy.get(1).and_then(|g| g.as_deref()) {
         if !is_sce {

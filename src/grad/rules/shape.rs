@@ -180,6 +180,25 @@ pub fn gather(
     let r = ctx.rank(data, node)?;
     let ri = ctx.rank(idx, node)?;
     let a = if axis < 0 { axis + r as i64 } else { axis } as usize;
+    if ri == 1 && a > 0 && a < r && ctx.opset >= 16 {
+        // Columns of a wider tensor (the number loss reading K of V logits): the gradient is
+        // added into the tensor's other gradient where the columns are, never built dense.
+        let mut shape = vec![1i64; r];
+        shape[a] = -1;
+        let shape = ctx.i64s(&shape);
+        let idx_b = ctx.op("Reshape", &[idx, &shape], "grad/gather_cols");
+        let gs = ctx.shape(&g);
+        let indices = ctx.op("Expand", &[&idx_b, &gs], "grad/gather_cols_idx");
+        ctx.scatter_into(
+            data,
+            crate::grad::Scatter {
+                indices,
+                updates: g,
+                axis: a as i64,
+            },
+        );
+        return Ok(vec![None]);
+    }
     if a >= r {
         return Err(Error::MalformedGraph(format!(
             "Gather node '{}' has axis {axis} for rank {r}",
