@@ -68,6 +68,7 @@ def make_step(work: Path, threads: int):
     so.log_severity_level = 3
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
+    so.enable_mem_pattern = False  # StepRunner's default
     runner = StepRunner(work / "model.step.onnx", providers=["CPUExecutionProvider"], session_options=so)
     ids, labels = load_batch(work)
     batch = {"input_ids": ids, "labels": labels}
