@@ -356,7 +356,7 @@ fn validate_caps_batch_and_sequence() {
 
 #[test]
 fn validate_a_symbolic_vocabulary_patched_with_vocab_size() {
-    // the logits width only from --vocab-size: no declared shapes, no constant reshape target
+    // no declared shapes, no constant reshape target: the width comes from a shape vector
     let mut m = read_model(&model("lm_flat"));
     let g = m.graph.as_mut().unwrap();
     g.value_info.clear();
@@ -400,7 +400,15 @@ fn validate_a_symbolic_vocabulary_patched_with_vocab_size() {
     );
     let (dir, path) = folder(&m);
     let out_path = dir.path().join("out.onnx");
-    let out = run(&[os(&path), os("-o"), os(&out_path)]);
+    // the width is proven through the shape vector (Shape → Slice → Concat, crate::shapes):
+    // a wrong --vocab-size is refused, the right one agrees
+    let out = run(&[
+        os(&path),
+        os("--vocab-size"),
+        os("47"),
+        os("-o"),
+        os(&out_path),
+    ]);
     refused(&out, "--vocab-size");
     let out = run(&[
         os(&path),
