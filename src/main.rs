@@ -424,7 +424,7 @@ fn run_patch_cli(args: PatchArgs) -> Result<String, ntl_patch::Error> {
     };
     let s = run_patch(&req)?;
     for n in &s.notices {
-        eprintln!("note: {n}");
+        eprintln!("note: {}", escape(n));
     }
     Ok(if args.json {
         serde_json::json!({
@@ -496,10 +496,10 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
     };
     let s = run_step(&req)?;
     for n in &s.patch.notices {
-        eprintln!("note: {n}");
+        eprintln!("note: {}", escape(n));
     }
     for w in &s.warnings {
-        eprintln!("warning: {w}");
+        eprintln!("warning: {}", escape(w));
     }
     let outputs: Vec<String> = s.outputs.iter().map(|o| o.display().to_string()).collect();
     Ok(if args.json {

@@ -782,7 +782,7 @@ fn artifacts_never_panics_and_leaves_nothing_on_error() {
     result.unwrap();
 }
 
-/// The binary's four commands on a few mutated inputs: exit 0 or 1 with one error line.
+/// The binary's commands on a few mutated inputs: exit 0 or 1 with one error line.
 #[test]
 fn every_command_of_the_binary_fails_cleanly() {
     let fixture = read_model(&model("lm_bvt"));
@@ -795,6 +795,7 @@ fn every_command_of_the_binary_fails_cleanly() {
         std::fs::write(&input, m.encode_to_vec()).unwrap();
         let art = artifacts_folder_with(root.path(), &m);
         let t = tokenizer();
+        let step_out = root.path().join("model.step.onnx");
         let runs: Vec<Vec<&std::ffi::OsStr>> = vec![
             vec!["inspect".as_ref(), input.as_os_str()],
             vec![
@@ -811,6 +812,14 @@ fn every_command_of_the_binary_fails_cleanly() {
                 t.as_os_str(),
             ],
             vec!["artifacts".as_ref(), art.as_os_str()],
+            vec![
+                "step".as_ref(),
+                input.as_os_str(),
+                "--tokenizer".as_ref(),
+                t.as_os_str(),
+                "-o".as_ref(),
+                step_out.as_os_str(),
+            ],
         ];
         for args in runs {
             let output = bin().args(&args).timeout(HANG).output().unwrap();
