@@ -264,15 +264,17 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
             generated[0]
         ));
     }
-    let dims_of = |name: &str| -> Vec<i64> {
-        graph
-            .initializer
-            .iter()
-            .find(|t| t.name() == name)
-            .map(|t| t.dims.clone())
-            .unwrap_or_default()
-    };
-    let param_dims: Vec<Vec<i64>> = params.iter().map(|p| dims_of(p)).collect();
+    let by_name: std::collections::HashMap<&str, &TensorProto> =
+        graph.initializer.iter().map(|t| (t.name(), t)).collect();
+    let param_dims: Vec<Vec<i64>> = params
+        .iter()
+        .map(|p| {
+            by_name
+                .get(p.as_str())
+                .map(|t| t.dims.clone())
+                .unwrap_or_default()
+        })
+        .collect();
     if let Some((p, _)) = params
         .iter()
         .zip(&param_dims)
@@ -284,11 +286,13 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
     }
     // Weights in external data: the zero state goes to a sparse file beside the graph that
     // holds the optimizer state (the update graph with --split).
-    let external = graph.initializer.iter().any(|t| {
-        params.iter().any(|p| p == t.name())
-            && t.data_location() as i32
+    let external = params
+        .iter()
+        .filter_map(|p| by_name.get(p.as_str()))
+        .any(|t| {
+            t.data_location() as i32
                 == crate::onnx::proto::tensor_proto::DataLocation::External as i32
-    });
+        });
     let mut zeros = if external {
         ZeroState::beside(outputs.last().expect("one output at least"))
     } else {
