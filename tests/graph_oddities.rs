@@ -207,3 +207,24 @@ fn reduction_none_is_refused() {
     );
     assert!(!dir.path().join("out.onnx").exists());
 }
+
+#[test]
+fn logits_width_is_read_through_a_reshape_target_behind_identity() {
+    // Paddle writes Reshape(logits, Identity(Constant([-1, V]))): the width is still the graph's
+    let mut m = read_model(&model("lm_flat"));
+    let g = m.graph.as_mut().unwrap();
+    let at = g.node.iter().position(|n| n.name() == "/Reshape").unwrap();
+    let target = g.node[at].input[1].clone();
+    g.node[at].input[1] = "shape_via_identity".into();
+    g.node.insert(
+        at,
+        node("Identity", &[&target], &["shape_via_identity"], vec![]),
+    );
+    let (out, _dir) = run(&m, &[]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("of 48 logits"));
+}
