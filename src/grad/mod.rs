@@ -16,7 +16,7 @@ pub mod rules;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::error::Error;
-use crate::onnx::{int_attr, NodeProto, FLOAT};
+use crate::onnx::{int_attr, NodeProto};
 use crate::ops::Builder;
 use crate::ranks::Ranks;
 use crate::shapes::Shapes;
@@ -390,6 +390,3 @@ fn sum(ctx: &mut Ctx, mut parts: Vec<String>) -> String {
     }
     out
 }
-
-/// Float32 element type for constants the rules emit (the step graph trains float32 models).
-pub const GRAD_TYPE: i32 = FLOAT;
