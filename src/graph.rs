@@ -9,6 +9,8 @@ pub struct GraphIndex<'g> {
     pub graph: &'g GraphProto,
     producer: HashMap<&'g str, usize>,
     consumers: HashMap<&'g str, Vec<usize>>,
+    /// Ranks inferred through the whole graph, computed on first use.
+    ranks: std::cell::OnceCell<crate::ranks::Ranks>,
 }
 
 impl<'g> GraphIndex<'g> {
@@ -27,7 +29,13 @@ impl<'g> GraphIndex<'g> {
             graph,
             producer,
             consumers,
+            ranks: std::cell::OnceCell::new(),
         }
+    }
+
+    /// Ranks inferred forward through the graph (`crate::ranks`), once per index.
+    pub fn inferred_ranks(&self) -> &crate::ranks::Ranks {
+        self.ranks.get_or_init(|| crate::ranks::Ranks::infer(self))
     }
 
     pub fn producer(&self, tensor: &str) -> Option<(usize, &'g NodeProto)> {
@@ -231,7 +239,7 @@ pub fn normalize_axis(axis: i64, rank: usize) -> Option<usize> {
 /// The rank of a tensor where the graph fixes it: declared, or inferred through the graph
 /// (`crate::ranks`, which follows reshapes to run-time shapes).
 pub fn static_rank(index: &GraphIndex, tensor: &str) -> Option<usize> {
-    static_rank_at(index, tensor, 0).or_else(|| crate::ranks::Ranks::infer(index).get(tensor))
+    static_rank_at(index, tensor, 0).or_else(|| index.inferred_ranks().get(tensor))
 }
 
 fn static_rank_at(index: &GraphIndex, tensor: &str, depth: usize) -> Option<usize> {

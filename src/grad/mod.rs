@@ -109,18 +109,8 @@ impl<'a> Ctx<'a> {
         if let Some(axes) = self.shapes.broadcast_axes(x, y) {
             // The reduced axes are known: one ReduceSum with constant axes, no run-time search.
             let axes = self.i64s(&axes);
-            let summed = self.b.node(
-                "ReduceSum",
-                &[g, &axes],
-                "grad/unbroadcast_sum",
-                vec![int_attr("keepdims", 1), int_attr("noop_with_empty_axes", 1)],
-            );
             let xs = self.shape(x);
-            let out = self.op("Reshape", &[&summed, &xs], "grad/unbroadcast");
-            if let Some(r) = self.ranks.get(x) {
-                self.ranks.set(&out, r);
-            }
-            return out;
+            return self.sum_to(g, &axes, x, &xs);
         }
         let rank = self.ranks.get(y);
         self.unbroadcast(g, x, rank)
@@ -171,14 +161,19 @@ impl<'a> Ctx<'a> {
         let axes = self.op("NonZero", &[&reduce], "grad/axes_2d");
         let flat = self.i64s(&[-1]);
         let axes = self.op("Reshape", &[&axes, &flat], "grad/axes");
+        self.sum_to(g, &axes, x, &xs)
+    }
+
+    /// `g` summed over `axes` (none: unchanged) and reshaped to `x`'s shape `xs`.
+    fn sum_to(&mut self, g: &str, axes: &str, x: &str, xs: &str) -> String {
         let summed = self.b.node(
             "ReduceSum",
-            &[g, &axes],
+            &[g, axes],
             "grad/unbroadcast_sum",
             vec![int_attr("keepdims", 1), int_attr("noop_with_empty_axes", 1)],
         );
-        let out = self.op("Reshape", &[&summed, &xs], "grad/unbroadcast");
-        if let Some(r) = xr {
+        let out = self.op("Reshape", &[&summed, xs], "grad/unbroadcast");
+        if let Some(r) = self.ranks.get(x) {
             self.ranks.set(&out, r);
         }
         out
