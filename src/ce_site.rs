@@ -16,6 +16,8 @@ pub enum CePattern {
     SoftmaxCrossEntropy,
     /// `NegativeLogLikelihoodLoss` on `LogSoftmax` output (dynamo `log_softmax` + `nll_loss`).
     LogSoftmaxNll,
+    /// A form spelled out of primitive ops, rewritten by `ce_forms` (one of `ce_forms::FORMS`).
+    Rewritten(&'static str),
 }
 
 impl CePattern {
@@ -23,6 +25,7 @@ impl CePattern {
         match self {
             CePattern::SoftmaxCrossEntropy => "SoftmaxCrossEntropyLoss",
             CePattern::LogSoftmaxNll => "LogSoftmax + NegativeLogLikelihoodLoss",
+            CePattern::Rewritten(form) => form,
         }
     }
 }
@@ -49,6 +52,9 @@ pub struct CeSite {
     pub loss_output: String,
     /// The second output (`log_prob`) when the node declares one.
     pub log_prob_output: Option<String>,
+    /// For reduction `none`: the scalar the graph reduces the per-position loss to, and the
+    /// masks on the way (None when no scalar graph output depends on it).
+    pub reported: Option<crate::ce_reported::Reported>,
 }
 
 /// All cross-entropy nodes of the main graph, in node order (malformed ones, without
@@ -61,7 +67,9 @@ pub fn find_ce_sites(index: &GraphIndex) -> Vec<CeSite> {
         .enumerate()
         .filter_map(|(i, node)| match (node.domain(), node.op_type()) {
             ("" | "ai.onnx", "SoftmaxCrossEntropyLoss") => {
-                site(index, i, node, CePattern::SoftmaxCrossEntropy)
+                let pattern = crate::ce_forms::form_of(node)
+                    .map_or(CePattern::SoftmaxCrossEntropy, CePattern::Rewritten);
+                site(index, i, node, pattern)
             }
             ("" | "ai.onnx", "NegativeLogLikelihoodLoss")
                 if feeds_from_log_softmax(index, node) =>
@@ -150,6 +158,10 @@ fn site(index: &GraphIndex, i: usize, node: &NodeProto, pattern: CePattern) -> O
     let labels = node.input.get(1).filter(|s| !s.is_empty())?.clone();
     let loss_output = node.output.first().filter(|s| !s.is_empty())?.clone();
     let (logits, logits_class_last) = class_last_source(index, &scores);
+    let reduction = attr_s(node, "reduction").unwrap_or_else(|| "mean".into());
+    let reported = (reduction == "none")
+        .then(|| crate::ce_reported::reported_loss(index, &loss_output))
+        .flatten();
     Some(CeSite {
         pattern,
         node_index: i,
@@ -160,9 +172,10 @@ fn site(index: &GraphIndex, i: usize, node: &NodeProto, pattern: CePattern) -> O
         labels,
         weights: node.input.get(2).filter(|w| !w.is_empty()).cloned(),
         ignore_index: attr_i(node, "ignore_index"),
-        reduction: attr_s(node, "reduction").unwrap_or_else(|| "mean".into()),
+        reduction,
         loss_output,
         log_prob_output: node.output.get(1).filter(|o| !o.is_empty()).cloned(),
+        reported,
     })
 }
 

@@ -27,7 +27,7 @@ pub enum Error {
     OpsetTooOld { found: i64, min: i64 },
     #[error("the model imports no default-domain opset; re-export it with a standard ONNX opset")]
     NoOpset,
-    #[error("the cross-entropy uses reduction '{0}'; ntl-patch adds a scalar loss and supports 'mean' and 'sum': export the loss with reduction='mean'")]
+    #[error("the cross-entropy uses reduction '{0}' and no scalar graph output is computed from it; ntl-patch adds the number loss to the scalar loss the graph reports: reduce the loss in the graph (mean or sum) before exporting")]
     UnsupportedReduction(String),
     #[error("cannot tell the rank of the scores tensor '{tensor}' from the graph; export with static rank (e.g. keep shape information) or flatten the logits to [N, V] before the loss")]
     UnknownRank { tensor: String },

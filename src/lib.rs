@@ -4,6 +4,8 @@
 pub mod add_loss;
 pub mod artifacts;
 pub mod autodiff;
+pub mod ce_forms;
+pub mod ce_reported;
 pub mod ce_site;
 pub mod error;
 pub mod fsio;

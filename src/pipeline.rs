@@ -100,10 +100,12 @@ pub fn patch_model(req: &PatchRequest, output: &Path) -> Result<Patched, Error> 
     check_opset(&model)?;
     crate::patch::check_consistency(&model).map_err(Error::MalformedGraph)?;
     crate::structure::check_model(&model)?;
-    let graph = model.graph.as_ref().expect("checked on load");
     check_external_data(&model, &model_dir(&req.model))?;
     let external = plan_external_data(&model, &req.model, output, req.copy_external_data)?;
 
+    // hand-written and other exporters' cross-entropies become SoftmaxCrossEntropyLoss first
+    crate::ce_forms::rewrite(&mut model)?;
+    let graph = model.graph.as_ref().expect("checked on load");
     let mut notices = Vec::new();
     if req.add_loss && !find_ce_sites(&GraphIndex::new(graph)).is_empty() {
         return Err(Error::Usage(

@@ -28,20 +28,48 @@ pub fn build_patch(
 ) -> Result<Patch, Error> {
     let mut b = Builder::new(PREFIX, opset, index.taken_names());
 
-    let chain = reported_chain(index, site);
-    let forward = build_forward(&mut b, index, site, tokens, opts, true, !chain.is_empty())?;
-    let mut replacements = vec![(site.node_index, forward.nodes)];
+    // The node that writes the loss the graph reports, when that is not the CE's own output:
+    // the end of a rescaling chain (HF Trainer's `Div(num_items_in_batch)`), or the scalar a
+    // per-position (`reduction='none'`) loss is reduced to.
+    let (reported_by, rescaled_by): (Option<usize>, Vec<String>) = if site.reduction == "none" {
+        let reported = site
+            .reported
+            .as_ref()
+            .ok_or_else(|| Error::UnsupportedReduction(site.reduction.clone()))?;
+        (Some(reported.producer), reported.path.clone())
+    } else {
+        let chain = reported_chain(index, site);
+        let ops = chain
+            .iter()
+            .map(|&i| index.graph.node[i].op_type().to_string())
+            .collect();
+        (chain.last().copied(), ops)
+    };
+    let mut forward =
+        build_forward(&mut b, index, site, tokens, opts, true, reported_by.is_some())?;
+    // With a reported loss further on, the number loss goes there too: it may read masks the
+    // graph computes after the cross-entropy.
+    let number_nodes = match reported_by {
+        Some(_) => forward.nodes.split_off(1),
+        None => Vec::new(),
+    };
+    let mut replacements = vec![(site.node_index, std::mem::take(&mut forward.nodes))];
     let mut reported = site.loss_output.clone();
-    if let Some(&last) = chain.last() {
-        // The loss the graph reports is a rescaling of the cross-entropy (HF Trainer's
-        // `Div(num_items_in_batch)`): that value becomes `ce_loss`, and the number loss is added
-        // after it, so `loss = reported + λ·number_loss` whatever the scaling.
+    if let Some(last) = reported_by {
+        // That value becomes `ce_loss`, and the number loss is added after it, so
+        // `loss = reported + λ·number_loss` whatever the reduction and scaling.
         let mut node = index.graph.node[last].clone();
-        reported = node.output[0].clone();
-        node.output[0] = CE_OUTPUT.to_string();
+        let k = node
+            .output
+            .iter()
+            .position(|o| site.reported.as_ref().is_none_or(|r| *o == r.output))
+            .unwrap_or(0);
+        reported = node.output[k].clone();
+        node.output[k] = CE_OUTPUT.to_string();
         let loss_type = index.elem_type(&reported).unwrap_or(forward.loss_type);
         combine(&mut b, opts, loss_type, &reported);
         let mut nodes = vec![node];
+        nodes.extend(number_nodes);
         nodes.append(&mut b.nodes);
         replacements.push((last, nodes));
     }
@@ -49,17 +77,13 @@ pub fn build_patch(
         let node = ce::cross_entropy_node(&mut b, other, &other.loss_output);
         replacements.push((other.node_index, vec![node]));
     }
-    let chain_ops: Vec<&str> = chain
-        .iter()
-        .map(|&i| index.graph.node[i].op_type())
-        .collect();
     Ok(Patch {
         replacements,
         initializers: b.initializers,
         outputs: added_outputs(forward.loss_type),
         metadata: vec![(
             METADATA_KEY.into(),
-            metadata(site, &forward.flat, tokens, opts, &reported, &chain_ops),
+            metadata(site, &forward.flat, &forward.number_labels, tokens, opts, &reported, &rescaled_by),
         )],
     })
 }
@@ -99,6 +123,9 @@ pub struct Forward {
     /// Nodes that replace the loss node, in order (the CE node first).
     pub nodes: Vec<crate::onnx::NodeProto>,
     pub flat: FlatInputs,
+    /// The labels the number loss reads: `flat.labels` with the positions the graph's masks
+    /// drop set to -100 (the same tensor where nothing is masked).
+    pub number_labels: String,
     /// Element type of the cross-entropy (the logits' type).
     pub loss_type: i32,
 }
@@ -115,7 +142,8 @@ pub fn build_forward(
     peel: bool,
     combine_later: bool,
 ) -> Result<Forward, Error> {
-    if !matches!(site.reduction.as_str(), "mean" | "sum") {
+    let per_position = site.reduction == "none" && site.reported.is_some();
+    if !matches!(site.reduction.as_str(), "mean" | "sum") && !per_position {
         return Err(Error::UnsupportedReduction(site.reduction.clone()));
     }
     for name in [CE_OUTPUT, NUMBER_OUTPUT] {
@@ -132,16 +160,21 @@ pub fn build_forward(
     };
     let ce_node = ce::cross_entropy_node(b, site, ce_out);
     let flat = ce::flatten_inputs(b, index, site, tokens.table.width(), peel)?;
+    let masks = site.reported.as_ref().map_or(&[][..], |r| r.masks.as_slice());
+    let number_flat = FlatInputs {
+        labels: ce::masked_labels(b, &flat.labels, masks),
+        ..flat.clone()
+    };
     let number = match opts.kind {
         LossKind::Wasserstein | LossKind::Mse | LossKind::L1 | LossKind::Huber => {
-            ntl::build(b, &flat, &tokens.table, opts)
+            ntl::build(b, &number_flat, &tokens.table, opts)
         }
         LossKind::Ntil | LossKind::Emd => {
-            let seq = ce::sequence_inputs(b, index, site, &flat)?;
+            let seq = ce::sequence_inputs(b, index, site, &number_flat)?;
             ntil::build(b, &seq, tokens, opts)
         }
         LossKind::NumberLevel => {
-            let seq = ce::sequence_inputs(b, index, site, &flat)?;
+            let seq = ce::sequence_inputs(b, index, site, &number_flat)?;
             number_level::build(b, &seq, tokens, opts)
         }
     };
@@ -154,6 +187,7 @@ pub fn build_forward(
     nodes.append(&mut b.nodes);
     Ok(Forward {
         nodes,
+        number_labels: number_flat.labels,
         flat,
         loss_type,
     })
@@ -215,10 +249,11 @@ fn combine(b: &mut Builder, opts: &LossOptions, loss_type: i32, total: &str) {
 pub fn metadata(
     site: &CeSite,
     flat: &FlatInputs,
+    number_labels: &str,
     tokens: &NumberTokens,
     opts: &LossOptions,
     loss_output: &str,
-    rescaled_by: &[&str],
+    rescaled_by: &[String],
 ) -> String {
     let mut v = opts.to_json();
     let extra = serde_json::json!({
@@ -229,6 +264,7 @@ pub fn metadata(
         "ignore_index": site.ignore_index,
         "flat_logits": flat.logits,
         "flat_labels": flat.labels,
+        "number_labels": number_labels,
         "vocab_width": tokens.table.width(),
         "loss_output": loss_output,
         "rescaled_by": rescaled_by,

@@ -1,10 +1,11 @@
 //! The cross-entropy half of a patch: a `SoftmaxCrossEntropyLoss` that ORT Training can
 //! differentiate, and the `[M, V]` / `[M]` views of its logits and labels the number loss reads.
 
+use crate::ce_reported::{Keep, PositionMask};
 use crate::ce_site::CeSite;
 use crate::error::Error;
 use crate::graph::GraphIndex;
-use crate::onnx::{int_attr, string_attr, NodeProto, FLOAT, INT64};
+use crate::onnx::{int_attr, string_attr, NodeProto, BOOL, FLOAT, INT64};
 use crate::ops::{Builder, FlatInputs, SeqInputs};
 
 /// The replacement loss node: `SoftmaxCrossEntropyLoss(scores, labels[, weights])` with the
@@ -88,6 +89,42 @@ pub fn flatten_inputs(
         labels,
         ignore_index: site.ignore_index,
     })
+}
+
+/// The flat labels with every position a mask drops set to -100 (no number token), for the
+/// number loss: it skips what the cross-entropy skips. `labels` itself where nothing is masked.
+pub fn masked_labels(b: &mut Builder, labels: &str, masks: &[PositionMask]) -> String {
+    let mut kept: Option<String> = None;
+    for m in masks {
+        let keep = match m.keep {
+            Keep::NonZero => {
+                let w = b.cast(&m.tensor, FLOAT, "mask_f32");
+                let zero = b.scalar_f32("mask_zero", 0.0);
+                let dropped = b.binary("Equal", &w, &zero, "mask_dropped");
+                b.unary("Not", &dropped, "mask_kept")
+            }
+            Keep::True => b.cast(&m.tensor, BOOL, "mask_kept"),
+            Keep::False => {
+                let c = b.cast(&m.tensor, BOOL, "mask_dropped");
+                b.unary("Not", &c, "mask_kept")
+            }
+        };
+        // the mask broadcasts to the per-position loss it multiplies; flattened like the labels
+        let shape = b.node("Shape", &[&m.applied_to], "mask_shape", vec![]);
+        let full = b.node("Expand", &[&keep, &shape], "mask_full", vec![]);
+        let flat = b.reshape(&full, &[-1], "mask_flat");
+        kept = Some(match kept {
+            Some(k) => b.binary("And", &k, &flat, "mask_all"),
+            None => flat,
+        });
+    }
+    match kept {
+        Some(k) => {
+            let ignore = b.const_i64("masked_label", &[], &[-100]);
+            b.where_(&k, labels, &ignore, "number_labels")
+        }
+        None => labels.to_string(),
+    }
 }
 
 /// Regroups the flat inputs by sequence for the per-sequence losses: finds the labels tensor

@@ -204,6 +204,7 @@ impl LossOptions {
 }
 
 /// The tensors a number loss reads: logits flattened to `[M, V]` float32 and labels `[M]` int64.
+#[derive(Debug, Clone)]
 pub struct FlatInputs {
     pub logits: String,
     pub labels: String,

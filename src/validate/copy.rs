@@ -25,6 +25,8 @@ pub struct ValidationCopy {
     /// class weights.
     pub flat_logits: String,
     pub flat_labels: String,
+    /// Output name of the number loss's labels where they differ from `flat_labels`.
+    pub number_labels: Option<String>,
     pub total: String,
     pub class_weights: Option<String>,
     /// The tensor the CE node reads its labels from (to find the labels graph input).
@@ -74,7 +76,10 @@ pub fn build(
     let (ce_index, ce_node) = find_ce_node(model, meta)?;
     let graph = model.graph.as_ref().expect("checked on load");
     let index = GraphIndex::new(graph);
-    for t in [&meta.flat_logits, &meta.flat_labels] {
+    for t in [&meta.flat_logits, &meta.flat_labels]
+        .into_iter()
+        .chain(meta.number_labels.as_ref())
+    {
         if index.producer(t).is_none() && !index.is_graph_input(t) {
             return Err(Error::Validation(format!(
                 "the metadata names tensor '{t}', which the graph does not compute; re-patch the original model"
@@ -90,6 +95,10 @@ pub fn build(
     };
     let flat_logits = export(&mut e, &meta.flat_logits, "flat_logits");
     let flat_labels = export(&mut e, &meta.flat_labels, "flat_labels");
+    let number_labels = meta
+        .number_labels
+        .as_ref()
+        .map(|n| export(&mut e, n, "number_labels"));
     let total_out = export(&mut e, total, "total_loss");
     let class_weights = ce_node
         .input
@@ -155,7 +164,11 @@ pub fn build(
     // NTIL with --gumbel-noise > 0: validate the deterministic forward (noise scale 0)
     let noise_removed = noise::remove_patch_noise(graph)?;
     let outputs = [&flat_logits, &flat_labels, &total_out];
-    for name in outputs.into_iter().chain(class_weights.as_ref()) {
+    for name in outputs
+        .into_iter()
+        .chain(class_weights.as_ref())
+        .chain(number_labels.as_ref())
+    {
         graph.output.push(ValueInfoProto {
             name: Some(name.clone()),
             ..Default::default()
@@ -168,6 +181,7 @@ pub fn build(
         model,
         flat_logits,
         flat_labels,
+        number_labels,
         total: total_out,
         class_weights,
         ce_labels,

@@ -35,6 +35,9 @@ pub struct PatchMeta {
     pub flat_logits: String,
     /// int64 labels `[M]`.
     pub flat_labels: String,
+    /// The labels the number loss reads where the graph's masks drop positions (`flat_labels`
+    /// with those positions set to -100); None where it reads `flat_labels`.
+    pub number_labels: Option<String>,
     pub vocab_width: usize,
     pub ce_node: String,
     /// The tensor holding the total (the original loss output's name); older patches did not
@@ -136,6 +139,10 @@ impl PatchMeta {
             reduction: s("reduction")?,
             flat_logits: s("flat_logits")?,
             flat_labels: s("flat_labels")?,
+            number_labels: v["number_labels"]
+                .as_str()
+                .filter(|n| Some(*n) != v["flat_labels"].as_str())
+                .map(str::to_string),
             vocab_width,
             ce_node: v["ce_node"].as_str().unwrap_or_default().to_string(),
             loss_output: v["loss_output"].as_str().map(str::to_string),

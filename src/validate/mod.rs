@@ -331,6 +331,16 @@ fn independent(
         .to_i64()
         .ok_or_else(|| Error::Validation("the flat labels are not integers".into()))?;
     let batch = Batch::new(&logits, &labels, meta.vocab_width).map_err(flat_mismatch)?;
+    // the number loss skips what the graph's masks drop (reported-loss forms)
+    let number_labels = match &copy.number_labels {
+        Some(n) => outputs
+            .get(n)?
+            .to_i64()
+            .ok_or_else(|| Error::Validation("the number-loss labels are not integers".into()))?,
+        None => labels.clone(),
+    };
+    let number_batch =
+        Batch::new(&logits, &number_labels, meta.vocab_width).map_err(flat_mismatch)?;
     let weights = match &copy.class_weights {
         Some(w) => Some(outputs.get(w)?.to_f64()),
         None => None,
@@ -353,12 +363,12 @@ fn independent(
     }
     let (number_loss, number_positions, numbers) = match (&meta.loss, sequences) {
         (LossSpec::Ntl(settings), _) => {
-            let ntl = reference::number_token_loss(&batch, table, settings, meta.ignore_index)
+            let ntl = reference::number_token_loss(&number_batch, table, settings, meta.ignore_index)
                 .map_err(flat_mismatch)?;
             (ntl.value, ntl.positions, None)
         }
         (LossSpec::Sequence(loss), Some(setup)) => {
-            let seqs = Sequences::new(&logits, &labels, setup.batch, meta.vocab_width)
+            let seqs = Sequences::new(&logits, &number_labels, setup.batch, meta.vocab_width)
                 .map_err(flat_mismatch)?;
             let v =
                 reference_ntil::sequence_loss(&seqs, &setup.tokens, loss).map_err(flat_mismatch)?;

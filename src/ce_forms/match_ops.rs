@@ -1,0 +1,500 @@
+//! Recognising the pieces a cross-entropy is written from, by what they compute: the
+//! log-softmax and log-sum-exp of a tensor over its last axis, and "the entry of the label's
+//! class" of a tensor (gather, one-hot product).
+
+use crate::graph::{static_rank, GraphIndex};
+use crate::onnx::{attr, attr_i, attr_ints, NodeProto};
+
+/// `t = x[..., labels]` along x's last axis.
+#[derive(Debug, Clone)]
+pub struct Pick {
+    pub source: String,
+    /// Integer class ids, one per position (possibly with a trailing axis of 1).
+    pub labels: String,
+    /// The picked value's shape.
+    pub shape: ValueShape,
+    /// Negative labels count from the end (ONNX Gather*/OneHot); else they pick nothing.
+    pub wraps: bool,
+    /// Which spelling: 0 GatherElements, 1 GatherND, 2 × OneHot + ReduceSum,
+    /// 3 × Equal(labels, Range) + ReduceSum.
+    pub kind: usize,
+    pub nodes: Vec<usize>,
+}
+
+/// The shape of a picked value, in terms the rewrite can compute at run time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ValueShape {
+    /// The logits' shape without the class axis.
+    Positions,
+    /// ... with a class axis of size 1 kept.
+    PositionsAndOne,
+    /// The gather index's shape (`GatherElements`).
+    Index,
+    /// The gather index's shape without its last axis (`GatherND`).
+    IndexButLast,
+}
+
+impl ValueShape {
+    pub fn keeps_last(self) -> bool {
+        matches!(self, ValueShape::PositionsAndOne | ValueShape::Index)
+    }
+}
+
+/// Looks through ops that pass a value on unchanged.
+pub fn through_identity<'a>(index: &GraphIndex<'a>, mut t: &'a str) -> &'a str {
+    for _ in 0..8 {
+        match index.producer(t) {
+            Some((_, n)) if n.op_type() == "Identity" && !n.input.is_empty() => {
+                t = n.input[0].as_str()
+            }
+            _ => break,
+        }
+    }
+    t
+}
+
+fn producer<'g>(index: &GraphIndex<'g>, t: &str, op: &str) -> Option<(usize, &'g NodeProto)> {
+    index.producer(t).filter(|(_, n)| n.op_type() == op)
+}
+
+/// The reduction axes of a Reduce* node (attribute before opset 18, input from 18).
+fn reduce_axes(index: &GraphIndex, node: &NodeProto) -> Option<Vec<i64>> {
+    if let Some(a) = attr_ints(node, "axes") {
+        return Some(a);
+    }
+    node.input
+        .get(1)
+        .filter(|a| !a.is_empty())
+        .and_then(|a| index.constant_i64(a))
+}
+
+/// Whether `axes` is exactly the last axis of `x`.
+fn is_last_axis(index: &GraphIndex, x: &str, axes: &[i64]) -> bool {
+    match axes {
+        [-1] => true,
+        [a] => static_rank(index, x).is_some_and(|r| *a == r as i64 - 1),
+        _ => false,
+    }
+}
+
+fn keepdims(node: &NodeProto) -> bool {
+    attr_i(node, "keepdims").unwrap_or(1) != 0
+}
+
+/// `Reduce<op>(x)` over x's last axis: (x, keepdims).
+fn reduce_last(index: &GraphIndex, t: &str, op: &str) -> Option<(String, bool, usize)> {
+    let (i, n) = producer(index, t, op)?;
+    let x = n.input.first()?;
+    let axes = reduce_axes(index, n)?;
+    is_last_axis(index, x, &axes).then(|| (x.clone(), keepdims(n), i))
+}
+
+/// `t = log Σ_j exp(z_j)` over z's last axis: (z, keepdims, nodes). Forms:
+/// `ReduceLogSumExp(z)`, `Log(ReduceSum(Exp(z)))`, and the stabilised
+/// `m + Log(ReduceSum(Exp(z − m)))` with `m = ReduceMax(z)`.
+pub fn log_sum_exp(index: &GraphIndex, t: &str) -> Option<(String, bool, Vec<usize>)> {
+    let t = through_identity(index, t);
+    if let Some((z, keep, i)) = reduce_last(index, t, "ReduceLogSumExp") {
+        return Some((z, keep, vec![i]));
+    }
+    if let Some((i, log)) = producer(index, t, "Log") {
+        let (e, keep, j) = reduce_last(index, log.input.first()?, "ReduceSum")?;
+        let (k, exp) = producer(index, &e, "Exp")?;
+        let x = exp.input.first()?;
+        if shifted_by_max(index, x).is_some() {
+            // log Σ exp(z − m) alone is lse(z) − m: only the full form below is lse(z)
+            return None;
+        }
+        return Some((x.clone(), keep, vec![i, j, k]));
+    }
+    if let Some((i, add)) = producer(index, t, "Add") {
+        for (a, b) in [(0, 1), (1, 0)] {
+            let (m, l) = (add.input.get(a)?, add.input.get(b)?);
+            let Some((j, log)) = producer(index, l, "Log") else { continue };
+            let Some((e, keep, k)) = reduce_last(index, log.input.first()?, "ReduceSum") else {
+                continue;
+            };
+            let Some((x, exp)) = producer(index, &e, "Exp") else { continue };
+            let Some((z, mut nodes)) = shifted_by_max(index, exp.input.first()?) else {
+                continue;
+            };
+            // the m added back is the row maximum of the same z
+            let Some(max_nodes) = row_max_of(index, m, &z) else {
+                continue;
+            };
+            nodes.extend(max_nodes);
+            nodes.extend([i, j, k, x]);
+            return Some((z, keep, nodes));
+        }
+    }
+    None
+}
+
+/// `x = z − m` with `m` the row maximum of z (kept dims): (z, nodes).
+fn shifted_by_max(index: &GraphIndex, x: &str) -> Option<(String, Vec<usize>)> {
+    let (i, sub) = producer(index, through_identity(index, x), "Sub")?;
+    let z = sub.input.first()?;
+    let mut nodes = row_max_of(index, sub.input.get(1)?, z)?;
+    nodes.push(i);
+    Some((z.clone(), nodes))
+}
+
+/// `m` is `ReduceMax(z)` over the last axis (through Identity, Squeeze/Unsqueeze/Reshape of
+/// it, or the exporters' stop-gradient spellings): the nodes from m back to the ReduceMax.
+fn row_max_of(index: &GraphIndex, m: &str, z: &str) -> Option<Vec<usize>> {
+    let mut t = m;
+    let mut nodes = Vec::new();
+    for _ in 0..8 {
+        t = through_identity(index, t);
+        if let Some((x, _, i)) = reduce_last(index, t, "ReduceMax") {
+            nodes.push(i);
+            return (through_identity(index, &x) == through_identity(index, z)).then_some(nodes);
+        }
+        match index.producer(t) {
+            Some((i, n))
+                if matches!(n.op_type(), "Squeeze" | "Unsqueeze" | "Reshape" | "StopGradient")
+                    && !n.input.is_empty() =>
+            {
+                nodes.push(i);
+                t = n.input[0].as_str()
+            }
+            _ => return None,
+        }
+    }
+    None
+}
+
+/// `t = log_softmax(z)` over z's last axis: (z, nodes). Forms: `LogSoftmax(z)`,
+/// `Log(Softmax(z))`, `z − lse(z)`, and the stabilised `(z − m) − Log(ReduceSum(Exp(z − m)))`.
+pub fn log_softmax(index: &GraphIndex, t: &str) -> Option<(String, Vec<usize>)> {
+    let t = through_identity(index, t);
+    let (i, node) = index.producer(t)?;
+    match node.op_type() {
+        "LogSoftmax" => {
+            let z = node.input.first()?;
+            last_axis_attr(index, node, z).then(|| (z.clone(), vec![i]))
+        }
+        "Log" => {
+            let (j, sm) = producer(index, node.input.first()?, "Softmax")?;
+            let z = sm.input.first()?;
+            last_axis_attr(index, sm, z).then(|| (z.clone(), vec![i, j]))
+        }
+        "Sub" => {
+            let (a, b) = (node.input.first()?, node.input.get(1)?);
+            if let Some((z, true, mut nodes)) = log_sum_exp(index, b) {
+                if through_identity(index, a) == through_identity(index, &z) {
+                    nodes.push(i);
+                    return Some((z, nodes));
+                }
+            }
+            // (z − m) − log Σ exp(z − m)
+            let (z, mut nodes) = shifted_by_max(index, a)?;
+            let (j, log) = producer(index, through_identity(index, b), "Log")?;
+            let (e, keep, k) = reduce_last(index, log.input.first()?, "ReduceSum")?;
+            if !keep {
+                return None;
+            }
+            let (l, exp) = producer(index, &e, "Exp")?;
+            (through_identity(index, exp.input.first()?) == through_identity(index, a)).then(|| {
+                nodes.extend([i, j, k, l]);
+                (z, nodes)
+            })
+        }
+        _ => None,
+    }
+}
+
+/// Softmax/LogSoftmax `axis` is the last one (the default from opset 13 on).
+fn last_axis_attr(index: &GraphIndex, node: &NodeProto, x: &str) -> bool {
+    let axis = attr_i(node, "axis").unwrap_or(-1);
+    is_last_axis(index, x, &[axis])
+}
+
+/// `t = log(softmax(z)[..., labels])`, written `Log(pick(Exp(s)) / ReduceSum(Exp(s)))` with `s`
+/// z or z shifted by its row maximum (tf2onnx's sparse cross-entropy), or
+/// `Log(pick(Softmax(z)))`: (z, pick, nodes).
+pub fn log_of_picked_softmax(index: &GraphIndex, t: &str) -> Option<(String, Pick, Vec<usize>)> {
+    let (i, log) = producer(index, through_identity(index, t), "Log")?;
+    let x = through_identity(index, log.input.first()?);
+    if let Some(p) = pick(index, x) {
+        let (j, sm) = producer(index, through_identity(index, &p.source), "Softmax")?;
+        let z = sm.input.first()?.clone();
+        if !last_axis_attr(index, sm, &z) {
+            return None;
+        }
+        let mut nodes = p.nodes.clone();
+        nodes.extend([i, j]);
+        return Some((z, p, nodes));
+    }
+    let (j, div) = producer(index, x, "Div")?;
+    let p = pick(index, div.input.first()?)?;
+    let (sum_of, keep, k) = reduce_last(index, div.input.get(1)?, "ReduceSum")?;
+    let e = through_identity(index, &p.source);
+    if keep != p.shape.keeps_last() || through_identity(index, &sum_of) != e {
+        return None;
+    }
+    let (l, exp) = producer(index, e, "Exp")?;
+    let s = exp.input.first()?;
+    let mut nodes = p.nodes.clone();
+    nodes.extend([i, j, k, l]);
+    let z = match shifted_by_max(index, s) {
+        Some((z, shift_nodes)) => {
+            nodes.extend(shift_nodes);
+            z
+        }
+        None => s.clone(),
+    };
+    Some((z, p, nodes))
+}
+
+/// `t = x[..., labels]`: `GatherElements(x, idx, axis=last)` with idx `[..., 1]`,
+/// `GatherND(x, idx, batch_dims=rank−1)` with idx `[..., 1]`, or
+/// `ReduceSum(x · onehot(labels), last axis)`.
+pub fn pick(index: &GraphIndex, t: &str) -> Option<Pick> {
+    let t = through_identity(index, t);
+    let (i, node) = index.producer(t)?;
+    match node.op_type() {
+        "GatherElements" => {
+            let (x, idx) = (node.input.first()?, node.input.get(1)?);
+            let axis = attr_i(node, "axis").unwrap_or(0);
+            if !is_last_axis(index, x, &[axis]) || !trailing_one(index, idx) {
+                return None;
+            }
+            Some(Pick {
+                source: x.clone(),
+                labels: idx.clone(),
+                shape: ValueShape::Index,
+                wraps: true,
+                kind: 0,
+                nodes: vec![i],
+            })
+        }
+        "GatherND" => {
+            let (x, idx) = (node.input.first()?, node.input.get(1)?);
+            let rank = static_rank(index, x)?;
+            // batch_dims = rank − 1 leaves one axis to index: the index's last dim is 1
+            let batch_dims = attr_i(node, "batch_dims").unwrap_or(0);
+            if batch_dims != rank as i64 - 1 {
+                return None;
+            }
+            Some(Pick {
+                source: x.clone(),
+                labels: idx.clone(),
+                shape: ValueShape::IndexButLast,
+                wraps: true,
+                kind: 1,
+                nodes: vec![i],
+            })
+        }
+        // the picked value with its kept last axis squeezed away
+        "Squeeze" => {
+            let mut p = pick(index, node.input.first()?)?;
+            let axes = attr_ints(node, "axes")
+                .or_else(|| node.input.get(1).and_then(|a| index.constant_i64(a)))?;
+            let rank = static_rank(index, node.input.first()?)?;
+            if !(axes == [-1] || axes == [rank as i64 - 1]) {
+                return None;
+            }
+            p.shape = match p.shape {
+                ValueShape::PositionsAndOne => ValueShape::Positions,
+                ValueShape::Index => ValueShape::IndexButLast,
+                _ => return None,
+            };
+            p.nodes.push(i);
+            Some(p)
+        }
+        "ReduceSum" => {
+            let (prod, keep, _) = reduce_last(index, t, "ReduceSum")?;
+            let (j, mul) = producer(index, through_identity(index, &prod), "Mul")?;
+            for (a, b) in [(0, 1), (1, 0)] {
+                let (x, h) = (mul.input.get(a)?, mul.input.get(b)?);
+                if let Some(mut p) = one_hot(index, h, x) {
+                    p.shape = if keep {
+                        ValueShape::PositionsAndOne
+                    } else {
+                        ValueShape::Positions
+                    };
+                    p.nodes.extend([i, j]);
+                    return Some(p);
+                }
+            }
+            None
+        }
+        _ => None,
+    }
+}
+
+/// A pick under ops that only move its values (the jax2onnx spelling of
+/// `take_along_axis(...)[..., 0]`: `Transpose`, a `Gather` of index 0, a `Where` that fills
+/// out-of-range picks): the pick, with the moving nodes added. The value's shape is the
+/// caller's to establish.
+pub fn pick_through_moves(index: &GraphIndex, t: &str) -> Option<Pick> {
+    let mut t = through_identity(index, t);
+    let mut moved = Vec::new();
+    for _ in 0..12 {
+        if let Some(mut p) = pick(index, t) {
+            p.nodes.extend(moved);
+            return Some(p);
+        }
+        let (i, n) = index.producer(t)?;
+        let next = match n.op_type() {
+            "Transpose" | "Reshape" | "Squeeze" | "Unsqueeze" | "Gather" => n.input.first()?,
+            "Where" => {
+                let computed = |k: usize| {
+                    n.input.get(k).filter(|x| {
+                        index.producer(x).is_some_and(|(_, p)| p.op_type() != "Constant")
+                    })
+                };
+                match (computed(1), computed(2)) {
+                    (Some(x), None) | (None, Some(x)) => x,
+                    _ => return None,
+                }
+            }
+            _ => return None,
+        };
+        moved.push(i);
+        t = through_identity(index, next);
+    }
+    None
+}
+
+/// `h = onehot(labels)` over `x`'s classes (float 0/1): `OneHot(labels, depth, [0, 1])` on the
+/// last axis, or `Cast(Equal(labels[..., None], Range(0, V, 1)))`.
+fn one_hot(index: &GraphIndex, h: &str, x: &str) -> Option<Pick> {
+    let mut t = through_identity(index, h);
+    let mut nodes = Vec::new();
+    // a cast to the logits' type, a reshape alongside the logits' (`[B, T, V]` → `[B·T, V]`)
+    for _ in 0..4 {
+        match index.producer(t) {
+            Some((i, n)) if matches!(n.op_type(), "Cast" | "Reshape") && !n.input.is_empty() => {
+                nodes.push(i);
+                t = through_identity(index, &n.input[0]);
+            }
+            _ => break,
+        }
+    }
+    let (i, node) = index.producer(t)?;
+    nodes.push(i);
+    let width = index.static_last_dim(x);
+    match node.op_type() {
+        "OneHot" => {
+            let (labels, depth, values) =
+                (node.input.first()?, node.input.get(1)?, node.input.get(2)?);
+            if attr_i(node, "axis").unwrap_or(-1) != -1 {
+                return None;
+            }
+            if constant_numbers(index, values)? != [0.0, 1.0] {
+                return None;
+            }
+            let depth = constant_numbers(index, depth)?;
+            if depth.len() != 1 || width.is_some_and(|w| depth[0] != w as f64) {
+                return None;
+            }
+            Some(Pick {
+                source: x.to_string(),
+                labels: labels.clone(),
+                shape: ValueShape::Positions,
+                wraps: true,
+                kind: 2,
+                nodes,
+            })
+        }
+        "Equal" => {
+            for (a, b) in [(0, 1), (1, 0)] {
+                let (labels, range) = (node.input.get(a)?, node.input.get(b)?);
+                if is_class_range(index, range, width) && trailing_one(index, labels) {
+                    return Some(Pick {
+                        source: x.to_string(),
+                        labels: labels.clone(),
+                        shape: ValueShape::Positions,
+                        wraps: false,
+                        kind: 3,
+                        nodes,
+                    });
+                }
+            }
+            None
+        }
+        _ => None,
+    }
+}
+
+/// `Range(0, V, 1)` (or a constant 0..V), V the classes' width where the graph fixes it.
+fn is_class_range(index: &GraphIndex, t: &str, width: Option<i64>) -> bool {
+    let t = through_identity(index, t);
+    if let Some(values) = constant_numbers(index, t) {
+        return values.iter().enumerate().all(|(k, v)| *v == k as f64)
+            && width.is_none_or(|w| values.len() as i64 == w);
+    }
+    let Some((_, r)) = producer(index, t, "Range") else {
+        return false;
+    };
+    let num = |k: usize| {
+        r.input
+            .get(k)
+            .and_then(|x| constant_numbers(index, x))
+            .filter(|v| v.len() == 1)
+            .map(|v| v[0])
+    };
+    num(0) == Some(0.0)
+        && num(2) == Some(1.0)
+        && match (num(1), width) {
+            (Some(limit), Some(w)) => limit == w as f64,
+            (Some(_), None) => true,
+            // a run-time limit: the width read from the tensor's shape
+            (None, _) => true,
+        }
+}
+
+/// The index tensor ends in an axis of size 1 (declared, or an `Unsqueeze` at the end).
+fn trailing_one(index: &GraphIndex, idx: &str) -> bool {
+    if let Some((_, dims)) = index.declared_shape(idx) {
+        return dims.last() == Some(&Some(1));
+    }
+    match index.producer(idx) {
+        Some((_, n)) if n.op_type() == "Unsqueeze" => {
+            let axes = attr_ints(n, "axes")
+                .or_else(|| n.input.get(1).and_then(|a| index.constant_i64(a)));
+            let out_rank = static_rank(index, idx);
+            matches!(axes.as_deref(), Some([-1]))
+                || matches!((axes.as_deref(), out_rank), (Some([a]), Some(r)) if *a == r as i64 - 1)
+        }
+        Some((_, n)) if matches!(n.op_type(), "Cast" | "Identity") => {
+            n.input.first().is_some_and(|x| trailing_one(index, x))
+        }
+        _ => false,
+    }
+}
+
+/// The values of a small numeric constant (initializer or Constant node), as f64.
+pub fn constant_numbers(index: &GraphIndex, t: &str) -> Option<Vec<f64>> {
+    use crate::onnx::proto::tensor_proto::DataType;
+    let tensor = match index.graph.initializer.iter().find(|i| i.name() == t) {
+        Some(i) => i,
+        None => {
+            let (_, n) = producer(index, t, "Constant")?;
+            attr(n, "value")?.t.as_ref()?
+        }
+    };
+    let count: i64 = tensor.dims.iter().product();
+    if !(0..=4096).contains(&count) {
+        return None;
+    }
+    let raw = tensor.raw_data.as_deref().unwrap_or(&[]);
+    let from_raw = |size: usize, f: &dyn Fn(&[u8]) -> f64| -> Vec<f64> {
+        raw.chunks_exact(size).map(f).collect()
+    };
+    let dt = DataType::try_from(tensor.data_type()).ok()?;
+    let values: Vec<f64> = match dt {
+        DataType::Float if raw.is_empty() => tensor.float_data.iter().map(|&x| x as f64).collect(),
+        DataType::Float => from_raw(4, &|c| f32::from_le_bytes(c.try_into().unwrap()) as f64),
+        DataType::Double if raw.is_empty() => tensor.double_data.clone(),
+        DataType::Double => from_raw(8, &|c| f64::from_le_bytes(c.try_into().unwrap())),
+        DataType::Int64 if raw.is_empty() => tensor.int64_data.iter().map(|&x| x as f64).collect(),
+        DataType::Int64 => from_raw(8, &|c| i64::from_le_bytes(c.try_into().unwrap()) as f64),
+        DataType::Int32 if raw.is_empty() => tensor.int32_data.iter().map(|&x| x as f64).collect(),
+        DataType::Int32 => from_raw(4, &|c| i32::from_le_bytes(c.try_into().unwrap()) as f64),
+        _ => return None,
+    };
+    (values.len() as i64 == count.max(1) || (count == 0 && values.is_empty())).then_some(values)
+}
