@@ -243,6 +243,11 @@ fn training_patch(
     }
 
     let mut b = Builder::new(PREFIX, opset, index.taken_names());
+    if opts.label_smoothing > 0.0 {
+        return Err(Error::Usage(
+            "--label-smoothing applies to the cross-entropy ntl-patch writes (patch and step); in artifacts mode ONNX Runtime differentiates the graph's own: set it when exporting the model".into(),
+        ));
+    }
     let forward = build_forward(&mut b, index, site, tokens, opts, false, false)?;
 
     // d total / d number_loss: λ (add) or λ·CE/(L + 1e-10) (scaled; the factor is a constant).

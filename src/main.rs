@@ -201,6 +201,10 @@ struct LossArgs {
     /// number-level: a "." between digits joins one number ("12.34" -> 1234).
     #[arg(long)]
     float_level: bool,
+    /// Label smoothing ε of the cross-entropy ntl-patch writes, as torch's
+    /// `F.cross_entropy(label_smoothing=ε)`: (1−ε)·CE + ε·mean over classes of −log p.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    label_smoothing: f64,
 }
 
 #[derive(Args)]
@@ -405,6 +409,7 @@ fn loss_options(args: &LossArgs) -> Result<LossOptions, ntl_patch::Error> {
         combine,
         ntil,
         float_level: args.float_level,
+        label_smoothing: args.label_smoothing,
     };
     options.check()?;
     Ok(options)

@@ -50,7 +50,7 @@ pub fn build_patch(
     // With a reported loss further on, the number loss goes there too: it may read masks the
     // graph computes after the cross-entropy.
     let number_nodes = match reported_by {
-        Some(_) => forward.nodes.split_off(1),
+        Some(_) => forward.nodes.split_off(forward.ce_count),
         None => Vec::new(),
     };
     let mut replacements = vec![(site.node_index, std::mem::take(&mut forward.nodes))];
@@ -122,6 +122,8 @@ fn reported_chain(index: &GraphIndex, site: &CeSite) -> Vec<usize> {
 pub struct Forward {
     /// Nodes that replace the loss node, in order (the CE node first).
     pub nodes: Vec<crate::onnx::NodeProto>,
+    /// How many of `nodes` compute the cross-entropy (its node and label smoothing).
+    pub ce_count: usize,
     pub flat: FlatInputs,
     /// The labels the number loss reads: `flat.labels` with the positions the graph's masks
     /// drop set to -100 (the same tensor where nothing is masked).
@@ -158,7 +160,23 @@ pub fn build_forward(
     } else {
         CE_OUTPUT
     };
-    let ce_node = ce::cross_entropy_node(b, site, ce_out);
+    let eps = opts.label_smoothing;
+    let ce_node = if eps > 0.0 {
+        if site.weights.is_some() {
+            return Err(Error::Usage(
+                "--label-smoothing with class weights is not supported: drop one of them".into(),
+            ));
+        }
+        let unsmoothed = b.fresh("ce_unsmoothed");
+        let node = ce::cross_entropy_node(b, site, &unsmoothed);
+        ce::smooth(b, index, site, &unsmoothed, &node.output[1], ce_out, eps);
+        node
+    } else {
+        ce::cross_entropy_node(b, site, ce_out)
+    };
+    // the cross-entropy's own nodes, before anything the number loss emits
+    let mut ce_nodes = vec![ce_node];
+    ce_nodes.append(&mut b.nodes);
     let flat = ce::flatten_inputs(b, index, site, tokens.table.width(), peel)?;
     let masks = site.reported.as_ref().map_or(&[][..], |r| r.masks.as_slice());
     let number_flat = FlatInputs {
@@ -183,9 +201,11 @@ pub fn build_forward(
     if !combine_later {
         combine(b, opts, loss_type, &site.loss_output);
     }
-    let mut nodes = vec![ce_node];
+    let ce_count = ce_nodes.len();
+    let mut nodes = ce_nodes;
     nodes.append(&mut b.nodes);
     Ok(Forward {
+        ce_count,
         nodes,
         number_labels: number_flat.labels,
         flat,

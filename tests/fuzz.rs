@@ -115,6 +115,7 @@ fn patch_bytes(bytes: &[u8], loss: LossKind, outcomes: &Outcomes) -> Result<(), 
             },
             ntil: NtilOptions::default(),
             float_level: false,
+            label_smoothing: 0.0,
         },
     };
     let (tx, rx) = mpsc::channel();
@@ -691,6 +692,7 @@ fn validate_never_panics_on_mutated_patched_graphs() {
                 combine: Combine::Add,
                 ntil: NtilOptions::default(),
                 float_level: false,
+                label_smoothing: 0.0,
             },
         };
         run_patch(&req).unwrap();
@@ -758,6 +760,7 @@ fn artifacts_never_panics_and_leaves_nothing_on_error() {
                 combine: Combine::Add,
                 ntil: NtilOptions::default(),
                 float_level: false,
+                label_smoothing: 0.0,
             },
         };
         let result = in_thread(move || ntl_patch::artifacts::run_artifacts(&req).map(|_| ()))?;

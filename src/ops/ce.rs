@@ -37,6 +37,54 @@ pub fn cross_entropy_node(b: &mut Builder, site: &CeSite, ce_loss: &str) -> Node
     }
 }
 
+/// Label smoothing as torch defines it, on the node's outputs: `out = (1−ε)·loss + ε·S` with
+/// S the same reduction of `−mean_c log p_c` over the positions the loss counts (not the
+/// ignore index). `loss` and `log_prob` are the node's outputs.
+pub fn smooth(b: &mut Builder, index: &GraphIndex, site: &CeSite, loss: &str, log_prob: &str, out: &str, eps: f64) {
+    let t = index.elem_type(&site.scores).unwrap_or(FLOAT);
+    let typed = |b: &mut Builder, hint: &str, v: f32| {
+        let c = b.scalar_f32(hint, v);
+        if t == FLOAT {
+            c
+        } else {
+            b.cast(&c, t, hint)
+        }
+    };
+    let mean_lp = b.reduce("ReduceMean", log_prob, &[1], false, "smooth_mean_log_prob");
+    let per_position = b.unary("Neg", &mean_lp, "smooth_per_position");
+    let kept = match site.ignore_index {
+        Some(ignore) => {
+            let labels = b.cast(&site.labels, INT64, "smooth_labels");
+            let ignore = b.const_i64("smooth_ignore_index", &[], &[ignore]);
+            let ignored = b.equal(&labels, &ignore, "smooth_ignored");
+            let kept = b.unary("Not", &ignored, "smooth_kept");
+            Some(b.cast(&kept, t, "smooth_kept_f"))
+        }
+        None => None,
+    };
+    let masked = match &kept {
+        Some(k) => b.binary("Mul", &per_position, k, "smooth_masked"),
+        None => per_position,
+    };
+    let smoothed = match site.reduction.as_str() {
+        "none" => masked,
+        "sum" => b.reduce_sum(&masked, &[], false, "smooth_sum"),
+        _ => match &kept {
+            Some(k) => {
+                let total = b.reduce_sum(&masked, &[], false, "smooth_sum");
+                let count = b.reduce_sum(k, &[], false, "smooth_count");
+                b.binary("Div", &total, &count, "smooth_mean")
+            }
+            None => b.reduce("ReduceMean", &masked, &[], false, "smooth_mean"),
+        },
+    };
+    let keep = typed(b, "smooth_one_minus_eps", (1.0 - eps) as f32);
+    let eps = typed(b, "smooth_eps", eps as f32);
+    let a = b.binary("Mul", loss, &keep, "smooth_ce_part");
+    let c = b.binary("Mul", &smoothed, &eps, "smooth_uniform_part");
+    b.node_to("Add", &[&a, &c], &[out], vec![]);
+}
+
 /// Emits the flattened float32 logits `[M, V]` and int64 labels `[M]` of a site.
 pub fn flatten_inputs(
     b: &mut Builder,

@@ -101,6 +101,8 @@ pub struct LossOptions {
     pub ntil: NtilOptions,
     /// ntloss `NumberLevelLoss(float_level=True)`: a `"."` between digits joins one number.
     pub float_level: bool,
+    /// ε of the cross-entropy ntl-patch writes (torch's `label_smoothing`); 0 = none.
+    pub label_smoothing: f64,
 }
 
 /// A numeric option in `[lo, hi]`, finite, and still within range once converted to the
@@ -128,6 +130,13 @@ impl LossOptions {
     #[allow(clippy::neg_cmp_op_on_partial_ord)]
     pub fn check(&self) -> Result<(), Error> {
         check_range("--weight", self.weight, 0.0, 1e6, "λ in CE + λ·L")?;
+        check_range(
+            "--label-smoothing",
+            self.label_smoothing,
+            0.0,
+            1.0,
+            "ε of the cross-entropy, as torch's label_smoothing",
+        )?;
         if let Some(s) = self.squash {
             if self.kind != LossKind::Wasserstein {
                 return Err(Error::Usage(
@@ -198,6 +207,9 @@ impl LossOptions {
         }
         if self.kind == LossKind::NumberLevel {
             v["float_level"] = self.float_level.into();
+        }
+        if self.label_smoothing > 0.0 {
+            v["label_smoothing"] = self.label_smoothing.into();
         }
         v
     }

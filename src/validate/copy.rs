@@ -45,7 +45,8 @@ pub fn find_ce_node<'m>(
     meta: &PatchMeta,
 ) -> Result<(usize, &'m NodeProto), Error> {
     let graph = model.graph.as_ref().expect("checked on load");
-    let rescaled = !meta.rescaled_by.is_empty();
+    // by name where ce_loss is written further on (a rescaling chain, label smoothing)
+    let rescaled = !meta.rescaled_by.is_empty() || meta.label_smoothing > 0.0;
     graph
         .node
         .iter()
@@ -161,6 +162,16 @@ pub fn build(
     // The replacement reads the flat tensors, which the patch computes after the CE node, so
     // it cannot simply take the node's place: restore a topological order instead.
     topological_sort(graph);
+    if primitive_ce {
+        // tract has no sequence types: the dynamo exporter's SplitToSequence + SequenceAt
+        // become Slices, as for the step graph
+        let opset = crate::onnx::default_opset(&model).unwrap_or(crate::ops::builder::MIN_OPSET);
+        let graph = model.graph.as_mut().expect("checked on load");
+        let mut b = crate::ops::Builder::new(PREFIX, opset, GraphIndex::new(graph).taken_names());
+        crate::grad::canonical::canonicalize(graph, &mut b);
+        graph.initializer.append(&mut b.initializers);
+    }
+    let graph = model.graph.as_mut().expect("checked on load");
     // NTIL with --gumbel-noise > 0: validate the deterministic forward (noise scale 0)
     let noise_removed = noise::remove_patch_noise(graph)?;
     let outputs = [&flat_logits, &flat_labels, &total_out];

@@ -29,6 +29,8 @@ pub struct PatchMeta {
     pub combine: Combine,
     pub numbers: NumberSet,
     pub ignore_index: Option<i64>,
+    /// ε of the cross-entropy's label smoothing (0: none).
+    pub label_smoothing: f64,
     /// The cross-entropy's reduction: "mean" or "sum".
     pub reduction: String,
     /// Float logits flattened to `[M, V]`.
@@ -136,6 +138,7 @@ impl PatchMeta {
             combine,
             numbers,
             ignore_index: v["ignore_index"].as_i64(),
+            label_smoothing: v["label_smoothing"].as_f64().unwrap_or(0.0),
             reduction: s("reduction")?,
             flat_logits: s("flat_logits")?,
             flat_labels: s("flat_labels")?,

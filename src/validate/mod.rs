@@ -349,7 +349,13 @@ fn independent(
         "sum" => CeReduction::Sum,
         _ => CeReduction::Mean,
     };
-    let mut ce = reference::cross_entropy(&batch, meta.ignore_index, reduction, weights.as_deref())
+    let mut ce = reference::cross_entropy(
+        &batch,
+        meta.ignore_index,
+        reduction,
+        weights.as_deref(),
+        meta.label_smoothing,
+    )
         .map_err(flat_mismatch)?;
     if !meta.rescaled_by.is_empty() {
         // The graph rescales its cross-entropy (by inputs such as num_items_in_batch) before

@@ -104,6 +104,7 @@ pub fn cross_entropy(
     ignore_index: Option<i64>,
     reduction: CeReduction,
     class_weights: Option<&[f64]>,
+    label_smoothing: f64,
 ) -> Result<f64, String> {
     let (mut total, mut weight_sum) = (0.0, 0.0);
     for (i, &label) in batch.labels.iter().enumerate() {
@@ -117,7 +118,11 @@ pub fn cross_entropy(
             ));
         }
         let row = batch.row(i);
-        let nll = log_sum_exp(row.iter().copied()) - row[label as usize];
+        let lse = log_sum_exp(row.iter().copied());
+        let mean_row = row.iter().sum::<f64>() / row.len() as f64;
+        // torch's label smoothing: (1−ε)·nll + ε·mean_c(−log p_c), and −log p_c = lse − z_c
+        let nll = (1.0 - label_smoothing) * (lse - row[label as usize])
+            + label_smoothing * (lse - mean_row);
         let w = match class_weights {
             None => 1.0,
             Some(w) => *w.get(label as usize).ok_or_else(|| {
@@ -278,7 +283,7 @@ mod tests {
     fn cross_entropy_of_uniform_logits_is_log_width() {
         let logits = [0.0; 8];
         let batch = Batch::new(&logits, &[1, -100], 4).unwrap();
-        let ce = cross_entropy(&batch, Some(-100), CeReduction::Mean, None).unwrap();
+        let ce = cross_entropy(&batch, Some(-100), CeReduction::Mean, None, 0.0).unwrap();
         assert!((ce - 4f64.ln()).abs() < 1e-12);
     }
 
