@@ -114,6 +114,10 @@ tract_cases! {
     tract_lm_nll_mse: "lm_nll" &["--loss", "mse"];
     tract_lm_nll_l1: "lm_nll" &["--loss", "l1"];
     tract_lm_nll_huber: "lm_nll" &["--loss", "huber"];
+    // labels[N] beside input_ids[B, T]: generated with B·T positions
+    tract_lm_flat_labels: "lm_flat_labels" &[];
+    tract_lm_flat_label_smoothing: "lm_flat" &["--label-smoothing", "0.1"];
+    tract_lm_bvt_label_smoothing: "lm_bvt" &["--label-smoothing", "0.2", "--loss", "mse"];
 }
 
 #[test]

@@ -96,7 +96,7 @@ pub struct Shape {
 }
 
 /// Values for every input, deterministic in `seed`: symbolic dims become `batch` (first axis)
-/// or `seq` (others); integer inputs are token ids in `[0, width)`, the labels a mix of
+/// or `seq` (others), `batch × seq` for rank-1 inputs; integer inputs are token ids in `[0, width)`, the labels a mix of
 /// number ids, other ids and the ignore index; floats uniform in [-1, 1). Integer inputs named
 /// like a mask are all ones and like positions count along the last axis, so an attention
 /// mask or a position table sees values it was exported for.
@@ -145,6 +145,9 @@ fn concrete_dims(spec: &InputSpec, shape: &Shape) -> Result<Vec<usize>, Error> {
         .enumerate()
         .map(|(axis, d)| match d {
             Some(v) if *v >= 0 => *v as usize,
+            // a rank-1 symbolic input is a flat run of positions (`labels[N]` of `[N, V]` logits,
+            // beside `[B, T]` ids): batch × seq of them
+            Some(_) | None if spec.dims.len() == 1 => shape.batch * shape.seq,
             Some(_) | None if axis == 0 => shape.batch,
             Some(_) | None => shape.seq,
         })

@@ -1,0 +1,157 @@
+//! Cross-entropies written out of primitive ops, from the exporters in `fixtures/exporters/`
+//! (TensorFlow via tf2onnx, JAX via jax2onnx, Paddle via paddle2onnx, hand-written torch):
+//! each is recognised, its patched graph passes `validate` in tract (the number loss against the
+//! independent reference, the total against ce_loss + λ·number_loss), and look-alikes that do not
+//! compute a cross-entropy are left alone. Values against the frameworks' own losses and
+//! gradients: tests/python/test_exporters.py.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+use ntl_patch::onnx::{ModelProto, TensorProto};
+use prost::Message;
+
+fn exporter_model(name: &str) -> PathBuf {
+    fixture(&format!("exporters/{name}.onnx"))
+}
+
+/// (fixture, the form the summary names)
+const FORMS: &[(&str, &str)] = &[
+    ("tf_sparse", "log of softmax × Equal(labels, Range) + ReduceSum"),
+    ("tf_sparse_ignore", "log of softmax × Equal(labels, Range) + ReduceSum"),
+    ("tf_sparse_masked", "log of softmax × Equal(labels, Range) + ReduceSum"),
+    ("tf_categorical", "log_softmax × OneHot + ReduceSum"),
+    ("jax_int", "logsumexp − logits GatherND"),
+    ("jax_int_masked", "logsumexp − logits GatherND"),
+    ("jax_onehot", "log_softmax × OneHot + ReduceSum"),
+    ("torch_gather", "log_softmax + GatherElements"),
+    ("torch_onehot", "log_softmax × OneHot + ReduceSum"),
+    ("torch_eq_range", "log_softmax × Equal(labels, Range) + ReduceSum"),
+    ("torch_sce_none_masked", "SoftmaxCrossEntropyLoss"),
+];
+
+fn patch_json(model: &Path, dir: &Path) -> (PathBuf, serde_json::Value) {
+    let out = dir.join("out.onnx");
+    let o = bin()
+        .arg(model)
+        .arg("--tokenizer")
+        .arg(tokenizer())
+        .arg("--json")
+        .arg("-o")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    (out, serde_json::from_slice(&o.stdout).unwrap())
+}
+
+#[test]
+fn every_exporter_form_is_recognised_and_validates_in_tract() {
+    for (name, form) in FORMS {
+        let dir = tempfile::tempdir().unwrap();
+        let (out, summary) = patch_json(&exporter_model(name), dir.path());
+        assert_eq!(summary["pattern"], *form, "{name}");
+        let o = bin()
+            .arg("validate")
+            .arg(&out)
+            .arg("--tokenizer")
+            .arg(tokenizer())
+            .arg("--json")
+            .output()
+            .unwrap();
+        let report: serde_json::Value = serde_json::from_slice(&o.stdout)
+            .unwrap_or_else(|_| panic!("{name}: {}", String::from_utf8_lossy(&o.stderr)));
+        assert!(o.status.success() && report["passed"] == true, "{name}: {report:#}");
+        // nothing ONNX Runtime Training cannot differentiate is left of the form
+        let m = read_model(&out);
+        let ops: Vec<&str> = m.graph.as_ref().unwrap().node.iter().map(|n| n.op_type()).collect();
+        for op in ["ReduceMax", "ReduceLogSumExp"] {
+            assert!(!ops.contains(&op), "{name}: {op} left in the patched graph");
+        }
+    }
+}
+
+#[test]
+fn the_rewrite_keeps_every_original_output_and_leaves_no_orphans() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, _) = patch_json(&exporter_model("tf_sparse"), dir.path());
+    let m = read_model(&out);
+    let g = m.graph.as_ref().unwrap();
+    let read: std::collections::BTreeSet<&str> = g
+        .node
+        .iter()
+        .flat_map(|n| n.input.iter().map(String::as_str))
+        .collect();
+    for t in &g.initializer {
+        assert!(read.contains(t.name()), "initializer {} is read by nothing", t.name());
+    }
+    let outputs: Vec<&str> = g.output.iter().map(|o| o.name()).collect();
+    assert_eq!(outputs, ["loss", "ce_loss", "number_loss"]);
+}
+
+/// The tensor a node input names: an initializer or a Constant node's value.
+fn constant_mut<'m>(m: &'m mut ModelProto, name: &str) -> &'m mut TensorProto {
+    let g = m.graph.as_mut().unwrap();
+    if let Some(i) = g.initializer.iter().position(|t| t.name() == name) {
+        return &mut g.initializer[i];
+    }
+    let node = g
+        .node
+        .iter_mut()
+        .find(|n| n.op_type() == "Constant" && n.output.first().is_some_and(|o| o == name))
+        .unwrap_or_else(|| panic!("no constant {name}"));
+    node.attribute[0].t.as_mut().unwrap()
+}
+
+fn input_of(m: &ModelProto, op: &str, k: usize) -> String {
+    let g = m.graph.as_ref().unwrap();
+    g.node.iter().find(|n| n.op_type() == op).unwrap().input[k].clone()
+}
+
+fn refused_as_no_cross_entropy(m: &ModelProto) {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("m.onnx");
+    std::fs::write(&p, m.encode_to_vec()).unwrap();
+    let out = dir.path().join("out.onnx");
+    let o = bin().arg(&p).arg("--tokenizer").arg(tokenizer()).arg("-o").arg(&out).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("no cross-entropy found"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(!out.exists());
+}
+
+#[test]
+fn a_smoothed_one_hot_is_not_a_cross_entropy() {
+    // OneHot values [0.1, 0.9]: Σ onehot·log p is no longer −CE, so nothing is rewritten
+    let mut m = read_model(&exporter_model("torch_onehot"));
+    let values = input_of(&m, "OneHot", 2);
+    let t = constant_mut(&mut m, &values);
+    let (off, on) = (0.1f32, 0.9f32);
+    t.float_data.clear();
+    t.raw_data = Some([off.to_le_bytes(), on.to_le_bytes()].concat().into());
+    refused_as_no_cross_entropy(&m);
+}
+
+#[test]
+fn a_class_range_that_is_not_0_to_v_is_not_a_one_hot() {
+    // Equal(labels, 1..=48): each label picks the next class's log-probability
+    let mut m = read_model(&exporter_model("torch_eq_range"));
+    let range = input_of(&m, "Equal", 1);
+    let t = constant_mut(&mut m, &range);
+    let shifted: Vec<u8> = (1..=48i64).flat_map(|v| v.to_le_bytes()).collect();
+    t.int64_data.clear();
+    t.raw_data = Some(shifted.into());
+    refused_as_no_cross_entropy(&m);
+}
+
+#[test]
+fn a_log_softmax_over_another_axis_is_not_a_cross_entropy() {
+    let mut m = read_model(&exporter_model("torch_gather"));
+    let g = m.graph.as_mut().unwrap();
+    let ls = g.node.iter_mut().find(|n| n.op_type() == "LogSoftmax").unwrap();
+    ls.attribute = vec![ntl_patch::onnx::int_attr("axis", 1)];
+    refused_as_no_cross_entropy(&m);
+}
