@@ -170,3 +170,39 @@ fn unsafe_external_data() {
         Case::from_bytes(&m.encode_to_vec()).fails(&[], "external data location");
     }
 }
+
+#[test]
+fn label_smoothing_out_of_range() {
+    for eps in ["-0.1", "1.5", "nan"] {
+        Case::new(&model("lm_flat")).fails(&["--label-smoothing", eps], "--label-smoothing");
+    }
+}
+
+#[test]
+fn label_smoothing_with_class_weights() {
+    use prost::Message;
+    let mut m = read_model(&model("lm_flat"));
+    let g = m.graph.as_mut().unwrap();
+    let sce = g.node.iter_mut().find(|n| n.op_type() == "SoftmaxCrossEntropyLoss").unwrap();
+    sce.input.push("class_weights".into());
+    g.initializer
+        .push(ntl_patch::onnx::f32_tensor("class_weights", &[48], &[1.0; 48]));
+    Case::from_bytes(&m.encode_to_vec()).fails(&["--label-smoothing", "0.1"], "class weights");
+}
+
+#[test]
+fn label_smoothing_in_artifacts_mode() {
+    let root = artifacts_folder(&["logits_grad"]);
+    let dir = root.path().join("art");
+    let out = bin()
+        .arg("artifacts")
+        .arg(&dir)
+        .arg("--label-smoothing")
+        .arg("0.1")
+        .assert()
+        .code(1);
+    let stderr = String::from_utf8_lossy(&out.get_output().stderr).to_string();
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("--label-smoothing"), "{stderr}");
+    assert!(!root.path().join("art-ntl").exists());
+}
