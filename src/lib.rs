@@ -7,6 +7,7 @@ pub mod autodiff;
 pub mod ce_forms;
 pub mod ce_reported;
 pub mod ce_site;
+pub mod elem_types;
 pub mod error;
 pub mod fsio;
 pub mod gpu_kernels;

@@ -28,6 +28,8 @@ pub struct Ctx<'a> {
     /// Proven forward shapes: where an operand already has the output's shape, its gradient
     /// needs no run-time reduction.
     pub shapes: &'a Shapes,
+    /// Element types through the forward graph (a Cast's gradient casts back to its input's).
+    pub types: &'a crate::elem_types::ElemTypes,
     pub opset: i64,
     scalars: HashMap<(u32, &'static str), String>,
     /// Sparse contributions a rule hands back instead of a dense gradient (see `Scatter`).
@@ -45,11 +47,18 @@ pub struct Scatter {
 }
 
 impl<'a> Ctx<'a> {
-    pub fn new(b: &'a mut Builder, ranks: &'a mut Ranks, shapes: &'a Shapes, opset: i64) -> Self {
+    pub fn new(
+        b: &'a mut Builder,
+        ranks: &'a mut Ranks,
+        shapes: &'a Shapes,
+        types: &'a crate::elem_types::ElemTypes,
+        opset: i64,
+    ) -> Self {
         Ctx {
             b,
             ranks,
             shapes,
+            types,
             opset,
             scalars: HashMap::new(),
             scatters: Vec::new(),

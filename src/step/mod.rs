@@ -223,6 +223,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
     let index = GraphIndex::new(graph);
     let mut ranks = Ranks::infer(&index);
     let shapes = Shapes::infer(&index);
+    let types = crate::elem_types::ElemTypes::infer(&index);
 
     let float_inits: Vec<&TensorProto> = graph
         .initializer
@@ -305,7 +306,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
 
     let nodes = graph.node.clone();
     let grads = {
-        let mut ctx = Ctx::new(&mut b, &mut ranks, &shapes, opset);
+        let mut ctx = Ctx::new(&mut b, &mut ranks, &shapes, &types, opset);
         grad::differentiate(&mut ctx, &nodes, &loss, &params)?
     };
 
@@ -402,7 +403,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         set_outputs(graph, &loss, grad_outputs);
         Some(update)
     } else {
-        let mut ctx = Ctx::new(&mut b, &mut ranks, &shapes, opset);
+        let mut ctx = Ctx::new(&mut b, &mut ranks, &shapes, &types, opset);
         emit_update(&mut ctx, &req.optimizer, &updates, &step_in, &step_out, &lr);
         let graph = model.graph.as_mut().expect("graph");
         graph.node.extend(std::mem::take(&mut b.nodes));
@@ -529,6 +530,7 @@ fn update_model(
     let mut b = Builder::new(PREFIX, opset, taken);
     let mut ranks = Ranks::default();
     let shapes = Shapes::default();
+    let types = crate::elem_types::ElemTypes::default();
     // In the update graph each gradient is an input under its `ntl/grad/<param>` name.
     let local: Vec<ParamUpdate> = updates
         .iter()
@@ -542,7 +544,7 @@ fn update_model(
         })
         .collect();
     {
-        let mut ctx = Ctx::new(&mut b, &mut ranks, &shapes, opset);
+        let mut ctx = Ctx::new(&mut b, &mut ranks, &shapes, &types, opset);
         emit_update(&mut ctx, &req.optimizer, &local, step_in, step_out, lr);
     }
     let mut graph = GraphProto {

@@ -215,8 +215,11 @@ pub fn cast(
 ) -> Result<Grads, Error> {
     let g = g0(node, gy)?;
     let x = node.input[0].as_str();
-    // Back to the input's type: CastLike(g, x).
-    let gx = ctx.op("CastLike", &[g, x], "grad/cast");
+    // Back to the input's type: a Cast where the type is known, else CastLike(g, x).
+    let gx = match ctx.types.get(x) {
+        Some(t) => ctx.b.cast(g, t, "grad/cast"),
+        None => ctx.op("CastLike", &[g, x], "grad/cast"),
+    };
     like(ctx, gx, x)
 }
 
