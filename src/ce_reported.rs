@@ -19,6 +19,9 @@ pub struct PositionMask {
     /// The per-position loss it is applied to (the mask broadcasts to this tensor's shape).
     pub applied_to: String,
     pub keep: Keep,
+    /// The layout ops (node indices, in order) between the cross-entropy's output and
+    /// `applied_to`: replayed on position indices, they say which position each element is.
+    pub layout: Vec<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,10 +45,10 @@ pub struct Reported {
     pub masks: Vec<PositionMask>,
 }
 
-/// Ops that keep positions where they are (values may be rescaled or re-laid out).
-const POSITIONAL: &[&str] = &[
-    "Neg", "Identity", "Cast", "Squeeze", "Unsqueeze", "Reshape", "Flatten",
-];
+/// Ops that change values, not positions.
+const VALUE_ONLY: &[&str] = &["Neg", "Identity", "Cast"];
+/// Ops that move positions without mixing them.
+const LAYOUT: &[&str] = &["Squeeze", "Unsqueeze", "Reshape", "Flatten", "Transpose"];
 
 /// Follows `per_position` to the first scalar graph output it reaches (in graph output order)
 /// and collects the masks applied before anything mixes positions. None when no scalar graph
@@ -101,6 +104,7 @@ pub fn reported_loss(index: &GraphIndex, per_position: &str) -> Option<Reported>
 /// mixes positions (a reduction, or anything not listed here).
 fn masks(index: &GraphIndex, per_position: &str) -> Vec<PositionMask> {
     let mut found = Vec::new();
+    let mut layout = Vec::new();
     let mut t = per_position.to_string();
     for _ in 0..32 {
         let [c] = index.consumers(&t) else { break };
@@ -110,7 +114,8 @@ fn masks(index: &GraphIndex, per_position: &str) -> Vec<PositionMask> {
         };
         let other = |k: usize| node.input.get(k).filter(|x| !x.is_empty()).cloned();
         match node.op_type() {
-            op if POSITIONAL.contains(&op) && node.input.first() == Some(&t) => {}
+            op if VALUE_ONLY.contains(&op) && node.input.first() == Some(&t) => {}
+            op if LAYOUT.contains(&op) && node.input.first() == Some(&t) => layout.push(*c),
             "Mul" if node.input.len() == 2 => {
                 let w = if node.input[0] == t { other(1) } else { other(0) };
                 let Some(w) = w.filter(|w| *w != t) else { break };
@@ -119,6 +124,7 @@ fn masks(index: &GraphIndex, per_position: &str) -> Vec<PositionMask> {
                         tensor: w,
                         applied_to: t.clone(),
                         keep: Keep::NonZero,
+                        layout: layout.clone(),
                     });
                 }
             }
@@ -133,6 +139,7 @@ fn masks(index: &GraphIndex, per_position: &str) -> Vec<PositionMask> {
                     tensor: node.input[0].clone(),
                     applied_to: t.clone(),
                     keep,
+                    layout: layout.clone(),
                 });
             }
             _ => break,

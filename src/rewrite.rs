@@ -180,7 +180,7 @@ pub fn build_forward(
     let flat = ce::flatten_inputs(b, index, site, tokens.table.width(), peel)?;
     let masks = site.reported.as_ref().map_or(&[][..], |r| r.masks.as_slice());
     let number_flat = FlatInputs {
-        labels: ce::masked_labels(b, &flat.labels, masks),
+        labels: ce::masked_labels(b, index, &site.loss_output, &flat.labels, masks),
         ..flat.clone()
     };
     let number = match opts.kind {

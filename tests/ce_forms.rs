@@ -30,6 +30,8 @@ const FORMS: &[(&str, &str)] = &[
     ("torch_onehot", "log_softmax × OneHot + ReduceSum"),
     ("torch_eq_range", "log_softmax × Equal(labels, Range) + ReduceSum"),
     ("torch_sce_none_masked", "SoftmaxCrossEntropyLoss"),
+    // reduction='none', then Unsqueeze → Transpose → Squeeze before the mask multiplies it
+    ("paddle_ce_masked", "SoftmaxCrossEntropyLoss"),
 ];
 
 fn patch_json(model: &Path, dir: &Path) -> (PathBuf, serde_json::Value) {

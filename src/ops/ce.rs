@@ -141,7 +141,17 @@ pub fn flatten_inputs(
 
 /// The flat labels with every position a mask drops set to -100 (no number token), for the
 /// number loss: it skips what the cross-entropy skips. `labels` itself where nothing is masked.
-pub fn masked_labels(b: &mut Builder, labels: &str, masks: &[PositionMask]) -> String {
+///
+/// A mask applies to the per-position loss after layout ops (Paddle: Unsqueeze, Transpose,
+/// Squeeze); the same ops replayed on the position indices `0..M` (laid out like the
+/// cross-entropy's output `per_position`) say which position each mask element belongs to.
+pub fn masked_labels(
+    b: &mut Builder,
+    index: &GraphIndex,
+    per_position: &str,
+    labels: &str,
+    masks: &[PositionMask],
+) -> String {
     let mut kept: Option<String> = None;
     for m in masks {
         let keep = match m.keep {
@@ -157,10 +167,13 @@ pub fn masked_labels(b: &mut Builder, labels: &str, masks: &[PositionMask]) -> S
                 b.unary("Not", &c, "mask_kept")
             }
         };
-        // the mask broadcasts to the per-position loss it multiplies; flattened like the labels
+        // the mask broadcasts to the per-position loss it multiplies
         let shape = b.node("Shape", &[&m.applied_to], "mask_shape", vec![]);
         let full = b.node("Expand", &[&keep, &shape], "mask_full", vec![]);
-        let flat = b.reshape(&full, &[-1], "mask_flat");
+        let mut flat = b.reshape(&full, &[-1], "mask_flat");
+        if !m.layout.is_empty() {
+            flat = back_to_positions(b, index, per_position, &m.layout, &flat);
+        }
         kept = Some(match kept {
             Some(k) => b.binary("And", &k, &flat, "mask_all"),
             None => flat,
@@ -173,6 +186,50 @@ pub fn masked_labels(b: &mut Builder, labels: &str, masks: &[PositionMask]) -> S
         }
         None => labels.to_string(),
     }
+}
+
+/// `flat_keep` (bool, in the layout after `layout`) scattered back to the positions of
+/// `per_position`, flattened.
+fn back_to_positions(
+    b: &mut Builder,
+    index: &GraphIndex,
+    per_position: &str,
+    layout: &[usize],
+    flat_keep: &str,
+) -> String {
+    let count = b.node("Size", &[per_position], "mask_positions", vec![]);
+    let zero = b.const_i64("mask_zero_i", &[], &[0]);
+    let one = b.const_i64("mask_one_i", &[], &[1]);
+    let ids = b.node("Range", &[&zero, &count, &one], "mask_position_ids", vec![]);
+    let shape = b.node("Shape", &[per_position], "mask_loss_shape", vec![]);
+    let mut moved = b.node("Reshape", &[&ids, &shape], "mask_ids_laid_out", vec![]);
+    for &n in layout {
+        let mut node = index.graph.node[n].clone();
+        node.input[0] = moved;
+        moved = b.fresh("mask_ids_moved");
+        node.output = vec![moved.clone()];
+        node.name = Some(b.fresh("mask_layout"));
+        b.nodes.push(node);
+    }
+    let where_ = b.reshape(&moved, &[-1], "mask_ids_flat");
+    let keep_f = b.cast(flat_keep, FLOAT, "mask_keep_f");
+    let count_1d = b.reshape(&count, &[1], "mask_positions_1d");
+    let zeros = b.node(
+        "ConstantOfShape",
+        &[&count_1d],
+        "mask_zeros",
+        vec![crate::onnx::tensor_attr(
+            "value",
+            crate::onnx::f32_tensor("value", &[1], &[0.0]),
+        )],
+    );
+    let back = b.node(
+        "ScatterElements",
+        &[&zeros, &where_, &keep_f],
+        "mask_at_positions",
+        vec![int_attr("axis", 0)],
+    );
+    b.cast(&back, BOOL, "mask_kept_positions")
 }
 
 /// Regroups the flat inputs by sequence for the per-sequence losses: finds the labels tensor

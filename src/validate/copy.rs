@@ -185,6 +185,7 @@ pub fn build(
             ..Default::default()
         });
     }
+    bypass_identities(model.graph.as_mut().expect("checked on load"));
     crate::patch::check_consistency(&model).map_err(|e| {
         Error::Validation(format!("internal error building the validation copy: {e}"))
     })?;
@@ -232,6 +233,37 @@ fn ce_loss_type(graph: &GraphProto) -> i32 {
         .map(|(t, _)| t)
         .filter(|&t| t != 0)
         .unwrap_or(FLOAT)
+}
+
+/// Removes `Identity` nodes whose output is not a graph output, reading their input instead:
+/// the values are the same, and runtimes that wire nodes one by one (tract) slow down
+/// quadratically on long chains of them.
+fn bypass_identities(graph: &mut GraphProto) {
+    let outputs: HashSet<String> = graph.output.iter().map(|o| o.name().to_string()).collect();
+    let mut source: std::collections::HashMap<String, String> = std::collections::HashMap::new();
+    graph.node.retain(|n| {
+        let bypass = n.op_type() == "Identity"
+            && n.input.len() == 1
+            && n.output.len() == 1
+            && !n.input[0].is_empty()
+            && !outputs.contains(&n.output[0]);
+        if bypass {
+            // nodes are in topological order: the input's own source is already known
+            let root = source.get(&n.input[0]).cloned().unwrap_or_else(|| n.input[0].clone());
+            source.insert(n.output[0].clone(), root);
+        }
+        !bypass
+    });
+    if source.is_empty() {
+        return;
+    }
+    for n in &mut graph.node {
+        for i in n.input.iter_mut() {
+            if let Some(root) = source.get(i.as_str()) {
+                *i = root.clone();
+            }
+        }
+    }
 }
 
 /// Stable topological order: nodes keep their relative order unless an input is not yet
