@@ -4,7 +4,7 @@
 use crate::ce_site::CeSite;
 use crate::error::Error;
 use crate::graph::GraphIndex;
-use crate::onnx::{scalar_value_info, FLOAT};
+use crate::onnx::{scalar_value_info, NodeProto, FLOAT};
 use crate::ops::{
     ce, ntil, ntl, number_level, Builder, Combine, FlatInputs, LossKind, LossOptions, NumberTokens,
 };
@@ -77,6 +77,7 @@ pub fn build_patch(
         let node = ce::cross_entropy_node(&mut b, other, &other.loss_output);
         replacements.push((other.node_index, vec![node]));
     }
+    replacements.extend(declare_layer_norm_statistics(index, &mut b));
     Ok(Patch {
         replacements,
         initializers: b.initializers,
@@ -86,6 +87,33 @@ pub fn build_patch(
             metadata(site, &forward.flat, &forward.number_labels, tokens, opts, &reported, &rescaled_by),
         )],
     })
+}
+
+/// `LayerNormalization` nodes with their optional `Mean` and `InvStdDev` outputs declared: ORT
+/// Training's gradient builder reads them (like `SoftmaxCrossEntropyLoss`'s `log_prob`) and
+/// fails on exported graphs that leave them out. The values of the other outputs are unchanged.
+fn declare_layer_norm_statistics(index: &GraphIndex, b: &mut Builder) -> Vec<(usize, Vec<NodeProto>)> {
+    index
+        .graph
+        .node
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| {
+            n.op_type() == "LayerNormalization"
+                && matches!(n.domain(), "" | "ai.onnx")
+                && (n.output.len() < 3 || n.output.iter().any(String::is_empty))
+        })
+        .map(|(i, n)| {
+            let mut node = n.clone();
+            node.output.resize(3, String::new());
+            for (k, hint) in [(1, "layer_norm_mean"), (2, "layer_norm_inv_std_dev")] {
+                if node.output[k].is_empty() {
+                    node.output[k] = b.fresh(hint);
+                }
+            }
+            (i, vec![node])
+        })
+        .collect()
 }
 
 /// Ops that rescale a scalar loss on its way to the graph output.

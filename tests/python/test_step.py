@@ -409,29 +409,151 @@ def test_external_data_model_keeps_weights_external(tmp_path):
         np.testing.assert_array_equal(got[1][p], want[1][p])
 
 
-@pytest.mark.parametrize("loss", ["wasserstein", "ntil"])
-def test_logits_only_export_with_added_loss(loss, tmp_path):
+# Logits-only exports of the GPT-2 of fixtures/generate_step.py (same weights), references
+# reference/step/gpt2.npz: gpt2_logits (fixtures/generate_forms.py, a plain torch.onnx.export;
+# the loss is added automatically, with a notice) and gpt2_optimum (fixtures/generate_optimum.py,
+# optimum-onnx 0.1.0 `main_export(task="text-generation")` with its defaults; `--add-loss`). The
+# optimum graph also takes `attention_mask` and `position_ids`, and its constant folding stores
+# lm_head.weight transposed under an exporter-generated name: reference/gpt2_optimum.json maps
+# each initializer to its torch parameter.
+LOGITS_ONLY = {"gpt2_logits": [], "gpt2_optimum": ["--add-loss"]}
+LOGITS_CASES = [(m, l) for m in LOGITS_ONLY for l in ("wasserstein", "ntil")]
+
+
+def _logits_only_names(model: str) -> dict[str, tuple[str, bool]]:
+    """{initializer: (torch parameter, transposed)} for the initializers an exporter renamed."""
+    if model != "gpt2_optimum":
+        return {}
+    ref = json.loads((MODELS.parent / "reference" / "gpt2_optimum.json").read_text())
+    return {k: (v["parameter"], v["transposed"]) for k, v in ref["initializers"].items()}
+
+
+def _logits_only_want(ref, key: str, params: list[str], names: dict) -> dict[str, np.ndarray]:
+    """ref[f"{key}/<torch name>"] per graph parameter, transposed where the exporter transposed."""
+    want = {}
+    for p in params:
+        k, transposed = names.get(p, (p, False))
+        w = ref[f"{key}/{k}"]
+        want[p] = w.T if transposed else w
+    return want
+
+
+def _logits_only_feeds(graph, input_ids, labels) -> dict[str, np.ndarray]:
+    """The batch for the graph's data inputs, in input order: optimum's `attention_mask` is all
+    ones (no padding, as in `model(input_ids, labels=labels)`), `position_ids` is arange(T)."""
+    b, t = input_ids.shape
+    known = {"input_ids": input_ids, "labels": labels, "attention_mask": np.ones((b, t), np.int64),
+             "position_ids": np.tile(np.arange(t, dtype=np.int64), (b, 1))}
+    return {i.name: known[i.name] for i in graph.input if i.name in known}
+
+
+@pytest.mark.parametrize("model,loss", LOGITS_CASES, ids=[f"{m}-{l}" for m, l in LOGITS_CASES])
+def test_logits_only_export_with_added_loss(model, loss, tmp_path):
     """A logits-only GPT-2 export gets Hugging Face's shifted causal-LM cross-entropy (added
-    automatically, with a notice): losses and gradients equal the same GPT-2 exported with its
-    own loss (torch references of fixtures/reference/step/gpt2.npz, `model(labels=...).loss`)."""
+    automatically with a notice, or by --add-loss): losses and gradients equal the same GPT-2
+    exported with its own loss (torch references of fixtures/reference/step/gpt2.npz,
+    `model(labels=...).loss`)."""
     ref = _hf_reference("gpt2")
+    names = _logits_only_names(model)
+    src = MODELS / f"{model}.onnx"
     out = tmp_path / "m.grad.onnx"
-    args = ["step", MODELS / "gpt2_logits.onnx", "--loss", loss, "--tokenizer", TOKENIZER, "--weight", str(WEIGHT),
+    args = ["step", src, *LOGITS_ONLY[model], "--loss", loss, "--tokenizer", TOKENIZER, "--weight", str(WEIGHT),
             "-o", out, "--split", "--json"] + (NTIL_ARGS if loss == "ntil" else [])
     r = run_patch(args)
     assert r.returncode == 0, r.stderr
     assert "added input 'labels'" in r.stderr
     params = json.loads(r.stdout)["parameters"]
+    key = f"grad/{loss}/float64"
+    assert sorted(names.get(p, (p, False))[0] for p in params) == sorted(
+        k.removeprefix(key + "/") for k in ref.files if k.startswith(key + "/")), "every torch parameter trains, nothing else"
     g = onnx.load(str(out))
-    assert [i.name for i in g.graph.input][:2] == ["input_ids", "labels"]
+    data = [i.name for i in onnx.load(str(src)).graph.input]
+    assert [i.name for i in g.graph.input][:len(data) + 1] == data + ["labels"]
     x, y = ref["batch/input_ids"], ref["batch/labels"]
-    outs = _session(out).run(None, {"input_ids": x, "labels": y})
+    outs = _session(out).run(None, _logits_only_feeds(g.graph, x, y))
     np.testing.assert_allclose(outs[:3], ref[f"forward/{loss}/float64"], rtol=1e-5, atol=1e-7)
-    want = {p: ref[f"grad/{loss}/float64/{p}"] for p in params}
+    want = _logits_only_want(ref, key, params, names)
     all_want = np.concatenate([w.ravel() for w in want.values()])
     floor = 1e-3 * float(np.linalg.norm(all_want))
     errs = {p: _norm_rel(o.astype(np.float64), want[p], floor) for p, o in zip(params, outs[3:])}
-    assert max(errs.values()) <= GRAD_RTOL, errs
+    worst = max(errs, key=errs.get)
+    print(f"{model}/{loss}: worst parameter {worst} {errs[worst]:.2e}")
+    assert errs[worst] <= GRAD_RTOL, errs
+
+
+def _optimum_patched(tmp_path):
+    """gpt2_optimum through the patch command with --add-loss (λ = 0.3, wasserstein)."""
+    src = MODELS / "gpt2_optimum.onnx"
+    out = tmp_path / "m.ntl.onnx"
+    r = run_patch([src, "--add-loss", "--tokenizer", TOKENIZER, "--weight", str(WEIGHT), "-o", out])
+    assert r.returncode == 0, r.stderr
+    return src, out, onnx.load(str(src)), onnx.load(str(out))
+
+
+def test_optimum_export_patch_with_added_loss(tmp_path):
+    """optimum's GPT-2 export through the patch command with --add-loss: the original inputs
+    stay and `labels` follows them, `logits` is unchanged; `ce_loss` is Hugging Face's
+    `model(input_ids, labels=labels).loss` and `loss` = ce + λ·NTL (reference/step/gpt2.npz)."""
+    ref = _hf_reference("gpt2")
+    src, out, before, patched = _optimum_patched(tmp_path)
+    assert [i.name for i in patched.graph.input] == [i.name for i in before.graph.input] + ["labels"]
+    out_names = [o.name for o in patched.graph.output]
+    assert out_names == ["loss", "logits", "ce_loss", "number_loss"], out_names
+    x, y = ref["batch/input_ids"], ref["batch/labels"]
+    total, ce, number = ref["forward/wasserstein/float64"]
+    outs = dict(zip(out_names, _session(out).run(None, _logits_only_feeds(patched.graph, x, y))))
+    errs = {k: abs(float(outs[k]) - w) / abs(w) for k, w in (("ce_loss", ce), ("number_loss", number), ("loss", total))}
+    print(f"gpt2_optimum patch: relative errors {errs}")
+    assert max(errs.values()) <= 1e-5, errs
+    logits = _session(src).run(None, _logits_only_feeds(before.graph, x, y))[0]
+    np.testing.assert_allclose(outs["logits"], logits, rtol=0, atol=1e-6)
+
+
+def test_optimum_export_trains_in_ort_training(tmp_path):
+    """ORT Training 1.19.2 `generate_artifacts(loss=None)` trains optimum's GPT-2 after
+    --add-loss: the first step's losses and gradients are torch's (reference/step/gpt2.npz),
+    and the loss after one AdamW step is finite. (ORT's LayerNormalization gradient reads the
+    optional Mean/InvStdDev outputs the exporters leave out; ntl-patch declares them.)"""
+    ort = _quiet_ort()
+    from onnxruntime.training import artifacts
+    from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+    ref = _hf_reference("gpt2")
+    names = _logits_only_names("gpt2_optimum")
+    _, _, before, patched = _optimum_patched(tmp_path)
+    out_names = [o.name for o in patched.graph.output]
+    params = [t.name for t in before.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+    assert sorted(names) == sorted(params)
+    art = tmp_path / "artifacts"
+    art.mkdir()
+    artifacts.generate_artifacts(patched, requires_grad=params, frozen_params=[], loss=None,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=str(art))
+    state = CheckpointState.load_checkpoint(str(art / "checkpoint"))
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    module = Module(str(art / "training_model.onnx"), state, str(art / "eval_model.onnx"), device="cpu",
+                    session_options=so)
+    module.train()
+    x, y = ref["batch/input_ids"], ref["batch/labels"]
+    total, ce, _ = ref["forward/wasserstein/float64"]
+    feeds = _logits_only_feeds(patched.graph, x, y)
+    step = module(*feeds.values())
+    loss0 = float(step[0])
+    assert np.isfinite(loss0) and abs(loss0 - total) <= 1e-5 * abs(total), (loss0, total)
+    assert abs(float(step[out_names.index("ce_loss")]) - ce) <= 1e-5 * abs(ce)
+    want = _logits_only_want(ref, "grad/wasserstein/float64", params, names)
+    all_want = np.concatenate([w.ravel() for w in want.values()])
+    floor = 1e-3 * float(np.linalg.norm(all_want))
+    errs = {p: _norm_rel(state.parameters[p].grad.astype(np.float64), want[p], floor) for p in params}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= GRAD_RTOL, errs
+    opt = Optimizer(str(art / "optimizer_model.onnx"), module)
+    opt.set_learning_rate(1e-2)
+    opt.step()
+    module.lazy_reset_grad()
+    loss1 = float(module(*feeds.values())[0])
+    assert np.isfinite(loss1), "loss after one AdamW step"
+    print(f"gpt2_optimum ORT Training: grad worst {worst} {errs[worst]:.2e}; loss {loss0:.6f} -> {loss1:.6f}")
 
 
 def test_rescaled_loss_gets_the_number_loss_after_the_rescaling(weights, tmp_path):
