@@ -121,7 +121,8 @@ def test_package_metadata(check):
     assert m["version"] == m["dist_version"] == _cargo_version()
     assert sorted(m["requires"]) == ["numpy", "onnxruntime"]
     assert not m["torch_imported"] and m["torch_or_onnx_installed"] == []
-    assert {"patch", "step", "artifacts", "validate", "inspect", "StepRunner",
+    assert check["no_torch"]["type"] == "ImportError" and "DataParallel needs torch" in check["no_torch"]["message"]
+    assert {"patch", "step", "artifacts", "validate", "inspect", "StepRunner", "DataParallel",
             "NtlPatchError"} <= set(m["all"])
     assert {"ntl-patch", "onnxruntime", "numpy"} <= set(m["installed"])
     assert not {"torch", "onnx", "onnxruntime-training", "onnxruntime-training-cpu"} & set(m["installed"])

@@ -83,6 +83,7 @@ def main() -> None:
         "json_option": caught(lambda: ntl_patch.inspect(model, json=True)),
         "missing_file": caught(lambda: ntl_patch.inspect(w("nowhere.onnx"))),
     }
+    out["no_torch"] = caught(lambda: ntl_patch.DataParallel(w("m.grad.onnx")))
 
     z = np.load(cfg["batches"])
     runs = {}
