@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# GPU check for a machine with an NVIDIA GPU. Two parts, each in its own Python environment:
+# GPU check for a machine with an NVIDIA GPU. Three parts, each in its own Python environment:
 #
 #   scripts/gpu-check.sh [gpu_check.py options: --steps N --models lm_flat --losses ntil ...]
 #   scripts/gpu-check.sh --step [gpu_check_step.py options: --models gpt2_ts --losses ntil --self-test ...]
+#   scripts/gpu-check.sh --dp [--cpu] [gpu_check_dp.py options: --steps N --rtol R]
 #
 # Default (ORT Training, scripts/gpu_check.py): patch every fixture with every loss, train the
 # patched graphs with ONNX Runtime Training on CUDAExecutionProvider and on the CPU, and compare
@@ -19,7 +20,18 @@
 # (norm-relative, floor 1e-3 * all), leaving out the elements whose float64 reference gradient is
 # zero (there AdamW turns pure round-off into +-lr steps; lm_flat: k.bias); ORT's recorded node
 # assignment (the session must run on CUDA) against `ntl-patch inspect --target cuda`'s prediction.
-# Report OUT/gpu-check-step.json. Run both parts one after the other for the full check.
+# Report OUT/gpu-check-step.json.
+#
+# --dp (ntl_patch.DataParallel, scripts/gpu_check_dp.py): needs 2 GPUs; with fewer it says so and
+# exits 0 (2 with --require-gpu). `ntl-patch step --split --max-grad-norm 0.5` on lm_flat, then
+# `torchrun --nproc-per-node 2`: one process per GPU, onnxruntime on CUDAExecutionProvider
+# (use_tf32=0), gradients averaged by NCCL all_reduce on torch tensors sharing the OrtValues' GPU
+# memory (DLPack); 10 steps, the state saved after 5 and resumed in new objects. Compared with one
+# CPU process that averages both shards' gradients itself: losses and final parameters within 1e-4
+# (relative; lm_flat's k.bias, whose exact gradient is zero, left out), the resumed run
+# bit-identical. Report OUT/gpu-check-dp.json (+ gpu-check-dp.log). `--dp --cpu`: the same with
+# gloo and the CPU provider, on any machine (a dry run of the script).
+# Run the three parts one after the other for the full check.
 # NOTE: PyPI's onnxruntime-gpu 1.31.1 is a CUDA 13.0 build (its build_and_package_info says
 # cuda_version 13.0; libonnxruntime_providers_cuda.so needs libcublas.so.13, libcudart.so.13): it
 # needs an NVIDIA driver >= 580 (`nvidia-smi` shows "CUDA Version: 13.0" or newer) and gets the
@@ -48,7 +60,14 @@
 #   GPU_CHECK_STEP_ORT  --step: `gpu` (default) as above; `cpu`: plain onnxruntime==1.31.1 and
 #                    numpy only, for a quick CPU-only dry run (add --self-test to exercise the
 #                    comparison code without a GPU)
-#   OUT              report folder (default target/gpu-check/): gpu-check.json, gpu-check-step.json
+#   GPU_CHECK_DP_VENV  --dp: the environment to make or reuse (default ~/.cache/ntl-patch-gpu-check/venv-dp;
+#                    venv-dp-cpu with --cpu); it gets torch==2.7.1 (PyPI's CUDA 12.6 build, with NCCL
+#                    and the nvidia-*-cu12 libraries), onnxruntime-gpu==1.22.0 (a CUDA 12 / cuDNN 9
+#                    build, so torch's CUDA 12 libraries serve both: onnxruntime.preload_dlls() loads
+#                    them after `import torch`) and numpy==2.2.6; --cpu: onnxruntime==1.31.1 instead
+#   GPU_CHECK_DP_ORT   --dp: the onnxruntime package spec instead of onnxruntime-gpu==1.22.0
+#   OUT              report folder (default target/gpu-check/): gpu-check.json, gpu-check-step.json,
+#                    gpu-check-dp.json
 # pip reads its usual variables (PIP_INDEX_URL, PIP_FIND_LINKS, PIP_NO_INDEX) for offline
 # machines. Without a usable GPU it says so and checks the CPU side only (exit 0; pass
 # --require-gpu to make that exit 2). Exit 1 when a comparison fails.
@@ -146,6 +165,41 @@ if [[ "${1:-}" == "--step" ]]; then
   fi
   exec "$step_venv/bin/python" "$root/scripts/gpu_check_step.py" --bin "$bin" \
     --out "${OUT:-$root/target/gpu-check}" "$@"
+fi
+
+# -- DataParallel on 2 GPUs with NCCL (--dp)
+if [[ "${1:-}" == "--dp" ]]; then
+  shift
+  cpu="" require=""
+  dp_args=()
+  for a in "$@"; do
+    case "$a" in
+      --cpu) cpu=1; dp_args+=("$a") ;;
+      --require-gpu) require=1 ;;
+      *) dp_args+=("$a") ;;
+    esac
+  done
+  if [[ -z "$cpu" ]]; then
+    ngpu=0
+    if command -v nvidia-smi >/dev/null; then
+      ngpu="$(nvidia-smi --list-gpus 2>/dev/null | grep -c '^GPU ' || true)"
+    fi
+    if (( ngpu < 2 )); then
+      say "DataParallel: the 2-process NCCL run is skipped: it needs 2 GPUs and this machine has ${ngpu} (nvidia-smi --list-gpus)"
+      [[ -n "$require" ]] && exit 2
+      exit 0
+    fi
+    say "DataParallel: $ngpu GPUs; 2 processes, NCCL"
+    dp_venv="${GPU_CHECK_DP_VENV:-$cache/venv-dp}"
+    dp_pkgs=("torch==2.7.1" "${GPU_CHECK_DP_ORT:-onnxruntime-gpu==1.22.0}" "numpy==2.2.6")
+  else
+    dp_venv="${GPU_CHECK_DP_VENV:-$cache/venv-dp-cpu}"
+    dp_pkgs=("torch==2.7.1" "${GPU_CHECK_DP_ORT:-onnxruntime==$ort_gpu_version}" "numpy==2.2.6")
+  fi
+  ensure_venv "$dp_venv" "${dp_pkgs[@]}"
+  find_bin
+  exec "$dp_venv/bin/python" "$root/scripts/gpu_check_dp.py" --bin "$bin" \
+    --out "${OUT:-$root/target/gpu-check}" ${dp_args[@]+"${dp_args[@]}"}
 fi
 
 # -- 1. Python environment

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every test: Rust unit and integration tests, then the ONNX Runtime Training end-to-end harness.
 # Installs what the tests need on first use (.venv for Python, .venv-rt for the torch-free
-# onnxruntime 1.31.1 environment, .venv-ort for the ORT C library).
+# onnxruntime 1.31.1 environment, .venv-ort for the ORT C library; tests/python/test_wheel.py makes
+# .venv-maturin through scripts/build-wheel.sh).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

@@ -1,0 +1,113 @@
+"""The safetensors file format, read and written with numpy (no `safetensors` dependency).
+
+Layout: an 8-byte little-endian unsigned header length N, N bytes of UTF-8 JSON
+``{name: {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, "__metadata__":
+{str: str}}`` (padded with spaces to a multiple of 8), then the tensors' little-endian bytes, each
+at its offsets relative to the end of the header, in header order, without gaps. Files written
+here load with ``safetensors.numpy.load_file`` / ``safetensors.torch.load_file`` and back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+DTYPES = {
+    "F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
+    "I8": "i1", "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?",
+}
+_CODES = {np.dtype(v): k for k, v in DTYPES.items()}
+MAX_HEADER = 100_000_000  # the format's own limit
+
+
+class SafetensorsError(ValueError):
+    """The file is not a safetensors file this reader accepts (the message says why)."""
+
+
+def save(path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    """Write tensors (name -> array) and string metadata to path, atomically (a temporary file in
+    the same folder, fsynced, then renamed)."""
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    arrays = []
+    offset = 0
+    for name, value in tensors.items():
+        arr = np.asarray(value)
+        code = _CODES.get(arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype)
+        if code is None or name == "__metadata__":
+            raise SafetensorsError(f"tensor {name!r}: dtype {arr.dtype} cannot be stored"
+                                   if code is None else "'__metadata__' is not a tensor name")
+        arr = np.asarray(arr, dtype=DTYPES[code], order="C")  # keeps 0-d arrays 0-d
+        header[name] = {"dtype": code, "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + arr.nbytes]}
+        arrays.append(arr)
+        offset += arr.nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    path = Path(os.fspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            for arr in arrays:
+                f.write(memoryview(arr.reshape(-1)).cast("B") if arr.size else b"")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file; SafetensorsError when it is malformed."""
+    path = Path(os.fspath(path))
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) < 8:
+        raise SafetensorsError(f"{path}: too short for a safetensors file")
+    n = int.from_bytes(data[:8], "little")
+    if n > MAX_HEADER or 8 + n > len(data):
+        raise SafetensorsError(f"{path}: header length {n} does not fit the file")
+    try:
+        header = json.loads(data[8:8 + n].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise SafetensorsError(f"{path}: header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{path}: header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise SafetensorsError(f"{path}: __metadata__ must map strings to strings")
+    body = memoryview(data)[8 + n:]
+    tensors: dict[str, np.ndarray] = {}
+    spans = []
+    for name, info in header.items():
+        try:
+            dtype = np.dtype(DTYPES[info["dtype"]])
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise SafetensorsError(f"{path}: tensor {name!r} has a malformed entry {info!r}") from None
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if any(d < 0 for d in shape) or not 0 <= begin <= end <= len(body) \
+                or end - begin != count * dtype.itemsize:
+            raise SafetensorsError(f"{path}: tensor {name!r}: offsets {begin}..{end} do not hold "
+                                   f"{info['dtype']}{list(shape)} inside the data")
+        spans.append((begin, end, name))
+        tensors[name] = np.frombuffer(body[begin:end], dtype=dtype).reshape(shape).copy()
+    spans.sort()
+    pos = 0
+    for begin, end, name in spans:
+        if begin != pos:
+            raise SafetensorsError(f"{path}: tensor {name!r} starts at {begin}, expected {pos} "
+                                   f"(overlapping or gapped data)")
+        pos = end
+    if pos != len(body):
+        raise SafetensorsError(f"{path}: {len(body) - pos} bytes after the last tensor")
+    return tensors, {str(k): v for k, v in meta.items()}

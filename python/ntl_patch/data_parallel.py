@@ -1,0 +1,346 @@
+"""Data-parallel training of `ntl-patch step --split` graphs on torch.distributed.
+
+Each rank runs the gradient graph (MODEL.grad.onnx) on its own shard with onnxruntime, the
+gradients are averaged over the ranks with one ``torch.distributed.all_reduce`` (gloo on CPU, NCCL
+on GPUs; the OrtValues and torch tensors share memory through DLPack), and every rank runs the same
+update graph (MODEL.update.onnx) on the same averaged gradient, so all ranks hold the same state.
+The semantics are torch's DistributedDataParallel: the gradient is the mean over ranks of each
+rank's gradient of its own mean loss (and over the k micro-batches with gradient accumulation);
+``--max-grad-norm`` (in the update graph) clips that averaged gradient, as ``clip_grad_norm_``
+after DDP's all-reduce does. torch is imported only here, when the class is used::
+
+    # torchrun --nproc-per-node 2 train.py
+    import torch.distributed as dist
+    from ntl_patch import DataParallel
+
+    dist.init_process_group("gloo")                # or "nccl"; DataParallel does it if not done
+    dp = DataParallel("model.grad.onnx")           # model.update.onnx beside it
+    for batch in my_shard_of_the_batches:          # dict: data input name -> array
+        total, ce, number = dp.step(batch)         # averaged over the ranks
+    dp.save_state("ckpt.safetensors")              # every rank calls it; rank 0 writes
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from . import _dlpack, _onnx_wire, _safetensors
+
+METADATA_KEY = "ntl_step"
+CHECKPOINT_FORMAT = "ntl_patch.DataParallel/1"
+_GPU_PROVIDERS = {"CUDAExecutionProvider", "ROCMExecutionProvider", "MIGraphXExecutionProvider"}
+
+
+def _update_path(grad_graph: Path) -> Path:
+    name = grad_graph.name
+    stem = name[: -len(".grad.onnx")] if name.endswith(".grad.onnx") else grad_graph.stem
+    return grad_graph.with_name(f"{stem}.update.onnx")
+
+
+def _metadata(session, path: Path) -> dict:
+    raw = session.get_modelmeta().custom_metadata_map.get(METADATA_KEY)
+    try:
+        meta = json.loads(raw) if raw is not None else None
+    except ValueError:
+        meta = None
+    keys = ("state", "parameters", "lr_input", "losses", "data_inputs")
+    if not isinstance(meta, dict) or any(k not in meta for k in keys):
+        raise ValueError(f"{path}: no usable '{METADATA_KEY}' metadata; write the graphs with "
+                         f"`ntl-patch step MODEL --split`")
+    if not meta.get("split"):
+        raise ValueError(f"{path}: a single step graph, not the split form: write MODEL.grad.onnx "
+                         f"and MODEL.update.onnx with `ntl-patch step MODEL --split` (a single "
+                         f"step graph trains with StepRunner)")
+    return meta
+
+
+class DataParallel:
+    """Trains split step graphs data-parallel over the ranks of torch.distributed.
+
+    grad_graph: MODEL.grad.onnx; update_graph: default MODEL.update.onnx beside it.
+    accumulation_steps: k micro-batches per optimizer step (``step`` then takes a list of k
+    batches; the gradient is their mean, as torch's loss/k + no_sync accumulation).
+    providers / session_options: as for ``onnxruntime.InferenceSession``. Default: the CUDA provider
+    on GPU ``LOCAL_RANK`` when both onnxruntime and torch have CUDA, else CPU (pass e.g.
+    ``[("ROCMExecutionProvider", {"device_id": r})]`` for AMD). group: a torch.distributed process
+    group (default: the world). If torch.distributed is not initialized and torchrun's environment
+    is set, ``init_process_group`` is called with gloo (CPU) or NCCL (GPU); with neither, it runs
+    as a single process (world size 1).
+    """
+
+    def __init__(self, grad_graph, update_graph=None, *, accumulation_steps: int = 1,
+                 providers=None, session_options=None, group=None):
+        try:
+            import torch
+            import torch.distributed as dist
+        except ImportError as e:
+            raise ImportError(f"ntl_patch.DataParallel needs torch ({e}); install it, e.g. "
+                              f"`pip install torch` (StepRunner and the command wrappers do not)") from None
+
+        self._torch, self._dist = torch, dist
+        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) \
+                or accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be an int >= 1, not {accumulation_steps!r}")
+        self.accumulation_steps = accumulation_steps
+        self.grad_path = Path(os.fspath(grad_graph))
+        self.update_path = Path(os.fspath(update_graph)) if update_graph is not None \
+            else _update_path(self.grad_path)
+        for p in (self.grad_path, self.update_path):
+            if not p.is_file():
+                raise FileNotFoundError(f"{p}: no such file (write it with `ntl-patch step MODEL --split`)")
+
+        providers, self.device, self.device_id = self._placement(providers)
+        self.torch_device = torch.device(self.device if self.device == "cpu" else f"cuda:{self.device_id}")
+        self.group = group
+        if self.device != "cpu":
+            torch.cuda.set_device(self.torch_device)  # NCCL's communicator uses the current device
+        if not (dist.is_available() and dist.is_initialized()) and group is None:
+            if dist.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                dist.init_process_group("gloo" if self.device == "cpu" else "nccl")
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self.rank = dist.get_rank(group) if self.distributed else 0
+
+        if session_options is None:
+            session_options = ort.SessionOptions()
+            session_options.log_severity_level = 3  # state inputs have initializers by contract
+            session_options.enable_mem_pattern = False
+        self.grad_session = ort.InferenceSession(str(self.grad_path), session_options, providers=providers)
+        self.update_session = ort.InferenceSession(str(self.update_path), session_options, providers=providers)
+        self._check_graphs()
+        self._state = self._initial_state()
+        self._steps = int(np.asarray(self._state_host(self.step_input)))
+
+    # --- setup -------------------------------------------------------------------------------
+
+    def _placement(self, providers):
+        torch = self._torch
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if providers is None:
+            if "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available():
+                providers = [("CUDAExecutionProvider", {"device_id": local}), "CPUExecutionProvider"]
+            else:
+                providers = ["CPUExecutionProvider"]
+        providers = list(providers)
+        first = providers[0]
+        name, opts = (first, {}) if isinstance(first, str) else (first[0], dict(first[1]))
+        if name in _GPU_PROVIDERS:
+            return providers, "cuda", int(opts.get("device_id", local))
+        return providers, "cpu", 0
+
+    def _check_graphs(self) -> None:
+        meta = _metadata(self.grad_session, self.grad_path)
+        umeta = _metadata(self.update_session, self.update_path)
+        if meta["state"] != umeta["state"] or meta["parameters"] != umeta["parameters"]:
+            raise ValueError(f"{self.grad_path} and {self.update_path} come from different "
+                             f"`ntl-patch step --split` runs (their state differs)")
+        self.metadata: dict = meta
+        self.parameter_names: list[str] = list(meta["parameters"])
+        self.data_inputs: list[str] = list(meta["data_inputs"])
+        self.losses: list[str] = list(meta["losses"])
+        self.state_names: list[tuple[str, str]] = [(str(i), str(o)) for i, o in meta["state"]]
+        self.lr_input: str = meta["lr_input"]
+        self.step_input = next((i for i, _ in self.state_names if i == "ntl/state/step"),
+                               self.state_names[-1][0])
+        outs = [o.name for o in self.grad_session.get_outputs()]
+        self.grad_names = outs[3:]
+        if outs[:3] != self.losses or len(self.grad_names) != len(self.parameter_names):
+            raise ValueError(f"{self.grad_path}: outputs {outs[:5]}... are not the losses then one "
+                             f"gradient per parameter")
+        uin = {i.name for i in (*self.update_session.get_inputs(),
+                                *self.update_session.get_overridable_initializers())}
+        missing = [n for n in [*self.grad_names, *(i for i, _ in self.state_names)] if n not in uin]
+        if missing:
+            raise ValueError(f"{self.update_path}: inputs {missing[:5]} missing")
+        shapes = {o.name: o.shape for o in self.grad_session.get_outputs()}
+        self._shapes = [tuple(int(d) for d in shapes[g]) for g in self.grad_names]
+        self._spans, off = [], 0
+        for shape in self._shapes:
+            n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            self._spans.append((off, n))
+            off += n
+        self._numel = off
+
+    def _initial_state(self) -> dict:
+        params = set(self.parameter_names)
+        names = [i for i, _ in self.state_names]
+        host = _onnx_wire.read_initializers(self.grad_path, [n for n in names if n in params])
+        host.update(_onnx_wire.read_initializers(self.update_path, [n for n in names if n not in params]))
+        return {n: self._upload(host[n]) for n in names}
+
+    def _upload(self, arr: np.ndarray) -> ort.OrtValue:
+        arr = np.array(arr, copy=True, order="C")  # not ascontiguousarray: it makes scalars [1]
+        return ort.OrtValue.ortvalue_from_numpy(arr, self.device, self.device_id)
+
+    # --- training ----------------------------------------------------------------------------
+
+    @property
+    def steps_taken(self) -> int:
+        """Optimizer steps taken (the state's step count)."""
+        return self._steps
+
+    def step(self, batch, lr: float | None = None) -> tuple[float, float, float]:
+        """One optimizer step. batch: this rank's shard, a dict (data input name -> numpy array,
+        torch tensor or OrtValue), or a list of accumulation_steps such dicts. lr overrides the
+        graph's learning rate for this step (the same on every rank). Returns (total, ce_loss,
+        number_loss), each the mean over micro-batches and ranks."""
+        torch = self._torch
+        micro = [batch] if isinstance(batch, dict) else batch
+        if not isinstance(micro, (list, tuple)) or len(micro) != self.accumulation_steps \
+                or not all(isinstance(b, dict) for b in micro):
+            raise TypeError(f"step() takes a dict of data inputs (accumulation_steps=1) or a list of "
+                            f"{self.accumulation_steps} such dicts, not {type(batch).__name__}"
+                            + (f" of length {len(batch)}" if isinstance(batch, (list, tuple)) else ""))
+        flat = torch.zeros(self._numel + 3, dtype=torch.float32, device=self.torch_device)
+        for b in micro:
+            self._accumulate(b, flat)
+        if self.world_size > 1:
+            self._dist.all_reduce(flat, op=self._dist.ReduceOp.SUM, group=self.group)
+        flat.div_(self.world_size * self.accumulation_steps)
+        self._update(flat, lr)
+        self._steps += 1
+        return tuple(float(x) for x in flat[self._numel:].tolist())  # type: ignore[return-value]
+
+    def _bind_data(self, binding, batch: dict, keep: list) -> None:
+        torch = self._torch
+        missing = [n for n in self.data_inputs if n not in batch]
+        extra = [n for n in batch if n not in self.data_inputs]
+        if missing or extra:
+            raise ValueError(f"batch must have exactly the data inputs {self.data_inputs}: "
+                             f"missing {missing}, unexpected {extra}")
+        for name in self.data_inputs:
+            v = batch[name]
+            if isinstance(v, torch.Tensor):
+                v = _dlpack.from_torch(v.contiguous())
+            if isinstance(v, ort.OrtValue):
+                keep.append(v)
+                binding.bind_ortvalue_input(name, v)
+            else:
+                arr = np.asarray(v, order="C")
+                keep.append(arr)
+                binding.bind_cpu_input(name, arr)
+
+    def _sync_torch(self) -> None:
+        # ORT runs on its own stream: torch's writes must be done before ORT reads them
+        if self.device != "cpu":
+            self._torch.cuda.current_stream(self.torch_device).synchronize()
+
+    def _accumulate(self, batch: dict, flat) -> None:
+        b = self.grad_session.io_binding()
+        keep: list = []
+        self._bind_data(b, batch, keep)
+        for p in self.parameter_names:
+            b.bind_ortvalue_input(p, self._state[p])
+        for name in (*self.losses, *self.grad_names):
+            b.bind_output(name, self.device, self.device_id)
+        self._sync_torch()
+        self.grad_session.run_with_iobinding(b)
+        b.synchronize_outputs()
+        outs = b.get_outputs()
+        for (off, n), g in zip(self._spans, outs[3:]):
+            flat[off:off + n].add_(_dlpack.to_torch(g).reshape(-1))
+        for j, v in enumerate(outs[:3]):
+            flat[self._numel + j].add_(_dlpack.to_torch(v).reshape(()).to(flat.dtype))
+        del keep
+
+    def _update(self, flat, lr) -> None:
+        b = self.update_session.io_binding()
+        grads = [_dlpack.from_torch(flat[off:off + n].view(shape))
+                 for (off, n), shape in zip(self._spans, self._shapes)]
+        for name, _ in self.state_names:
+            b.bind_ortvalue_input(name, self._state[name])
+        for name, g in zip(self.grad_names, grads):
+            b.bind_ortvalue_input(name, g)
+        if lr is not None:
+            if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating, np.integer)):
+                raise TypeError(f"lr must be a number, not {type(lr).__name__}")
+            b.bind_ortvalue_input(self.lr_input, ort.OrtValue.ortvalue_from_numpy(np.array(lr, np.float32)))
+        for _, out in self.state_names:
+            b.bind_output(out, self.device, self.device_id)
+        self._sync_torch()
+        self.update_session.run_with_iobinding(b)
+        b.synchronize_outputs()
+        values = b.get_outputs()
+        b.clear_binding_inputs()
+        self._state = {name: v for (name, _), v in zip(self.state_names, values)}
+        del grads
+
+    # --- state -------------------------------------------------------------------------------
+
+    def _state_host(self, name: str) -> np.ndarray:
+        v = self._state[name]
+        arr = v.numpy()  # a copy from a device, a view on CPU
+        return arr.copy() if v.device_name().lower() == "cpu" else arr
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Parameters, optimizer moments and the step count, copied to host (state input names)."""
+        return {n: self._state_host(n) for n, _ in self.state_names}
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """The trained parameters, copied to host."""
+        return {n: self._state_host(n) for n in self.parameter_names}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Upload a state (e.g. from state_dict()); names, dtypes and shapes must match."""
+        names = [n for n, _ in self.state_names]
+        missing = [n for n in names if n not in state]
+        extra = [n for n in state if n not in names]
+        if missing or extra:
+            raise ValueError(f"state must have exactly the state tensors: missing {missing[:5]}, "
+                             f"unexpected {extra[:5]}")
+        new = {}
+        for n in names:
+            arr = np.asarray(state[n])
+            want = self._state[n]
+            dtype = self._state_host(n).dtype
+            if tuple(arr.shape) != tuple(want.shape()) or arr.dtype != dtype:
+                raise ValueError(f"state[{n!r}] is {arr.dtype}{list(arr.shape)}, expected "
+                                 f"{dtype}{list(want.shape())}")
+            new[n] = self._upload(arr)
+        self._state = new
+        self._steps = int(np.asarray(state[self.step_input]))
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            if self.device == "cpu":
+                self._dist.barrier(group=self.group)
+            else:
+                self._dist.barrier(group=self.group, device_ids=[self.device_id])
+
+    def save_state(self, path) -> Path:
+        """Write the state (parameters, optimizer moments, step count) as a safetensors file.
+        Call it on every rank: rank 0 writes (all ranks hold the same state), the others wait."""
+        path = Path(os.fspath(path))
+        if self.rank == 0:
+            meta = {"format": CHECKPOINT_FORMAT,
+                    "parameters": json.dumps(self.parameter_names),
+                    "optimizer": json.dumps(self.metadata.get("optimizer")),
+                    "steps": str(self._steps)}
+            _safetensors.save(path, self.state_dict(), meta)
+        self._barrier()
+        return path
+
+    def load_state(self, path) -> None:
+        """Load a save_state() file on every rank (it must be readable from each)."""
+        tensors, meta = _safetensors.load(path)
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{path}: not a DataParallel checkpoint (format {meta.get('format')!r})")
+        self.load_state_dict(tensors)
+
+    def save_inference_model(self, original_model, out, strict: bool = True) -> Path:
+        """original_model with the trained parameters (see StepRunner.save_inference_model).
+        Call it on every rank: rank 0 writes."""
+        if self.rank == 0:
+            _onnx_wire.replace_initializers(original_model, out, self.parameters(), strict=strict)
+        self._barrier()
+        return Path(out)
+
+    def __repr__(self) -> str:
+        return (f"DataParallel({str(self.grad_path)!r}, rank {self.rank}/{self.world_size}, "
+                f"device={self.device}:{self.device_id}, accumulation_steps="
+                f"{self.accumulation_steps}, steps_taken={self._steps})")
