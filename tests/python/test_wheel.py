@@ -188,3 +188,54 @@ def test_runner_matches_rust_built_graph(check):
     assert got.shape == (STEPS, 3) and np.all(np.isfinite(got))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
     assert got[-1, 0] < got[0, 0]
+
+
+_RUNNER_SCRIPT = """
+import json, sys
+import numpy as np
+import onnxruntime
+from ntl_patch import StepRunner
+graph, batches, steps = sys.argv[1], np.load(sys.argv[2]), int(sys.argv[3])
+r = StepRunner(graph, providers=["CPUExecutionProvider"])
+losses = [list(map(float, r.step({"input_ids": batches[f"x{k}"], "labels": batches[f"y{k}"]})))
+          for k in range(steps)]
+print(json.dumps({"onnxruntime": onnxruntime.__version__, "losses": losses}))
+"""
+
+
+def _find_python(version: str) -> str | None:
+    """An interpreter of `version` that runs: on PATH, else in pyenv's versions folder."""
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    candidates = [shutil.which(f"python{version}")]
+    candidates += sorted(str(p) for p in root.glob(f"versions/{version}.*/bin/python{version}"))
+    for c in filter(None, candidates):
+        if subprocess.run([c, "--version"], capture_output=True).returncode == 0:
+            return c
+    return None
+
+
+@pytest.mark.parametrize("version", ["3.10", "3.12", "3.13", "3.14"])
+def test_wheel_on_other_pythons(version, wheel, check, tmp_path):
+    """The same wheel on the other supported Pythons (where this machine has the interpreter):
+    installs with whatever onnxruntime/numpy pip picks for that Python, the binary runs, and
+    three StepRunner steps give the losses of the 3.11 run (1e-5: onnxruntime may differ)."""
+    python = _find_python(version)
+    if python is None:
+        pytest.skip(f"no python{version} on this machine (PATH or pyenv)")
+    v = tmp_path / "env"
+    subprocess.run([python, "-m", "venv", str(v)], check=True, timeout=300)
+    r = subprocess.run([str(v / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check",
+                        "-q", str(wheel)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, f"pip install on {version} failed\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+    out = subprocess.run([str(v / "bin" / "ntl-patch"), "--version"], capture_output=True, text=True)
+    assert out.stdout.strip() == f"ntl-patch {_cargo_version()}"
+    steps = 3
+    batches = Path(check["_dirs"]["rust_step"]).parent / "batches.npz"
+    p = subprocess.run([str(v / "bin" / "python"), "-I", "-c", _RUNNER_SCRIPT,
+                        str(check["_dirs"]["rust_step"]), str(batches), str(steps)],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    print(f"python {version}: onnxruntime {res['onnxruntime']}")
+    np.testing.assert_allclose(np.array(res["losses"]), np.array(check["runner"]["rust"])[:steps],
+                               rtol=1e-5, atol=0)
