@@ -156,3 +156,5 @@ pub fn is_float_type(elem_type: i32) -> bool {
 pub const FLOAT: i32 = DataType::Float as i32;
 pub const INT64: i32 = DataType::Int64 as i32;
 pub const BOOL: i32 = DataType::Bool as i32;
+pub const INT32: i32 = DataType::Int32 as i32;
+pub const DOUBLE: i32 = DataType::Double as i32;

@@ -61,3 +61,39 @@ fn gpt2_step_graph_trains_in_tract_like_onnxruntime() {
     assert_eq!(checks.len(), 3 + 3 * 3 + 1, "{report}");
     assert!(checks.iter().all(|c| c["passed"] == true), "{report}");
 }
+
+/// The Hugging Face step graphs run whole on the GPU kernel tables of onnxruntime-gpu 1.31.1
+/// (CUDA) and onnxruntime-rocm 1.22.2: their label shift's integer `Pad` (no CUDA/ROCm kernel)
+/// runs on float64, a Cast's gradient casts back with `Cast`; and GPT-2 is taken whole by the
+/// MIGraphX model (Llama's run-time shape computations still exceed its limit: README).
+#[test]
+fn transformers_step_graphs_have_no_gpu_fallback() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["gpt2_ts", "gpt2_dynamo", "llama_ts", "llama_dynamo"] {
+        let out = dir.path().join(format!("{name}.step.onnx"));
+        bin()
+            .arg("step")
+            .arg(model(name))
+            .arg("--tokenizer")
+            .arg(tokenizer())
+            .arg("-o")
+            .arg(&out)
+            .assert()
+            .success();
+        let mut targets = vec!["cuda", "rocm"];
+        if name == "gpt2_ts" {
+            targets.push("migraphx");
+        }
+        for target in targets {
+            let o = bin()
+                .arg("inspect")
+                .arg(&out)
+                .args(["--target", target, "--json"])
+                .assert()
+                .success();
+            let v: serde_json::Value = serde_json::from_slice(&o.get_output().stdout).unwrap();
+            let gpu = &v["gpu"][0];
+            assert_eq!(gpu["fallbacks"].as_array().map(Vec::len), Some(0), "{name} {target}: {}", gpu["summary"]);
+        }
+    }
+}

@@ -1,7 +1,9 @@
 //! Forward rewrites that make exported graphs differentiable without changing any value:
 //! `SequenceAt(SplitToSequence(x, split, axis), k)` with constant `split` and `k` (the dynamo
 //! exporter's `torch.split`) becomes `Slice(x, start_k, end_k, axis)`, so the gradient needs no
-//! sequence types.
+//! sequence types; and a constant-mode `Pad` of an integer tensor (Hugging Face's label shift)
+//! runs on float64 — CUDA and ROCm have Pad kernels for float types and bool only, and
+//! int → double → int is exact for |v| < 2^53.
 
 use std::collections::BTreeSet;
 
@@ -11,6 +13,11 @@ use crate::ops::Builder;
 
 /// Rewrites `graph` in place; new constants are named through `b`.
 pub fn canonicalize(graph: &mut GraphProto, b: &mut Builder) {
+    split_to_sequence_as_slices(graph, b);
+    pad_integers_through_double(graph, b);
+}
+
+fn split_to_sequence_as_slices(graph: &mut GraphProto, b: &mut Builder) {
     let index = GraphIndex::new(graph);
     let mut replaced: Vec<(usize, Vec<NodeProto>)> = Vec::new();
     let mut splits_used: BTreeSet<usize> = BTreeSet::new();
@@ -85,6 +92,40 @@ pub fn canonicalize(graph: &mut GraphProto, b: &mut Builder) {
         }
     }
     graph.node = new_nodes;
+}
+
+fn pad_integers_through_double(graph: &mut GraphProto, b: &mut Builder) {
+    use crate::onnx::{DOUBLE, INT32, INT64};
+    let types = crate::elem_types::ElemTypes::infer(&GraphIndex::new(graph));
+    let int_pad = |n: &NodeProto| -> Option<i32> {
+        let constant = crate::onnx::attr_s(n, "mode").is_none_or(|m| m == "constant");
+        let t = types.get(n.input.first()?)?;
+        let int = t == INT64 || t == INT32;
+        (n.op_type() == "Pad" && constant && int && n.output.len() == 1).then_some(t)
+    };
+    if !graph.node.iter().any(|n| int_pad(n).is_some()) {
+        return;
+    }
+    let pending = std::mem::take(&mut b.nodes);
+    let mut nodes = Vec::with_capacity(graph.node.len());
+    for node in std::mem::take(&mut graph.node) {
+        let Some(t) = int_pad(&node) else {
+            nodes.push(node);
+            continue;
+        };
+        let mut pad = node.clone();
+        pad.input[0] = b.cast(&node.input[0], DOUBLE, "canon/pad_input_f64");
+        if let Some(v) = pad.input.get_mut(2).filter(|v| !v.is_empty()) {
+            *v = b.cast(v, DOUBLE, "canon/pad_value_f64");
+        }
+        let padded = b.fresh("canon/padded_f64");
+        pad.output = vec![padded.clone()];
+        b.nodes.push(pad);
+        b.node_to("Cast", &[&padded], &[&node.output[0]], vec![crate::onnx::int_attr("to", t as i64)]);
+        nodes.append(&mut b.nodes);
+    }
+    graph.node = nodes;
+    b.nodes = pending;
 }
 
 /// `[start, end)` of chunk `k` along the split axis, from a constant `split` (chunk sizes, or
