@@ -20,6 +20,11 @@ impl Ranks {
         self.rank.get(tensor).copied()
     }
 
+    /// The static length of a 1-D int64 tensor (a shape vector, a Slice's starts).
+    pub fn len1d(&self, tensor: &str) -> Option<usize> {
+        self.len1d.get(tensor).copied()
+    }
+
     /// Records the rank of a tensor the gradient emitter creates.
     pub fn set(&mut self, tensor: &str, rank: usize) {
         self.rank.insert(tensor.to_string(), rank);

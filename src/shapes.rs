@@ -70,6 +70,11 @@ impl Shapes {
         self.shape.get(t)
     }
 
+    /// The value of a small int64 vector (a shape vector, a Slice's starts), where followed.
+    pub fn value(&self, t: &str) -> Option<&[Dim]> {
+        self.value.get(t).map(Vec::as_slice)
+    }
+
     /// Elementwise arithmetic on shape vectors, as exporters write `expand(-1, ...)` and
     /// `masked_fill` shapes: `Where(Equal(v, -1), ones, v)`, `ConstantOfShape(...) * -1`.
     fn value_op(&self, index: &GraphIndex, node: &NodeProto) -> Option<Vec<Dim>> {
@@ -174,6 +179,9 @@ impl Shapes {
                         .collect(),
                 )
             }
+            // the same elements in another layout (dynamo writes a Slice's bounds as Reshape(const))
+            "Reshape" | "Squeeze" | "Unsqueeze" | "Identity" => value(0),
+            "Cast" if attr_i(node, "to") == Some(crate::onnx::INT64 as i64) => value(0),
             _ => None,
         }
     }
@@ -186,6 +194,11 @@ impl Shapes {
                 t.name().into(),
                 t.dims.iter().map(|&d| Dim::Known(d)).collect(),
             );
+            // small int64 constants (a Slice's starts and axes) by value
+            if let Some(v) = index.constant_i64(t.name()) {
+                s.value
+                    .insert(t.name().into(), v.into_iter().map(Dim::Known).collect());
+            }
         }
         for v in g.input.iter().chain(&g.value_info) {
             if s.shape.contains_key(v.name()) {
@@ -217,6 +230,16 @@ impl Shapes {
     fn infer_node(&mut self, index: &GraphIndex, node: &NodeProto) {
         if let (Some(v), Some(o)) = (self.value_op(index, node), node.output.first()) {
             self.value.insert(o.clone(), v);
+        }
+        if let (true, Some(o)) = (node.op_type() == "Constant", node.output.first()) {
+            let ints = attr(node, "value_ints")
+                .map(|a| a.ints.clone())
+                .or_else(|| attr(node, "value_int").and_then(|a| a.i.map(|i| vec![i])));
+            if let Some(v) = index.constant_i64(o).or(ints) {
+                self.value
+                    .entry(o.clone())
+                    .or_insert_with(|| v.into_iter().map(Dim::Known).collect());
+            }
         }
         let shape = |i: usize| {
             node.input

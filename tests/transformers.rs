@@ -63,9 +63,9 @@ fn gpt2_step_graph_trains_in_tract_like_onnxruntime() {
 }
 
 /// The Hugging Face step graphs run whole on the GPU kernel tables of onnxruntime-gpu 1.31.1
-/// (CUDA) and onnxruntime-rocm 1.22.2: their label shift's integer `Pad` (no CUDA/ROCm kernel)
-/// runs on float64, a Cast's gradient casts back with `Cast`; and GPT-2 is taken whole by the
-/// MIGraphX model (Llama's run-time shape computations still exceed its limit: README).
+/// (CUDA) and onnxruntime-rocm 1.22.2 and are taken whole by the onnxruntime-migraphx 1.27.1
+/// model: their label shift's integer `Pad` runs on float64, `CastLike` becomes `Cast`, and the
+/// Slice/ReduceMean gradients need no `Size`/`Range` (README "GPU execution providers").
 #[test]
 fn transformers_step_graphs_have_no_gpu_fallback() {
     let dir = tempfile::tempdir().unwrap();
@@ -80,11 +80,7 @@ fn transformers_step_graphs_have_no_gpu_fallback() {
             .arg(&out)
             .assert()
             .success();
-        let mut targets = vec!["cuda", "rocm"];
-        if name == "gpt2_ts" {
-            targets.push("migraphx");
-        }
-        for target in targets {
+        for target in ["cuda", "rocm", "migraphx"] {
             let o = bin()
                 .arg("inspect")
                 .arg(&out)

@@ -3,7 +3,8 @@
 //! exporter's `torch.split`) becomes `Slice(x, start_k, end_k, axis)`, so the gradient needs no
 //! sequence types; and a constant-mode `Pad` of an integer tensor (Hugging Face's label shift)
 //! runs on float64 — CUDA and ROCm have Pad kernels for float types and bool only, and
-//! int → double → int is exact for |v| < 2^53.
+//! int → double → int is exact for |v| < 2^53; and `CastLike` whose target type is known
+//! becomes `Cast` (MIGraphX takes no CastLike; the dynamo exporter writes them).
 
 use std::collections::BTreeSet;
 
@@ -15,9 +16,27 @@ use crate::ops::Builder;
 pub fn canonicalize(graph: &mut GraphProto, b: &mut Builder) {
     split_to_sequence_as_slices(graph, b);
     pad_integers_through_double(graph, b);
+    cast_like_as_cast(graph);
 }
 
-fn split_to_sequence_as_slices(graph: &mut GraphProto, b: &mut Builder) {
+fn cast_like_as_cast(graph: &mut GraphProto) {
+    let types = crate::elem_types::ElemTypes::infer(&GraphIndex::new(graph));
+    for node in graph.node.iter_mut() {
+        if node.op_type() != "CastLike" || node.input.len() != 2 {
+            continue;
+        }
+        if let Some(t) = types.get(&node.input[1]) {
+            node.op_type = Some("Cast".into());
+            node.input.truncate(1);
+            node.attribute
+                .retain(|a| a.name() == "saturate");
+            node.attribute.push(crate::onnx::int_attr("to", t as i64));
+        }
+    }
+}
+
+/// `SequenceAt(SplitToSequence(...))` with constant split and index → `Slice`.
+pub fn split_to_sequence_as_slices(graph: &mut GraphProto, b: &mut Builder) {
     let index = GraphIndex::new(graph);
     let mut replaced: Vec<(usize, Vec<NodeProto>)> = Vec::new();
     let mut splits_used: BTreeSet<usize> = BTreeSet::new();

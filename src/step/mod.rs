@@ -218,6 +218,8 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
     let graph = model.graph.as_mut().expect("loaded models have a graph");
     let mut b = Builder::new(PREFIX, opset, GraphIndex::new(graph).taken_names());
     crate::grad::canonical::canonicalize(graph, &mut b);
+    // the rewrites' constants join the graph now, so shapes and ranks see their values
+    graph.initializer.append(&mut b.initializers);
     let graph = &*graph;
     let loss = graph.output[0].name().to_string();
     let index = GraphIndex::new(graph);

@@ -168,7 +168,7 @@ pub fn build(
         let opset = crate::onnx::default_opset(&model).unwrap_or(crate::ops::builder::MIN_OPSET);
         let graph = model.graph.as_mut().expect("checked on load");
         let mut b = crate::ops::Builder::new(PREFIX, opset, GraphIndex::new(graph).taken_names());
-        crate::grad::canonical::canonicalize(graph, &mut b);
+        crate::grad::canonical::split_to_sequence_as_slices(graph, &mut b);
         graph.initializer.append(&mut b.initializers);
     }
     let graph = model.graph.as_mut().expect("checked on load");

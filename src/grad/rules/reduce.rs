@@ -13,7 +13,6 @@ pub fn reduce(
 ) -> Result<Grads, Error> {
     let g = gy[0].clone().expect("gradient");
     let x = node.input[0].as_str();
-    let y = node.output[0].as_str();
     let keepdims = attr_i(node, "keepdims").unwrap_or(1) != 0;
     let axes_input = node.input.get(1).filter(|a| !a.is_empty()).cloned();
     let axes_attr = attr_ints(node, "axes");
@@ -21,24 +20,31 @@ pub fn reduce(
     if no_axes && attr_i(node, "noop_with_empty_axes").unwrap_or(0) != 0 {
         return Ok(vec![Some(g)]);
     }
-    let kept = if keepdims || no_axes {
-        g
-    } else {
-        let axes = match (axes_input, axes_attr) {
-            (Some(a), _) => a,
-            (None, Some(a)) => ctx.i64s(&a),
-            (None, None) => unreachable!("no_axes handled above"),
-        };
-        ctx.op("Unsqueeze", &[&g, &axes], "grad/reduce_kept")
+    let axes = match (axes_input, axes_attr) {
+        (Some(a), _) => Some(a),
+        (None, Some(a)) if !a.is_empty() => Some(ctx.i64s(&a)),
+        _ => None,
+    };
+    let kept = match &axes {
+        Some(axes) if !keepdims => ctx.op("Unsqueeze", &[&g, axes], "grad/reduce_kept"),
+        _ => g,
     };
     let shape = ctx.shape(x);
     let mut gx = ctx.op("Expand", &[&kept, &shape], "grad/reduce");
     if node.op_type() == "ReduceMean" {
-        let nx = ctx.op("Size", &[x], "grad/mean_nx");
-        let ny = ctx.op("Size", &[y], "grad/mean_ny");
-        let nx = ctx.b.cast(&nx, FLOAT, "grad/mean_nx_f");
-        let ny = ctx.b.cast(&ny, FLOAT, "grad/mean_ny_f");
-        let count = ctx.op("Div", &[&nx, &ny], "grad/mean_count");
+        // how many elements each mean averaged: the product of the reduced dims, from the shape
+        // (no Size: MIGraphX takes none)
+        let reduced = match &axes {
+            Some(axes) => ctx.b.gather(&shape, axes, 0, "grad/mean_dims"),
+            None => shape.clone(),
+        };
+        let reduced = ctx.b.cast(&reduced, FLOAT, "grad/mean_dims_f");
+        let count = ctx.b.node(
+            "ReduceProd",
+            &[&reduced],
+            "grad/mean_count",
+            vec![crate::onnx::int_attr("keepdims", 0)],
+        );
         gx = ctx.op("Div", &[&gx, &count], "grad/reduce_mean");
     }
     like(ctx, gx, x)

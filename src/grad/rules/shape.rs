@@ -69,6 +69,9 @@ pub fn slice(
     _: &[bool],
 ) -> Result<Grads, Error> {
     let x = node.input[0].as_str();
+    if let Some(gx) = slice_by_pad(ctx, node, g0(node, gy)?)? {
+        return like(ctx, gx, x);
+    }
     let n = ctx.op("Size", &[x], "grad/slice_n");
     let zero = ctx.b.const_i64("grad/c", &[], &[0]);
     let one = ctx.b.const_i64("grad/c", &[], &[1]);
@@ -92,6 +95,83 @@ pub fn slice(
     );
     let gx = ctx.op("Reshape", &[&flat, &shape], "grad/slice");
     like(ctx, gx, x)
+}
+
+/// A unit-step Slice's gradient is the output gradient padded back with zeros: `Pad(g, pads)`,
+/// the pads computed from the input's shape and the clamped starts/ends as ONNX defines them.
+/// Everything is shape arithmetic (GPU providers, MIGraphX included, take it). None where the
+/// steps are not provably 1 or the sliced axes are not known; the flat-index form is used then.
+fn slice_by_pad(ctx: &mut Ctx, node: &NodeProto, g: &str) -> Result<Option<String>, Error> {
+    use crate::shapes::Dim;
+    let known = |ctx: &Ctx, k: usize| -> Option<Vec<Dim>> {
+        node.input
+            .get(k)
+            .filter(|t| !t.is_empty())
+            .and_then(|t| ctx.shapes.value(t).map(<[Dim]>::to_vec))
+    };
+    let x = node.input[0].as_str();
+    let Some(r) = ctx.ranks.get(x) else {
+        return Ok(None);
+    };
+    let starts = &node.input[1];
+    let count = match known(ctx, 1) {
+        Some(v) => v.len(),
+        None => match ctx.ranks.len1d(starts) {
+            Some(n) => n,
+            None => return Ok(None),
+        },
+    };
+    let axes: Vec<i64> = match node.input.get(3).filter(|a| !a.is_empty()) {
+        None => (0..count as i64).collect(),
+        Some(_) => match known(ctx, 3) {
+            Some(v) if v.len() == count => {
+                let mut axes = Vec::new();
+                for d in v {
+                    match d {
+                        Dim::Known(a) => axes.push(if a < 0 { a + r as i64 } else { a }),
+                        _ => return Ok(None),
+                    }
+                }
+                axes
+            }
+            _ => return Ok(None),
+        },
+    };
+    let unit_steps = match node.input.get(4).filter(|s| !s.is_empty()) {
+        None => true,
+        Some(_) => known(ctx, 4).is_some_and(|v| v.iter().all(|d| *d == Dim::Known(1))),
+    };
+    if !unit_steps || axes.iter().any(|&a| !(0..r as i64).contains(&a)) {
+        return Ok(None);
+    }
+    let dims = ctx.shape(x);
+    let as_i64 = |ctx: &mut Ctx, t: &str| ctx.b.cast(t, crate::onnx::INT64, "grad/slice_bound");
+    let (starts, ends) = (as_i64(ctx, starts), as_i64(ctx, &node.input[2]));
+    let zero = ctx.i64s(&[0]);
+    let (mut begins, mut end_pads) = (vec![zero.clone(); r], vec![zero.clone(); r]);
+    for (j, &a) in axes.iter().enumerate() {
+        let j = j as i64;
+        let d = ctx.b.slice(&dims, a, a + 1, 0, "grad/slice_dim");
+        // ONNX Slice (positive step): negative bounds count from the end, then clamp to [0, d]
+        let clamp = |ctx: &mut Ctx, t: &str| {
+            let v = ctx.b.slice(t, j, j + 1, 0, "grad/slice_bound_j");
+            let neg = ctx.op("Less", &[&v, &zero], "grad/slice_bound_neg");
+            let from_end = ctx.op("Add", &[&v, &d], "grad/slice_bound_from_end");
+            let v = ctx.b.where_(&neg, &from_end, &v, "grad/slice_bound_abs");
+            let v = ctx.op("Max", &[&v, &zero], "grad/slice_bound_lo");
+            ctx.op("Min", &[&v, &d], "grad/slice_bound_hi")
+        };
+        let s = clamp(ctx, &starts);
+        let e = clamp(ctx, &ends);
+        let len = ctx.op("Sub", &[&e, &s], "grad/slice_len");
+        let len = ctx.op("Max", &[&len, &zero], "grad/slice_len_pos");
+        let rest = ctx.op("Sub", &[&d, &s], "grad/slice_rest");
+        end_pads[a as usize] = ctx.op("Sub", &[&rest, &len], "grad/slice_end_pad");
+        begins[a as usize] = s;
+    }
+    let parts: Vec<&str> = begins.iter().chain(&end_pads).map(String::as_str).collect();
+    let pads = ctx.b.concat(&parts, 0, "grad/slice_pads");
+    Ok(Some(ctx.b.node("Pad", &[g, &pads], "grad/slice", vec![])))
 }
 
 /// Each input's part of the output gradient, sliced along the concat axis.
