@@ -44,22 +44,24 @@ fn torchscript_transformers_graphs_validate_for_every_loss_family() {
 }
 
 #[test]
-fn gpt2_step_graph_trains_in_tract_like_onnxruntime() {
+fn transformers_step_graphs_train_in_tract_like_onnxruntime() {
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("gpt2.step.onnx");
-    bin()
-        .arg("step")
-        .arg(model("gpt2_ts"))
-        .arg("--tokenizer")
-        .arg(tokenizer())
-        .arg("-o")
-        .arg(&out)
-        .assert()
-        .success();
-    let report = validate_json(&out);
-    let checks = report["checks"].as_array().unwrap();
-    assert_eq!(checks.len(), 3 + 3 * 3 + 1, "{report}");
-    assert!(checks.iter().all(|c| c["passed"] == true), "{report}");
+    for name in ["gpt2_ts", "llama_ts"] {
+        let out = dir.path().join(format!("{name}.step.onnx"));
+        bin()
+            .arg("step")
+            .arg(model(name))
+            .arg("--tokenizer")
+            .arg(tokenizer())
+            .arg("-o")
+            .arg(&out)
+            .assert()
+            .success();
+        let report = validate_json(&out);
+        let checks = report["checks"].as_array().unwrap();
+        assert_eq!(checks.len(), 3 + 3 * 3 + 1, "{name}: {report}");
+        assert!(checks.iter().all(|c| c["passed"] == true), "{name}: {report}");
+    }
 }
 
 /// The Hugging Face step graphs run whole on the GPU kernel tables of onnxruntime-gpu 1.31.1

@@ -114,13 +114,18 @@ fn slice_by_pad(ctx: &mut Ctx, node: &NodeProto, g: &str) -> Result<Option<Strin
         return Ok(None);
     };
     let starts = &node.input[1];
-    let count = match known(ctx, 1) {
-        Some(v) => v.len(),
-        None => match ctx.ranks.len1d(starts) {
-            Some(n) => n,
-            None => return Ok(None),
-        },
+    // constant bounds only: with bounds computed at run time (Llama's rotate_half) the clamping
+    // arithmetic defeats tract's shape analysis of the Pad (validate), so those keep the
+    // flat-index form
+    let constant = |v: &Option<Vec<Dim>>| {
+        v.as_ref()
+            .is_some_and(|v| v.iter().all(|d| matches!(d, Dim::Known(_))))
     };
+    let (starts_v, ends_v) = (known(ctx, 1), known(ctx, 2));
+    if !constant(&starts_v) || !constant(&ends_v) {
+        return Ok(None);
+    }
+    let count = starts_v.as_ref().map_or(0, Vec::len);
     let axes: Vec<i64> = match node.input.get(3).filter(|a| !a.is_empty()) {
         None => (0..count as i64).collect(),
         Some(_) => match known(ctx, 3) {
@@ -144,6 +149,38 @@ fn slice_by_pad(ctx: &mut Ctx, node: &NodeProto, g: &str) -> Result<Option<Strin
     if !unit_steps || axes.iter().any(|&a| !(0..r as i64).contains(&a)) {
         return Ok(None);
     }
+    // every sliced dim known: the pads are constants (ONNX's clamping done here)
+    let ints = |v: &Option<Vec<Dim>>| -> Vec<i64> {
+        v.iter()
+            .flatten()
+            .map(|d| match d {
+                Dim::Known(k) => *k,
+                _ => unreachable!("checked constant"),
+            })
+            .collect()
+    };
+    let (sv, ev) = (ints(&starts_v), ints(&ends_v));
+    let sliced_dims: Option<Vec<i64>> = ctx.shapes.get(x).and_then(|shape| {
+        axes.iter()
+            .map(|&a| match shape.get(a as usize) {
+                Some(Dim::Known(d)) => Some(*d),
+                _ => None,
+            })
+            .collect()
+    });
+    if let Some(ds) = sliced_dims {
+        let mut pads = vec![0i64; 2 * r];
+        for (j, &a) in axes.iter().enumerate() {
+            let d = ds[j];
+            let clamp = |v: i64| (if v < 0 { v.saturating_add(d) } else { v }).clamp(0, d);
+            let (s, e) = (clamp(sv[j]), clamp(ev[j]));
+            let len = (e - s).max(0);
+            pads[a as usize] = s;
+            pads[r + a as usize] = d - s - len;
+        }
+        let pads = ctx.i64s(&pads);
+        return Ok(Some(ctx.b.node("Pad", &[g, &pads], "grad/slice", vec![])));
+    }
     let dims = ctx.shape(x);
     let as_i64 = |ctx: &mut Ctx, t: &str| ctx.b.cast(t, crate::onnx::INT64, "grad/slice_bound");
     let (starts, ends) = (as_i64(ctx, starts), as_i64(ctx, &node.input[2]));
@@ -155,8 +192,12 @@ fn slice_by_pad(ctx: &mut Ctx, node: &NodeProto, g: &str) -> Result<Option<Strin
         // ONNX Slice (positive step): negative bounds count from the end, then clamp to [0, d]
         let clamp = |ctx: &mut Ctx, t: &str| {
             let v = ctx.b.slice(t, j, j + 1, 0, "grad/slice_bound_j");
+            // capped at d first: a bound of INT64_MAX ("to the end") then never meets an
+            // addition (tract's integer arithmetic checks for overflow)
+            let v = ctx.op("Min", &[&v, &d], "grad/slice_bound_capped");
             let neg = ctx.op("Less", &[&v, &zero], "grad/slice_bound_neg");
-            let from_end = ctx.op("Add", &[&v, &d], "grad/slice_bound_from_end");
+            let v_neg = ctx.op("Min", &[&v, &zero], "grad/slice_bound_neg_part");
+            let from_end = ctx.op("Add", &[&v_neg, &d], "grad/slice_bound_from_end");
             let v = ctx.b.where_(&neg, &from_end, &v, "grad/slice_bound_abs");
             let v = ctx.op("Max", &[&v, &zero], "grad/slice_bound_lo");
             ctx.op("Min", &[&v, &d], "grad/slice_bound_hi")
