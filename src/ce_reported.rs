@@ -117,8 +117,14 @@ fn masks(index: &GraphIndex, per_position: &str) -> Vec<PositionMask> {
             op if VALUE_ONLY.contains(&op) && node.input.first() == Some(&t) => {}
             op if LAYOUT.contains(&op) && node.input.first() == Some(&t) => layout.push(*c),
             "Mul" if node.input.len() == 2 => {
-                let w = if node.input[0] == t { other(1) } else { other(0) };
-                let Some(w) = w.filter(|w| *w != t) else { break };
+                let w = if node.input[0] == t {
+                    other(1)
+                } else {
+                    other(0)
+                };
+                let Some(w) = w.filter(|w| *w != t) else {
+                    break;
+                };
                 if !is_scalar_constant(index, &w) {
                     found.push(PositionMask {
                         tensor: w,
@@ -154,9 +160,9 @@ fn is_scalar_constant(index: &GraphIndex, t: &str) -> bool {
     let dims = match init {
         Some(i) => Some(i.dims.clone()),
         None => match index.producer(t) {
-            Some((_, n)) if n.op_type() == "Constant" => {
-                crate::onnx::attr(n, "value").and_then(|a| a.t.as_ref()).map(|t| t.dims.clone())
-            }
+            Some((_, n)) if n.op_type() == "Constant" => crate::onnx::attr(n, "value")
+                .and_then(|a| a.t.as_ref())
+                .map(|t| t.dims.clone()),
             _ => None,
         },
     };

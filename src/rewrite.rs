@@ -45,8 +45,15 @@ pub fn build_patch(
             .collect();
         (chain.last().copied(), ops)
     };
-    let mut forward =
-        build_forward(&mut b, index, site, tokens, opts, true, reported_by.is_some())?;
+    let mut forward = build_forward(
+        &mut b,
+        index,
+        site,
+        tokens,
+        opts,
+        true,
+        reported_by.is_some(),
+    )?;
     // With a reported loss further on, the number loss goes there too: it may read masks the
     // graph computes after the cross-entropy.
     let number_nodes = match reported_by {
@@ -84,7 +91,15 @@ pub fn build_patch(
         outputs: added_outputs(forward.loss_type),
         metadata: vec![(
             METADATA_KEY.into(),
-            metadata(site, &forward.flat, &forward.number_labels, tokens, opts, &reported, &rescaled_by),
+            metadata(
+                site,
+                &forward.flat,
+                &forward.number_labels,
+                tokens,
+                opts,
+                &reported,
+                &rescaled_by,
+            ),
         )],
     })
 }
@@ -92,7 +107,10 @@ pub fn build_patch(
 /// `LayerNormalization` nodes with their optional `Mean` and `InvStdDev` outputs declared: ORT
 /// Training's gradient builder reads them (like `SoftmaxCrossEntropyLoss`'s `log_prob`) and
 /// fails on exported graphs that leave them out. The values of the other outputs are unchanged.
-fn declare_layer_norm_statistics(index: &GraphIndex, b: &mut Builder) -> Vec<(usize, Vec<NodeProto>)> {
+fn declare_layer_norm_statistics(
+    index: &GraphIndex,
+    b: &mut Builder,
+) -> Vec<(usize, Vec<NodeProto>)> {
     index
         .graph
         .node
@@ -206,7 +224,10 @@ pub fn build_forward(
     let mut ce_nodes = vec![ce_node];
     ce_nodes.append(&mut b.nodes);
     let flat = ce::flatten_inputs(b, index, site, tokens.table.width(), peel)?;
-    let masks = site.reported.as_ref().map_or(&[][..], |r| r.masks.as_slice());
+    let masks = site
+        .reported
+        .as_ref()
+        .map_or(&[][..], |r| r.masks.as_slice());
     let number_flat = FlatInputs {
         labels: ce::masked_labels(b, index, &site.loss_output, &flat.labels, masks),
         ..flat.clone()

@@ -19,16 +19,28 @@ fn exporter_model(name: &str) -> PathBuf {
 
 /// (fixture, the form the summary names)
 const FORMS: &[(&str, &str)] = &[
-    ("tf_sparse", "log of softmax × Equal(labels, Range) + ReduceSum"),
-    ("tf_sparse_ignore", "log of softmax × Equal(labels, Range) + ReduceSum"),
-    ("tf_sparse_masked", "log of softmax × Equal(labels, Range) + ReduceSum"),
+    (
+        "tf_sparse",
+        "log of softmax × Equal(labels, Range) + ReduceSum",
+    ),
+    (
+        "tf_sparse_ignore",
+        "log of softmax × Equal(labels, Range) + ReduceSum",
+    ),
+    (
+        "tf_sparse_masked",
+        "log of softmax × Equal(labels, Range) + ReduceSum",
+    ),
     ("tf_categorical", "log_softmax × OneHot + ReduceSum"),
     ("jax_int", "logsumexp − logits GatherND"),
     ("jax_int_masked", "logsumexp − logits GatherND"),
     ("jax_onehot", "log_softmax × OneHot + ReduceSum"),
     ("torch_gather", "log_softmax + GatherElements"),
     ("torch_onehot", "log_softmax × OneHot + ReduceSum"),
-    ("torch_eq_range", "log_softmax × Equal(labels, Range) + ReduceSum"),
+    (
+        "torch_eq_range",
+        "log_softmax × Equal(labels, Range) + ReduceSum",
+    ),
     ("torch_sce_none_masked", "SoftmaxCrossEntropyLoss"),
     // reduction='none', then Unsqueeze → Transpose → Squeeze before the mask multiplies it
     ("paddle_ce_masked", "SoftmaxCrossEntropyLoss"),
@@ -65,10 +77,20 @@ fn every_exporter_form_is_recognised_and_validates_in_tract() {
             .unwrap();
         let report: serde_json::Value = serde_json::from_slice(&o.stdout)
             .unwrap_or_else(|_| panic!("{name}: {}", String::from_utf8_lossy(&o.stderr)));
-        assert!(o.status.success() && report["passed"] == true, "{name}: {report:#}");
+        assert!(
+            o.status.success() && report["passed"] == true,
+            "{name}: {report:#}"
+        );
         // nothing ONNX Runtime Training cannot differentiate is left of the form
         let m = read_model(&out);
-        let ops: Vec<&str> = m.graph.as_ref().unwrap().node.iter().map(|n| n.op_type()).collect();
+        let ops: Vec<&str> = m
+            .graph
+            .as_ref()
+            .unwrap()
+            .node
+            .iter()
+            .map(|n| n.op_type())
+            .collect();
         for op in ["ReduceMax", "ReduceLogSumExp"] {
             assert!(!ops.contains(&op), "{name}: {op} left in the patched graph");
         }
@@ -87,7 +109,11 @@ fn the_rewrite_keeps_every_original_output_and_leaves_no_orphans() {
         .flat_map(|n| n.input.iter().map(String::as_str))
         .collect();
     for t in &g.initializer {
-        assert!(read.contains(t.name()), "initializer {} is read by nothing", t.name());
+        assert!(
+            read.contains(t.name()),
+            "initializer {} is read by nothing",
+            t.name()
+        );
     }
     let outputs: Vec<&str> = g.output.iter().map(|o| o.name()).collect();
     assert_eq!(outputs, ["loss", "ce_loss", "number_loss"]);
@@ -117,7 +143,14 @@ fn refused_as_no_cross_entropy(m: &ModelProto) {
     let p = dir.path().join("m.onnx");
     std::fs::write(&p, m.encode_to_vec()).unwrap();
     let out = dir.path().join("out.onnx");
-    let o = bin().arg(&p).arg("--tokenizer").arg(tokenizer()).arg("-o").arg(&out).output().unwrap();
+    let o = bin()
+        .arg(&p)
+        .arg("--tokenizer")
+        .arg(tokenizer())
+        .arg("-o")
+        .arg(&out)
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("no cross-entropy found"), "{err}");
@@ -153,7 +186,11 @@ fn a_class_range_that_is_not_0_to_v_is_not_a_one_hot() {
 fn a_log_softmax_over_another_axis_is_not_a_cross_entropy() {
     let mut m = read_model(&exporter_model("torch_gather"));
     let g = m.graph.as_mut().unwrap();
-    let ls = g.node.iter_mut().find(|n| n.op_type() == "LogSoftmax").unwrap();
+    let ls = g
+        .node
+        .iter_mut()
+        .find(|n| n.op_type() == "LogSoftmax")
+        .unwrap();
     ls.attribute = vec![ntl_patch::onnx::int_attr("axis", 1)];
     refused_as_no_cross_entropy(&m);
 }

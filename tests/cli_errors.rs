@@ -183,10 +183,17 @@ fn label_smoothing_with_class_weights() {
     use prost::Message;
     let mut m = read_model(&model("lm_flat"));
     let g = m.graph.as_mut().unwrap();
-    let sce = g.node.iter_mut().find(|n| n.op_type() == "SoftmaxCrossEntropyLoss").unwrap();
+    let sce = g
+        .node
+        .iter_mut()
+        .find(|n| n.op_type() == "SoftmaxCrossEntropyLoss")
+        .unwrap();
     sce.input.push("class_weights".into());
-    g.initializer
-        .push(ntl_patch::onnx::f32_tensor("class_weights", &[48], &[1.0; 48]));
+    g.initializer.push(ntl_patch::onnx::f32_tensor(
+        "class_weights",
+        &[48],
+        &[1.0; 48],
+    ));
     Case::from_bytes(&m.encode_to_vec()).fails(&["--label-smoothing", "0.1"], "class weights");
 }
 

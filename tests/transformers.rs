@@ -60,7 +60,10 @@ fn transformers_step_graphs_train_in_tract_like_onnxruntime() {
         let report = validate_json(&out);
         let checks = report["checks"].as_array().unwrap();
         assert_eq!(checks.len(), 3 + 3 * 3 + 1, "{name}: {report}");
-        assert!(checks.iter().all(|c| c["passed"] == true), "{name}: {report}");
+        assert!(
+            checks.iter().all(|c| c["passed"] == true),
+            "{name}: {report}"
+        );
     }
 }
 
@@ -91,7 +94,12 @@ fn transformers_step_graphs_have_no_gpu_fallback() {
                 .success();
             let v: serde_json::Value = serde_json::from_slice(&o.get_output().stdout).unwrap();
             let gpu = &v["gpu"][0];
-            assert_eq!(gpu["fallbacks"].as_array().map(Vec::len), Some(0), "{name} {target}: {}", gpu["summary"]);
+            assert_eq!(
+                gpu["fallbacks"].as_array().map(Vec::len),
+                Some(0),
+                "{name} {target}: {}",
+                gpu["summary"]
+            );
         }
     }
 }

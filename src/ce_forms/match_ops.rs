@@ -110,11 +110,15 @@ pub fn log_sum_exp(index: &GraphIndex, t: &str) -> Option<(String, bool, Vec<usi
     if let Some((i, add)) = producer(index, t, "Add") {
         for (a, b) in [(0, 1), (1, 0)] {
             let (m, l) = (add.input.get(a)?, add.input.get(b)?);
-            let Some((j, log)) = producer(index, l, "Log") else { continue };
+            let Some((j, log)) = producer(index, l, "Log") else {
+                continue;
+            };
             let Some((e, keep, k)) = reduce_last(index, log.input.first()?, "ReduceSum") else {
                 continue;
             };
-            let Some((x, exp)) = producer(index, &e, "Exp") else { continue };
+            let Some((x, exp)) = producer(index, &e, "Exp") else {
+                continue;
+            };
             let Some((z, mut nodes)) = shifted_by_max(index, exp.input.first()?) else {
                 continue;
             };
@@ -152,8 +156,10 @@ fn row_max_of(index: &GraphIndex, m: &str, z: &str) -> Option<Vec<usize>> {
         }
         match index.producer(t) {
             Some((i, n))
-                if matches!(n.op_type(), "Squeeze" | "Unsqueeze" | "Reshape" | "StopGradient")
-                    && !n.input.is_empty() =>
+                if matches!(
+                    n.op_type(),
+                    "Squeeze" | "Unsqueeze" | "Reshape" | "StopGradient"
+                ) && !n.input.is_empty() =>
             {
                 nodes.push(i);
                 t = n.input[0].as_str()
@@ -342,7 +348,9 @@ pub fn pick_through_moves(index: &GraphIndex, t: &str) -> Option<Pick> {
             "Where" => {
                 let computed = |k: usize| {
                     n.input.get(k).filter(|x| {
-                        index.producer(x).is_some_and(|(_, p)| p.op_type() != "Constant")
+                        index
+                            .producer(x)
+                            .is_some_and(|(_, p)| p.op_type() != "Constant")
                     })
                 };
                 match (computed(1), computed(2)) {
@@ -453,8 +461,8 @@ fn trailing_one(index: &GraphIndex, idx: &str) -> bool {
     }
     match index.producer(idx) {
         Some((_, n)) if n.op_type() == "Unsqueeze" => {
-            let axes = attr_ints(n, "axes")
-                .or_else(|| n.input.get(1).and_then(|a| index.constant_i64(a)));
+            let axes =
+                attr_ints(n, "axes").or_else(|| n.input.get(1).and_then(|a| index.constant_i64(a)));
             let out_rank = static_rank(index, idx);
             matches!(axes.as_deref(), Some([-1]))
                 || matches!((axes.as_deref(), out_rank), (Some([a]), Some(r)) if *a == r as i64 - 1)

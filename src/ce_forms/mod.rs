@@ -122,9 +122,7 @@ fn find_cores(index: &GraphIndex) -> Vec<Core> {
         };
         let core = match node.op_type() {
             "Sub" => nll_core(index, i, node, out),
-            "GatherElements" | "GatherND" | "ReduceSum" | "Squeeze" => {
-                log_prob_core(index, i, out)
-            }
+            "GatherElements" | "GatherND" | "ReduceSum" | "Squeeze" => log_prob_core(index, i, out),
             "Log" => log_of_softmax_core(index, i, out),
             _ => None,
         };
@@ -204,7 +202,12 @@ fn emit(b: &mut Builder, index: &GraphIndex, core: &Core) {
     let width = b.slice(&shape, -1, i64::MAX, 0, "ce_form/width");
     let minus_one = b.const_i64("ce_form/minus_one", &[1], &[-1]);
     let target = b.concat(&[&minus_one, &width], 0, "ce_form/logits_2d_shape");
-    let logits = b.node("Reshape", &[&core.logits, &target], "ce_form/logits_2d", vec![]);
+    let logits = b.node(
+        "Reshape",
+        &[&core.logits, &target],
+        "ce_form/logits_2d",
+        vec![],
+    );
 
     let mut labels = b.reshape(&p.labels, &[-1], "ce_form/labels_1d");
     if index.elem_type(&p.labels) != Some(INT64) {
@@ -217,7 +220,12 @@ fn emit(b: &mut Builder, index: &GraphIndex, core: &Core) {
         let wrapped = b.binary("Add", &labels, &width, "ce_form/label_wrapped");
         labels = b.where_(&negative, &wrapped, &labels, "ce_form/label_from_end");
     }
-    let above = b.binary("GreaterOrEqual", &labels, &zero, "ce_form/label_not_negative");
+    let above = b.binary(
+        "GreaterOrEqual",
+        &labels,
+        &zero,
+        "ce_form/label_not_negative",
+    );
     let below = b.binary("Less", &labels, &width, "ce_form/label_below_width");
     let in_range = b.binary("And", &above, &below, "ce_form/label_in_range");
     let ignore = b.const_i64("ce_form/ignore_index", &[], &[IGNORE_INDEX]);

@@ -28,8 +28,7 @@ fn cast_like_as_cast(graph: &mut GraphProto) {
         if let Some(t) = types.get(&node.input[1]) {
             node.op_type = Some("Cast".into());
             node.input.truncate(1);
-            node.attribute
-                .retain(|a| a.name() == "saturate");
+            node.attribute.retain(|a| a.name() == "saturate");
             node.attribute.push(crate::onnx::int_attr("to", t as i64));
         }
     }
@@ -140,7 +139,12 @@ fn pad_integers_through_double(graph: &mut GraphProto, b: &mut Builder) {
         let padded = b.fresh("canon/padded_f64");
         pad.output = vec![padded.clone()];
         b.nodes.push(pad);
-        b.node_to("Cast", &[&padded], &[&node.output[0]], vec![crate::onnx::int_attr("to", t as i64)]);
+        b.node_to(
+            "Cast",
+            &[&padded],
+            &[&node.output[0]],
+            vec![crate::onnx::int_attr("to", t as i64)],
+        );
         nodes.append(&mut b.nodes);
     }
     graph.node = nodes;

@@ -40,7 +40,15 @@ pub fn cross_entropy_node(b: &mut Builder, site: &CeSite, ce_loss: &str) -> Node
 /// Label smoothing as torch defines it, on the node's outputs: `out = (1−ε)·loss + ε·S` with
 /// S the same reduction of `−mean_c log p_c` over the positions the loss counts (not the
 /// ignore index). `loss` and `log_prob` are the node's outputs.
-pub fn smooth(b: &mut Builder, index: &GraphIndex, site: &CeSite, loss: &str, log_prob: &str, out: &str, eps: f64) {
+pub fn smooth(
+    b: &mut Builder,
+    index: &GraphIndex,
+    site: &CeSite,
+    loss: &str,
+    log_prob: &str,
+    out: &str,
+    eps: f64,
+) {
     let t = index.elem_type(&site.scores).unwrap_or(FLOAT);
     let typed = |b: &mut Builder, hint: &str, v: f32| {
         let c = b.scalar_f32(hint, v);

@@ -249,7 +249,10 @@ fn bypass_identities(graph: &mut GraphProto) {
             && !outputs.contains(&n.output[0]);
         if bypass {
             // nodes are in topological order: the input's own source is already known
-            let root = source.get(&n.input[0]).cloned().unwrap_or_else(|| n.input[0].clone());
+            let root = source
+                .get(&n.input[0])
+                .cloned()
+                .unwrap_or_else(|| n.input[0].clone());
             source.insert(n.output[0].clone(), root);
         }
         !bypass

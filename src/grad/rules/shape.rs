@@ -344,7 +344,9 @@ pub fn gather(
     let minus_one = ctx.i64s(&[-1]);
     let flat_idx = ctx.op("Reshape", &[idx, &minus_one], "grad/gather_idx");
     // int32 indices (TensorFlow, JAX exports) meet int64 shapes below
-    let flat_idx = ctx.b.cast(&flat_idx, crate::onnx::INT64, "grad/gather_idx_i64");
+    let flat_idx = ctx
+        .b
+        .cast(&flat_idx, crate::onnx::INT64, "grad/gather_idx_i64");
     // Negative indices count from the end.
     let zero = ctx.b.const_i64("grad/c", &[], &[0]);
     let neg = ctx.op("Less", &[&flat_idx, &zero], "grad/gather_neg");
