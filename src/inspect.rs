@@ -12,7 +12,13 @@ use crate::text::escape as esc;
 
 pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
     let model = load_model(path)?;
-    let graph = model.graph.as_ref().expect("checked on load");
+    // what the patch sees: spelled-out cross-entropies rewritten first (in memory only)
+    let mut seen = model.clone();
+    let graph = match crate::ce_forms::rewrite(&mut seen) {
+        Ok(forms) if !forms.is_empty() => seen.graph.as_ref(),
+        _ => model.graph.as_ref(),
+    }
+    .expect("checked on load");
     let index = GraphIndex::new(graph);
     let sites = find_ce_sites(&index);
     let external = external_locations(&model);
