@@ -1,6 +1,7 @@
-//! transformers GPT-2 and Llama exported with their own (shifted) loss by the TorchScript
-//! exporter: patched, validated with tract against the independent reference, and trained by
-//! the step graph in tract like in ONNX Runtime (needs ORT_DYLIB_PATH, as scripts/test.sh sets).
+//! transformers GPT-2 and Llama exported with their own (shifted) loss by the TorchScript and
+//! the dynamo exporter: patched, validated with tract against the independent reference, and
+//! trained by the step graph in tract like in ONNX Runtime (needs ORT_DYLIB_PATH, as
+//! scripts/test.sh sets).
 
 mod common;
 
@@ -19,9 +20,11 @@ fn validate_json(path: &std::path::Path) -> serde_json::Value {
 }
 
 #[test]
-fn torchscript_transformers_graphs_validate_for_every_loss_family() {
+fn transformers_graphs_validate_for_every_loss_family() {
     let dir = tempfile::tempdir().unwrap();
-    for name in ["gpt2_ts", "llama_ts"] {
+    // the dynamo exports need the validation copy's tract rewrites (INT64_MAX slice ends, the
+    // position ids' cumsum of a cast mask)
+    for name in ["gpt2_ts", "llama_ts", "gpt2_dynamo", "llama_dynamo"] {
         for loss in ["wasserstein", "ntil"] {
             let out = dir.path().join(format!("{name}-{loss}.onnx"));
             bin()
@@ -46,7 +49,7 @@ fn torchscript_transformers_graphs_validate_for_every_loss_family() {
 #[test]
 fn transformers_step_graphs_train_in_tract_like_onnxruntime() {
     let dir = tempfile::tempdir().unwrap();
-    for name in ["gpt2_ts", "llama_ts"] {
+    for name in ["gpt2_ts", "llama_ts", "gpt2_dynamo", "llama_dynamo"] {
         let out = dir.path().join(format!("{name}.step.onnx"));
         bin()
             .arg("step")

@@ -163,12 +163,10 @@ pub fn build(
     // it cannot simply take the node's place: restore a topological order instead.
     topological_sort(graph);
     if primitive_ce {
-        // tract has no sequence types: the dynamo exporter's SplitToSequence + SequenceAt
-        // become Slices, as for the step graph
         let opset = crate::onnx::default_opset(&model).unwrap_or(crate::ops::builder::MIN_OPSET);
         let graph = model.graph.as_mut().expect("checked on load");
         let mut b = crate::ops::Builder::new(PREFIX, opset, GraphIndex::new(graph).taken_names());
-        crate::grad::canonical::split_to_sequence_as_slices(graph, &mut b);
+        crate::validate::tract_compat::rewrite(graph, &mut b);
         graph.initializer.append(&mut b.initializers);
     }
     let graph = model.graph.as_mut().expect("checked on load");
@@ -203,16 +201,25 @@ pub fn build(
 
 /// tract reads ONNX `Cast(to=INT64)` as a cast to its symbolic dimension type `TDim`, which
 /// fits shape arithmetic but not data: `CumSum` (and others) refuse TDim tensors. The integer
-/// label bookkeeping of the per-sequence losses casts to INT64 and feeds CumSum, so for tract
-/// every such Cast the patch wrote (outputs under `ntl/`) becomes `CastLike(x, <int64
-/// scalar>)`, the same value with a plain i64 result. The graph's own Casts are left alone.
+/// label bookkeeping of the per-sequence losses casts to INT64 and feeds CumSum, and so do the
+/// Hugging Face graphs' own position ids (`cumsum` of a mask), so for tract every such Cast —
+/// the patch's (outputs under `ntl/`) and any read by a `CumSum` — becomes `CastLike(x, <int64
+/// scalar>)`, the same value with a plain i64 result. The graph's other Casts are left alone.
 /// Returns how many were rewritten (the caller adds the `like` scalar if any).
 fn exact_int64_casts(graph: &mut GraphProto, like: &str) -> usize {
     let ours = format!("{PREFIX}/");
+    let cumsum_inputs: HashSet<String> = graph
+        .node
+        .iter()
+        .filter(|n| n.op_type() == "CumSum")
+        .filter_map(|n| n.input.first().cloned())
+        .collect();
     let mut rewritten = 0;
     for node in &mut graph.node {
         let to_int64 = node.op_type() == "Cast" && attr_i(node, "to") == Some(INT64 as i64);
-        if to_int64 && node.output.iter().all(|o| o.starts_with(&ours)) {
+        let data = node.output.iter().all(|o| o.starts_with(&ours))
+            || node.output.iter().any(|o| cumsum_inputs.contains(o));
+        if to_int64 && data {
             node.op_type = Some("CastLike".into());
             node.input.truncate(1);
             node.input.push(like.to_string());

@@ -25,6 +25,7 @@ pub mod report;
 mod steps;
 pub mod tensor;
 pub mod testdata;
+mod tract_compat;
 mod tract_run;
 
 use std::path::{Path, PathBuf};

@@ -97,121 +97,68 @@ pub fn slice(
     like(ctx, gx, x)
 }
 
-/// A unit-step Slice's gradient is the output gradient padded back with zeros: `Pad(g, pads)`,
-/// the pads computed from the input's shape and the clamped starts/ends as ONNX defines them.
-/// Everything is shape arithmetic (GPU providers, MIGraphX included, take it). None where the
-/// steps are not provably 1 or the sliced axes are not known; the flat-index form is used then.
+/// A unit-step Slice's gradient is the output gradient padded back with zeros, `Pad(g, pads)`,
+/// where the pads are constants: the bounds are constants and, on each sliced axis, either the
+/// dim is known or the slice keeps the whole axis (`0:` to the end). ONNX's clamping is done
+/// here. No `Size`/`Range` over run-time sizes (MIGraphX takes none), and nothing tract's shape
+/// analysis cannot follow. None otherwise: the flat-index form is used then.
 fn slice_by_pad(ctx: &mut Ctx, node: &NodeProto, g: &str) -> Result<Option<String>, Error> {
     use crate::shapes::Dim;
-    let known = |ctx: &Ctx, k: usize| -> Option<Vec<Dim>> {
-        node.input
-            .get(k)
-            .filter(|t| !t.is_empty())
-            .and_then(|t| ctx.shapes.value(t).map(<[Dim]>::to_vec))
+    // an end at or beyond this means "to the end" (exporters write INT64_MAX)
+    const TO_THE_END: i64 = 1 << 62;
+    let known = |k: usize| -> Option<Vec<i64>> {
+        let t = node.input.get(k).filter(|t| !t.is_empty())?;
+        ctx.shapes
+            .value(t)?
+            .iter()
+            .map(|d| match d {
+                Dim::Known(v) => Some(*v),
+                _ => None,
+            })
+            .collect()
     };
     let x = node.input[0].as_str();
-    let Some(r) = ctx.ranks.get(x) else {
+    let (Some(r), Some(starts), Some(ends)) = (ctx.ranks.get(x), known(1), known(2)) else {
         return Ok(None);
     };
-    let starts = &node.input[1];
-    // constant bounds only: with bounds computed at run time (Llama's rotate_half) the clamping
-    // arithmetic defeats tract's shape analysis of the Pad (validate), so those keep the
-    // flat-index form
-    let constant = |v: &Option<Vec<Dim>>| {
-        v.as_ref()
-            .is_some_and(|v| v.iter().all(|d| matches!(d, Dim::Known(_))))
-    };
-    let (starts_v, ends_v) = (known(ctx, 1), known(ctx, 2));
-    if !constant(&starts_v) || !constant(&ends_v) {
+    if starts.len() != ends.len() {
         return Ok(None);
     }
-    let count = starts_v.as_ref().map_or(0, Vec::len);
     let axes: Vec<i64> = match node.input.get(3).filter(|a| !a.is_empty()) {
-        None => (0..count as i64).collect(),
-        Some(_) => match known(ctx, 3) {
-            Some(v) if v.len() == count => {
-                let mut axes = Vec::new();
-                for d in v {
-                    match d {
-                        Dim::Known(a) => axes.push(if a < 0 { a + r as i64 } else { a }),
-                        _ => return Ok(None),
-                    }
-                }
-                axes
-            }
+        None => (0..starts.len() as i64).collect(),
+        Some(_) => match known(3) {
+            Some(v) if v.len() == starts.len() => v
+                .into_iter()
+                .map(|a| if a < 0 { a + r as i64 } else { a })
+                .collect(),
             _ => return Ok(None),
         },
     };
     let unit_steps = match node.input.get(4).filter(|s| !s.is_empty()) {
         None => true,
-        Some(_) => known(ctx, 4).is_some_and(|v| v.iter().all(|d| *d == Dim::Known(1))),
+        Some(_) => known(4).is_some_and(|v| v.iter().all(|&s| s == 1)),
     };
     if !unit_steps || axes.iter().any(|&a| !(0..r as i64).contains(&a)) {
         return Ok(None);
     }
-    // every sliced dim known: the pads are constants (ONNX's clamping done here)
-    let ints = |v: &Option<Vec<Dim>>| -> Vec<i64> {
-        v.iter()
-            .flatten()
-            .map(|d| match d {
-                Dim::Known(k) => *k,
-                _ => unreachable!("checked constant"),
-            })
-            .collect()
-    };
-    let (sv, ev) = (ints(&starts_v), ints(&ends_v));
-    let sliced_dims: Option<Vec<i64>> = ctx.shapes.get(x).and_then(|shape| {
-        axes.iter()
-            .map(|&a| match shape.get(a as usize) {
-                Some(Dim::Known(d)) => Some(*d),
-                _ => None,
-            })
-            .collect()
-    });
-    if let Some(ds) = sliced_dims {
-        let mut pads = vec![0i64; 2 * r];
-        for (j, &a) in axes.iter().enumerate() {
-            let d = ds[j];
-            let clamp = |v: i64| (if v < 0 { v.saturating_add(d) } else { v }).clamp(0, d);
-            let (s, e) = (clamp(sv[j]), clamp(ev[j]));
-            let len = (e - s).max(0);
-            pads[a as usize] = s;
-            pads[r + a as usize] = d - s - len;
+    let shape = ctx.shapes.get(x).cloned().unwrap_or_default();
+    let mut pads = vec![0i64; 2 * r];
+    for ((&a, &s), &e) in axes.iter().zip(&starts).zip(&ends) {
+        match shape.get(a as usize) {
+            Some(Dim::Known(d)) => {
+                let d = *d;
+                let clamp = |v: i64| (if v < 0 { v.saturating_add(d) } else { v }).clamp(0, d);
+                let (s, e) = (clamp(s), clamp(e));
+                let len = (e - s).max(0);
+                pads[a as usize] = s;
+                pads[r + a as usize] = d - s - len;
+            }
+            // the whole axis, whatever its size
+            _ if s == 0 && e >= TO_THE_END => {}
+            _ => return Ok(None),
         }
-        let pads = ctx.i64s(&pads);
-        return Ok(Some(ctx.b.node("Pad", &[g, &pads], "grad/slice", vec![])));
     }
-    let dims = ctx.shape(x);
-    let as_i64 = |ctx: &mut Ctx, t: &str| ctx.b.cast(t, crate::onnx::INT64, "grad/slice_bound");
-    let (starts, ends) = (as_i64(ctx, starts), as_i64(ctx, &node.input[2]));
-    let zero = ctx.i64s(&[0]);
-    let (mut begins, mut end_pads) = (vec![zero.clone(); r], vec![zero.clone(); r]);
-    for (j, &a) in axes.iter().enumerate() {
-        let j = j as i64;
-        let d = ctx.b.slice(&dims, a, a + 1, 0, "grad/slice_dim");
-        // ONNX Slice (positive step): negative bounds count from the end, then clamp to [0, d]
-        let clamp = |ctx: &mut Ctx, t: &str| {
-            let v = ctx.b.slice(t, j, j + 1, 0, "grad/slice_bound_j");
-            // capped at d first: a bound of INT64_MAX ("to the end") then never meets an
-            // addition (tract's integer arithmetic checks for overflow)
-            let v = ctx.op("Min", &[&v, &d], "grad/slice_bound_capped");
-            let neg = ctx.op("Less", &[&v, &zero], "grad/slice_bound_neg");
-            let v_neg = ctx.op("Min", &[&v, &zero], "grad/slice_bound_neg_part");
-            let from_end = ctx.op("Add", &[&v_neg, &d], "grad/slice_bound_from_end");
-            let v = ctx.b.where_(&neg, &from_end, &v, "grad/slice_bound_abs");
-            let v = ctx.op("Max", &[&v, &zero], "grad/slice_bound_lo");
-            ctx.op("Min", &[&v, &d], "grad/slice_bound_hi")
-        };
-        let s = clamp(ctx, &starts);
-        let e = clamp(ctx, &ends);
-        let len = ctx.op("Sub", &[&e, &s], "grad/slice_len");
-        let len = ctx.op("Max", &[&len, &zero], "grad/slice_len_pos");
-        let rest = ctx.op("Sub", &[&d, &s], "grad/slice_rest");
-        end_pads[a as usize] = ctx.op("Sub", &[&rest, &len], "grad/slice_end_pad");
-        begins[a as usize] = s;
-    }
-    let parts: Vec<&str> = begins.iter().chain(&end_pads).map(String::as_str).collect();
-    let pads = ctx.b.concat(&parts, 0, "grad/slice_pads");
+    let pads = ctx.i64s(&pads);
     Ok(Some(ctx.b.node("Pad", &[g, &pads], "grad/slice", vec![])))
 }
 

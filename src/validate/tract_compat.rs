@@ -1,0 +1,85 @@
+//! Rewrites of the validation copy for tract, each keeping every value: tract has no sequence
+//! types (the dynamo exporter's `SplitToSequence` + `SequenceAt` become `Slice`s, as for the
+//! step graph), and its shape analysis mis-sizes a `Slice` whose end is `INT64_MAX` ("to the
+//! end", how exporters write `x[a:]`) on a symbolic dim, so such ends become the dim itself,
+//! read from the data's shape.
+
+use crate::graph::GraphIndex;
+use crate::onnx::{GraphProto, NodeProto};
+use crate::ops::Builder;
+use crate::shapes::{Dim, Shapes};
+
+/// Ends at or beyond this mean "to the end" (exporters write `INT64_MAX`, some `2^63 − 2`).
+const TO_THE_END: i64 = 1 << 62;
+
+pub fn rewrite(graph: &mut GraphProto, b: &mut Builder) {
+    crate::grad::canonical::split_to_sequence_as_slices(graph, b);
+    slice_ends_from_shapes(graph, b);
+}
+
+fn slice_ends_from_shapes(graph: &mut GraphProto, b: &mut Builder) {
+    let index = GraphIndex::new(graph);
+    let shapes = Shapes::infer(&index);
+    let types = crate::elem_types::ElemTypes::infer(&index);
+    let known = |t: Option<&String>| -> Option<Vec<i64>> {
+        let v = shapes.value(t.filter(|t| !t.is_empty())?)?;
+        v.iter()
+            .map(|d| match d {
+                Dim::Known(k) => Some(*k),
+                _ => None,
+            })
+            .collect()
+    };
+    let mut rewrites: Vec<(usize, Vec<NodeProto>)> = Vec::new();
+    for (i, node) in graph.node.iter().enumerate() {
+        if node.op_type() != "Slice" || node.input.len() < 3 {
+            continue;
+        }
+        // the new ends are int64, as the starts must be
+        if types.get(&node.input[1]) != Some(crate::onnx::INT64) {
+            continue;
+        }
+        let Some(ends) = known(node.input.get(2)).filter(|e| e.iter().any(|&e| e >= TO_THE_END))
+        else {
+            continue;
+        };
+        let axes = match node.input.get(3).filter(|a| !a.is_empty()) {
+            Some(a) => match known(Some(a)) {
+                Some(axes) if axes.len() == ends.len() => axes,
+                _ => continue,
+            },
+            None => (0..ends.len() as i64).collect(),
+        };
+        let shape = b.node("Shape", &[&node.input[0]], "tract/slice_data_shape", vec![]);
+        let parts: Vec<String> = ends
+            .iter()
+            .zip(&axes)
+            .map(|(&e, &a)| {
+                if e >= TO_THE_END {
+                    let end = if a == -1 { i64::MAX } else { a + 1 };
+                    b.slice(&shape, a, end, 0, "tract/slice_end_dim")
+                } else {
+                    b.const_i64("tract/slice_end", &[1], &[e])
+                }
+            })
+            .collect();
+        let refs: Vec<&str> = parts.iter().map(String::as_str).collect();
+        let new_ends = b.concat(&refs, 0, "tract/slice_ends");
+        let mut slice = node.clone();
+        slice.input[2] = new_ends;
+        let mut nodes = std::mem::take(&mut b.nodes);
+        nodes.push(slice);
+        rewrites.push((i, nodes));
+    }
+    if rewrites.is_empty() {
+        return;
+    }
+    let mut rewrites = rewrites.into_iter().peekable();
+    let old = std::mem::take(&mut graph.node);
+    for (i, node) in old.into_iter().enumerate() {
+        match rewrites.peek() {
+            Some((at, _)) if *at == i => graph.node.extend(rewrites.next().expect("peeked").1),
+            _ => graph.node.push(node),
+        }
+    }
+}
