@@ -156,15 +156,7 @@ fn masks(index: &GraphIndex, per_position: &str) -> Vec<PositionMask> {
 }
 
 fn is_scalar_constant(index: &GraphIndex, t: &str) -> bool {
-    let init = index.graph.initializer.iter().find(|i| i.name() == t);
-    let dims = match init {
-        Some(i) => Some(i.dims.clone()),
-        None => match index.producer(t) {
-            Some((_, n)) if n.op_type() == "Constant" => crate::onnx::attr(n, "value")
-                .and_then(|a| a.t.as_ref())
-                .map(|t| t.dims.clone()),
-            _ => None,
-        },
-    };
-    dims.is_some_and(|d| d.iter().all(|&x| x == 1))
+    index
+        .constant_tensor(t)
+        .is_some_and(|c| c.dims.iter().all(|&x| x == 1))
 }

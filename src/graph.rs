@@ -198,19 +198,23 @@ impl<'g> GraphIndex<'g> {
         }
     }
 
+    /// The tensor holding a constant: an initializer, or a Constant node's `value` (its
+    /// payload is not read here).
+    pub fn constant_tensor(&self, tensor: &str) -> Option<&'g crate::onnx::TensorProto> {
+        if let Some(t) = self.graph.initializer.iter().find(|t| t.name() == tensor) {
+            return Some(t);
+        }
+        let (_, node) = self.producer(tensor)?;
+        if node.op_type() != "Constant" {
+            return None;
+        }
+        crate::onnx::attr(node, "value")?.t.as_ref()
+    }
+
     /// The values of a small constant int64 tensor (an initializer or a Constant node), such as
     /// a Reshape target. Larger tensors are not read: weights are never touched.
     pub fn constant_i64(&self, tensor: &str) -> Option<Vec<i64>> {
-        let t = match self.graph.initializer.iter().find(|t| t.name() == tensor) {
-            Some(t) => t,
-            None => {
-                let (_, node) = self.producer(tensor)?;
-                if node.op_type() != "Constant" {
-                    return None;
-                }
-                crate::onnx::attr(node, "value")?.t.as_ref()?
-            }
-        };
+        let t = self.constant_tensor(tensor)?;
         let count = t
             .dims
             .iter()

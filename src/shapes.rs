@@ -14,6 +14,10 @@ use crate::onnx::proto::tensor_shape_proto::dimension;
 use crate::onnx::proto::type_proto;
 use crate::onnx::{attr, attr_i, attr_ints, NodeProto};
 
+/// A Slice end at or beyond this means "to the end of the axis" (exporters write `INT64_MAX`,
+/// some `2^63 − 2`).
+pub const SLICE_TO_THE_END: i64 = 1 << 62;
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Dim {
     Known(i64),
@@ -73,6 +77,17 @@ impl Shapes {
     /// The value of a small int64 vector (a shape vector, a Slice's starts), where followed.
     pub fn value(&self, t: &str) -> Option<&[Dim]> {
         self.value.get(t).map(Vec::as_slice)
+    }
+
+    /// The value of a small int64 vector when every element is a known number.
+    pub fn known_ints(&self, t: &str) -> Option<Vec<i64>> {
+        self.value(t)?
+            .iter()
+            .map(|d| match d {
+                Dim::Known(v) => Some(*v),
+                _ => None,
+            })
+            .collect()
     }
 
     /// Elementwise arithmetic on shape vectors, as exporters write `expand(-1, ...)` and

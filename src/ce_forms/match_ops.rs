@@ -3,7 +3,7 @@
 //! class" of a tensor (gather, one-hot product).
 
 use crate::graph::{static_rank, GraphIndex};
-use crate::onnx::{attr, attr_i, attr_ints, NodeProto};
+use crate::onnx::{attr_i, attr_ints, NodeProto};
 
 /// `t = x[..., labels]` along x's last axis.
 #[derive(Debug, Clone)]
@@ -477,13 +477,7 @@ fn trailing_one(index: &GraphIndex, idx: &str) -> bool {
 /// The values of a small numeric constant (initializer or Constant node), as f64.
 pub fn constant_numbers(index: &GraphIndex, t: &str) -> Option<Vec<f64>> {
     use crate::onnx::proto::tensor_proto::DataType;
-    let tensor = match index.graph.initializer.iter().find(|i| i.name() == t) {
-        Some(i) => i,
-        None => {
-            let (_, n) = producer(index, t, "Constant")?;
-            attr(n, "value")?.t.as_ref()?
-        }
-    };
+    let tensor = index.constant_tensor(t)?;
     let count: i64 = tensor.dims.iter().product();
     if !(0..=4096).contains(&count) {
         return None;

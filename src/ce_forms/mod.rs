@@ -78,39 +78,33 @@ struct Core {
 /// Rewrites every recognised form in the main graph. Returns the forms found, in node order.
 pub fn rewrite(model: &mut ModelProto) -> Result<Vec<&'static str>, Error> {
     let opset = default_opset(model).unwrap_or(crate::ops::builder::MIN_OPSET);
-    let graph = model.graph.as_mut().expect("loaded models have a graph");
-    let (replacements, removable, initializers, forms) = {
-        let index = GraphIndex::new(graph);
-        let cores = find_cores(&index);
-        if cores.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mut b = Builder::new(PREFIX, opset, index.taken_names());
-        let mut replacements = std::collections::BTreeMap::new();
-        let mut removable = BTreeSet::new();
-        for core in &cores {
-            emit(&mut b, &index, core);
-            replacements.insert(core.root, std::mem::take(&mut b.nodes));
-            for &n in core.nodes.iter().filter(|&&n| n != core.root) {
-                removable.extend(graph.node[n].output.iter().cloned());
-            }
-            // what only the replaced node read (its axes constants, ...)
-            removable.extend(graph.node[core.root].input.iter().cloned());
-        }
-        let forms = cores.iter().map(|c| c.form).collect();
-        (replacements, removable, b.initializers, forms)
-    };
-    let mut replacements = replacements;
-    let old = std::mem::take(&mut graph.node);
-    for (i, node) in old.into_iter().enumerate() {
-        match replacements.remove(&i) {
-            Some(nodes) => graph.node.extend(nodes),
-            None => graph.node.push(node),
-        }
+    let graph = model.graph.as_ref().expect("loaded models have a graph");
+    let index = GraphIndex::new(graph);
+    let cores = find_cores(&index);
+    if cores.is_empty() {
+        return Ok(Vec::new());
     }
-    graph.initializer.extend(initializers);
-    remove_dead(graph, &removable);
-    crate::patch::check_consistency(model).map_err(Error::Inconsistent)?;
+    let mut b = Builder::new(PREFIX, opset, index.taken_names());
+    let mut replacements = Vec::new();
+    let mut removable = BTreeSet::new();
+    for core in &cores {
+        emit(&mut b, &index, core);
+        replacements.push((core.root, std::mem::take(&mut b.nodes)));
+        for &n in core.nodes.iter().filter(|&&n| n != core.root) {
+            removable.extend(graph.node[n].output.iter().cloned());
+        }
+        // what only the replaced node read (its axes constants, ...)
+        removable.extend(graph.node[core.root].input.iter().cloned());
+    }
+    let forms = cores.iter().map(|c| c.form).collect();
+    let patch = crate::patch::Patch {
+        replacements,
+        initializers: b.initializers,
+        ..Default::default()
+    };
+    crate::patch::apply(model, patch)?;
+    // removing nodes nothing reads keeps the graph consistent
+    remove_dead(model.graph.as_mut().expect("checked"), &removable);
     Ok(forms)
 }
 

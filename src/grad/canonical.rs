@@ -161,19 +161,7 @@ fn bounds(index: &GraphIndex, split: &NodeProto, k: i64) -> Option<(i64, i64)> {
         None => Some((k, k + 1)),
         Some(s) => {
             let sizes = index.constant_i64(s)?;
-            let is_scalar = index
-                .graph
-                .initializer
-                .iter()
-                .find(|t| t.name() == s.as_str())
-                .map(|t| t.dims.is_empty())
-                .or_else(|| {
-                    index.producer(s).and_then(|(_, n)| {
-                        crate::onnx::attr(n, "value")
-                            .and_then(|a| a.t.as_ref())
-                            .map(|t| t.dims.is_empty())
-                    })
-                })?;
+            let is_scalar = index.constant_tensor(s)?.dims.is_empty();
             if is_scalar {
                 let c = *sizes.first()?;
                 Some((k * c, (k + 1) * c))

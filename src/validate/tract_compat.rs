@@ -7,10 +7,7 @@
 use crate::graph::GraphIndex;
 use crate::onnx::{GraphProto, NodeProto};
 use crate::ops::Builder;
-use crate::shapes::{Dim, Shapes};
-
-/// Ends at or beyond this mean "to the end" (exporters write `INT64_MAX`, some `2^63 − 2`).
-const TO_THE_END: i64 = 1 << 62;
+use crate::shapes::{Shapes, SLICE_TO_THE_END};
 
 pub fn rewrite(graph: &mut GraphProto, b: &mut Builder) {
     crate::grad::canonical::split_to_sequence_as_slices(graph, b);
@@ -21,15 +18,7 @@ fn slice_ends_from_shapes(graph: &mut GraphProto, b: &mut Builder) {
     let index = GraphIndex::new(graph);
     let shapes = Shapes::infer(&index);
     let types = crate::elem_types::ElemTypes::infer(&index);
-    let known = |t: Option<&String>| -> Option<Vec<i64>> {
-        let v = shapes.value(t.filter(|t| !t.is_empty())?)?;
-        v.iter()
-            .map(|d| match d {
-                Dim::Known(k) => Some(*k),
-                _ => None,
-            })
-            .collect()
-    };
+    let known = |t: Option<&String>| shapes.known_ints(t.filter(|t| !t.is_empty())?);
     let mut rewrites: Vec<(usize, Vec<NodeProto>)> = Vec::new();
     for (i, node) in graph.node.iter().enumerate() {
         if node.op_type() != "Slice" || node.input.len() < 3 {
@@ -39,7 +28,7 @@ fn slice_ends_from_shapes(graph: &mut GraphProto, b: &mut Builder) {
         if types.get(&node.input[1]) != Some(crate::onnx::INT64) {
             continue;
         }
-        let Some(ends) = known(node.input.get(2)).filter(|e| e.iter().any(|&e| e >= TO_THE_END))
+        let Some(ends) = known(node.input.get(2)).filter(|e| e.iter().any(|&e| e >= SLICE_TO_THE_END))
         else {
             continue;
         };
@@ -55,7 +44,7 @@ fn slice_ends_from_shapes(graph: &mut GraphProto, b: &mut Builder) {
             .iter()
             .zip(&axes)
             .map(|(&e, &a)| {
-                if e >= TO_THE_END {
+                if e >= SLICE_TO_THE_END {
                     let end = if a == -1 { i64::MAX } else { a + 1 };
                     b.slice(&shape, a, end, 0, "tract/slice_end_dim")
                 } else {

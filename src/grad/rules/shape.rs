@@ -103,19 +103,10 @@ pub fn slice(
 /// here. No `Size`/`Range` over run-time sizes (MIGraphX takes none), and nothing tract's shape
 /// analysis cannot follow. None otherwise: the flat-index form is used then.
 fn slice_by_pad(ctx: &mut Ctx, node: &NodeProto, g: &str) -> Result<Option<String>, Error> {
-    use crate::shapes::Dim;
-    // an end at or beyond this means "to the end" (exporters write INT64_MAX)
-    const TO_THE_END: i64 = 1 << 62;
+    use crate::shapes::{Dim, SLICE_TO_THE_END};
     let known = |k: usize| -> Option<Vec<i64>> {
-        let t = node.input.get(k).filter(|t| !t.is_empty())?;
         ctx.shapes
-            .value(t)?
-            .iter()
-            .map(|d| match d {
-                Dim::Known(v) => Some(*v),
-                _ => None,
-            })
-            .collect()
+            .known_ints(node.input.get(k).filter(|t| !t.is_empty())?)
     };
     let x = node.input[0].as_str();
     let (Some(r), Some(starts), Some(ends)) = (ctx.ranks.get(x), known(1), known(2)) else {
@@ -154,7 +145,7 @@ fn slice_by_pad(ctx: &mut Ctx, node: &NodeProto, g: &str) -> Result<Option<Strin
                 pads[r + a as usize] = d - s - len;
             }
             // the whole axis, whatever its size
-            _ if s == 0 && e >= TO_THE_END => {}
+            _ if s == 0 && e >= SLICE_TO_THE_END => {}
             _ => return Ok(None),
         }
     }
