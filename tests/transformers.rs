@@ -19,12 +19,39 @@ fn validate_json(path: &std::path::Path) -> serde_json::Value {
     serde_json::from_slice(&out.get_output().stdout).unwrap()
 }
 
+const MODELS: [&str; 4] = ["gpt2_ts", "llama_ts", "gpt2_dynamo", "llama_dynamo"];
+
+/// `ntl-patch step` of a fixture into `dir/<name>.step.onnx`.
+fn step_graph(dir: &std::path::Path, name: &str) -> std::path::PathBuf {
+    let out = dir.join(format!("{name}.step.onnx"));
+    bin()
+        .arg("step")
+        .arg(model(name))
+        .arg("--tokenizer")
+        .arg(tokenizer())
+        .arg("-o")
+        .arg(&out)
+        .assert()
+        .success();
+    out
+}
+
+/// The report has `count` checks and every one passed.
+fn all_passed(report: &serde_json::Value, count: usize, what: &str) {
+    let checks = report["checks"].as_array().unwrap();
+    assert_eq!(checks.len(), count, "{what}: {report}");
+    assert!(
+        checks.iter().all(|c| c["passed"] == true),
+        "{what}: {report}"
+    );
+}
+
 #[test]
 fn transformers_graphs_validate_for_every_loss_family() {
     let dir = tempfile::tempdir().unwrap();
     // the dynamo exports need the validation copy's tract rewrites (INT64_MAX slice ends, the
     // position ids' cumsum of a cast mask)
-    for name in ["gpt2_ts", "llama_ts", "gpt2_dynamo", "llama_dynamo"] {
+    for name in MODELS {
         for loss in ["wasserstein", "ntil"] {
             let out = dir.path().join(format!("{name}-{loss}.onnx"));
             bin()
@@ -35,13 +62,7 @@ fn transformers_graphs_validate_for_every_loss_family() {
                 .arg(&out)
                 .assert()
                 .success();
-            let report = validate_json(&out);
-            let checks = report["checks"].as_array().unwrap();
-            assert_eq!(checks.len(), 3, "{name}/{loss}: {report}");
-            assert!(
-                checks.iter().all(|c| c["passed"] == true),
-                "{name}/{loss}: {report}"
-            );
+            all_passed(&validate_json(&out), 3, &format!("{name}/{loss}"));
         }
     }
 }
@@ -49,24 +70,9 @@ fn transformers_graphs_validate_for_every_loss_family() {
 #[test]
 fn transformers_step_graphs_train_in_tract_like_onnxruntime() {
     let dir = tempfile::tempdir().unwrap();
-    for name in ["gpt2_ts", "llama_ts", "gpt2_dynamo", "llama_dynamo"] {
-        let out = dir.path().join(format!("{name}.step.onnx"));
-        bin()
-            .arg("step")
-            .arg(model(name))
-            .arg("--tokenizer")
-            .arg(tokenizer())
-            .arg("-o")
-            .arg(&out)
-            .assert()
-            .success();
-        let report = validate_json(&out);
-        let checks = report["checks"].as_array().unwrap();
-        assert_eq!(checks.len(), 3 + 3 * 3 + 1, "{name}: {report}");
-        assert!(
-            checks.iter().all(|c| c["passed"] == true),
-            "{name}: {report}"
-        );
+    for name in MODELS {
+        let out = step_graph(dir.path(), name);
+        all_passed(&validate_json(&out), 3 + 3 * 3 + 1, name);
     }
 }
 
@@ -77,17 +83,8 @@ fn transformers_step_graphs_train_in_tract_like_onnxruntime() {
 #[test]
 fn transformers_step_graphs_have_no_gpu_fallback() {
     let dir = tempfile::tempdir().unwrap();
-    for name in ["gpt2_ts", "gpt2_dynamo", "llama_ts", "llama_dynamo"] {
-        let out = dir.path().join(format!("{name}.step.onnx"));
-        bin()
-            .arg("step")
-            .arg(model(name))
-            .arg("--tokenizer")
-            .arg(tokenizer())
-            .arg("-o")
-            .arg(&out)
-            .assert()
-            .success();
+    for name in MODELS {
+        let out = step_graph(dir.path(), name);
         for target in ["cuda", "rocm", "migraphx"] {
             let o = bin()
                 .arg("inspect")
