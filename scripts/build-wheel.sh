@@ -7,27 +7,13 @@
 # Arguments go to `maturin build --locked`. maturin runs cargo in cargo's own target folder
 # ($CARGO_TARGET_DIR or target/), so a `--profile dev` build reuses what `cargo build` compiled
 # (--strip only relinks the binary). Makes .venv-maturin (python/requirements-build.txt) on first
-# use, or when that file changed (sha256 stamp); pip's output goes to .venv-maturin/setup.log.
+# use, or when that file changed (sha256 stamp); pip's output goes to .venv-maturin/build-wheel.log.
 # Env: PYTHON (default python3) creates the venv.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 venv="$root/.venv-maturin"
-req="$root/python/requirements-build.txt"
-stamp="$venv/.requirements.sha256"
-want="$(sha256sum "$req" | cut -d' ' -f1)"
-
-if [[ ! -x "$venv/bin/python" ]]; then
-  "${PYTHON:-python3}" -m venv "$venv"
-fi
-if [[ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]]; then
-  rm -f "$stamp"
-  if ! "$venv/bin/python" -m pip install --disable-pip-version-check -r "$req" >"$venv/setup.log" 2>&1; then
-    echo "build-wheel: pip install -r python/requirements-build.txt failed; last lines of $venv/setup.log:" >&2
-    tail -n 20 "$venv/setup.log" >&2
-    exit 1
-  fi
-  echo "$want" >"$stamp"
-fi
+source "$root/scripts/lib/pinned-venv.sh"
+pinned_venv build-wheel "$venv" "$root/python/requirements-build.txt" >&2
 exec "$venv/bin/maturin" build --locked "$@"

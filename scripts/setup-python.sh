@@ -11,34 +11,5 @@
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="$root/.venv"
-req="$root/tests/python/requirements.txt"
-stamp="$venv/.requirements.sha256"
-log="$venv/setup-python.log"
-python="${PYTHON:-python3}"
-
-want="$(sha256sum "$req" | cut -d' ' -f1)"
-have="$(cat "$stamp" 2>/dev/null || true)"
-
-created=""
-if [[ ! -x "$venv/bin/python" ]]; then
-  "$python" -m venv "$venv"
-  created=1
-fi
-
-if [[ -z "$created" && "$want" == "$have" ]]; then
-  echo "setup-python: .venv up to date ($("$venv/bin/python" --version 2>&1), requirements ${want:0:12})"
-  exit 0
-fi
-
-if ! "$venv/bin/python" -m pip install --disable-pip-version-check -r "$req" >"$log" 2>&1; then
-  echo "setup-python: pip install -r tests/python/requirements.txt failed; last lines of $log:" >&2
-  tail -n 20 "$log" >&2
-  exit 1
-fi
-echo "$want" >"$stamp"
-if [[ -n "$created" ]]; then
-  echo "setup-python: created .venv and installed tests/python/requirements.txt (requirements ${want:0:12})"
-else
-  echo "setup-python: requirements changed; installed tests/python/requirements.txt into .venv (requirements ${want:0:12})"
-fi
+source "$root/scripts/lib/pinned-venv.sh"
+pinned_venv setup-python "$root/.venv" "$root/tests/python/requirements.txt"

@@ -12,44 +12,14 @@
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="$root/.venv-rt"
-req="$root/python/requirements.txt"
-stamp="$venv/.requirements.sha256"
-log="$venv/setup-runtime.log"
-python="${PYTHON:-python3}"
+source "$root/scripts/lib/pinned-venv.sh"
 
-want="$(sha256sum "$req" | cut -d' ' -f1)"
-have="$(cat "$stamp" 2>/dev/null || true)"
-
-created=""
-if [[ ! -x "$venv/bin/python" ]]; then
-  "$python" -m venv "$venv"
-  created=1
-fi
-
-if [[ -z "$created" && "$want" == "$have" ]]; then
-  echo "setup-runtime: .venv-rt up to date ($("$venv/bin/python" --version 2>&1), requirements ${want:0:12})"
-  exit 0
-fi
-
-rm -f "$stamp"
-if ! "$venv/bin/python" -m pip install --disable-pip-version-check -r "$req" >"$log" 2>&1; then
-  echo "setup-runtime: pip install -r python/requirements.txt failed; last lines of $log:" >&2
-  tail -n 20 "$log" >&2
-  exit 1
-fi
-if ! "$venv/bin/python" - >>"$log" 2>&1 <<'PY'
+# this env proves the runner needs neither torch nor onnx
+no_torch_or_onnx() {
+  "$root/.venv-rt/bin/python" - <<'PY'
 import importlib.util, sys
 bad = [m for m in ("torch", "onnx") if importlib.util.find_spec(m) is not None]
 sys.exit(f"setup-runtime: .venv-rt must not contain {', '.join(bad)}" if bad else 0)
 PY
-then
-  echo "setup-runtime: .venv-rt contains torch or onnx (it must hold onnxruntime + numpy only); see $log" >&2
-  exit 1
-fi
-echo "$want" >"$stamp"
-if [[ -n "$created" ]]; then
-  echo "setup-runtime: created .venv-rt and installed python/requirements.txt (requirements ${want:0:12})"
-else
-  echo "setup-runtime: requirements changed; installed python/requirements.txt into .venv-rt (requirements ${want:0:12})"
-fi
+}
+pinned_venv setup-runtime "$root/.venv-rt" "$root/python/requirements.txt" no_torch_or_onnx
