@@ -290,7 +290,15 @@ fn training_patch(
         outputs: added_outputs(forward.loss_type),
         metadata: vec![(
             METADATA_KEY.into(),
-            metadata(site, &forward.flat, &forward.number_labels, tokens, opts, &site.loss_output, &[]),
+            metadata(
+                site,
+                &forward.flat,
+                &forward.number_labels,
+                tokens,
+                opts,
+                &site.loss_output,
+                &[],
+            ),
         )],
     };
     Ok((patch, counts))

@@ -252,7 +252,8 @@ fn reference_matches_every_ntloss_setting() {
             .map(|x| x.as_i64().unwrap())
             .collect();
         let batch = Batch::new(&logits, &labels, width).unwrap();
-        let ce = reference::cross_entropy(&batch, Some(-100), CeReduction::Mean, None, 0.0).unwrap();
+        let ce =
+            reference::cross_entropy(&batch, Some(-100), CeReduction::Mean, None, 0.0).unwrap();
         for r in case["results"].as_array().unwrap() {
             let settings = NtlSettings {
                 kind: NtlKind::parse(r["loss"].as_str().unwrap()).unwrap(),
@@ -645,7 +646,8 @@ mod sequence_reference {
             let seqs = Sequences::new(&logits, &labels, b, width).unwrap();
             assert_eq!(seqs.seq, case["T"].as_u64().unwrap() as usize);
             let batch = Batch::new(&logits, &labels, width).unwrap();
-            let ce = reference::cross_entropy(&batch, Some(-100), CeReduction::Mean, None, 0.0).unwrap();
+            let ce =
+                reference::cross_entropy(&batch, Some(-100), CeReduction::Mean, None, 0.0).unwrap();
             for r in case["results"].as_array().unwrap() {
                 let f = |k: &str| r[k].as_f64().unwrap();
                 let loss = match r["loss"].as_str().unwrap() {
@@ -694,7 +696,8 @@ mod sequence_reference {
             let (name, b, logits, labels) = case_data(case);
             let seqs = Sequences::new(&logits, &labels, b, width).unwrap();
             let batch = Batch::new(&logits, &labels, width).unwrap();
-            let ce = reference::cross_entropy(&batch, Some(-100), CeReduction::Mean, None, 0.0).unwrap();
+            let ce =
+                reference::cross_entropy(&batch, Some(-100), CeReduction::Mean, None, 0.0).unwrap();
             for r in case["results"].as_array().unwrap() {
                 let settings = NumberLevelSettings {
                     float_level: r["float_level"].as_bool().unwrap(),

@@ -357,7 +357,7 @@ fn independent(
         weights.as_deref(),
         meta.label_smoothing,
     )
-        .map_err(flat_mismatch)?;
+    .map_err(flat_mismatch)?;
     if !meta.rescaled_by.is_empty() {
         // The graph rescales its cross-entropy (by inputs such as num_items_in_batch) before
         // reporting it; ce_loss is that reported value, so the total is checked against it.
@@ -370,8 +370,9 @@ fn independent(
     }
     let (number_loss, number_positions, numbers) = match (&meta.loss, sequences) {
         (LossSpec::Ntl(settings), _) => {
-            let ntl = reference::number_token_loss(&number_batch, table, settings, meta.ignore_index)
-                .map_err(flat_mismatch)?;
+            let ntl =
+                reference::number_token_loss(&number_batch, table, settings, meta.ignore_index)
+                    .map_err(flat_mismatch)?;
             (ntl.value, ntl.positions, None)
         }
         (LossSpec::Sequence(loss), Some(setup)) => {

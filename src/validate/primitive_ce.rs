@@ -111,7 +111,12 @@ pub fn emit(e: &mut Emitter, spec: &CeSpec) {
         // per position, in the shape of the node's own labels
         ("none", _) => {
             let nll = e.node("Neg", &[&weighted], vec![], Out::Fresh("nll_flat"));
-            let shape = e.node("Shape", &[&node.input[1]], vec![], Out::Fresh("labels_shape"));
+            let shape = e.node(
+                "Shape",
+                &[&node.input[1]],
+                vec![],
+                Out::Fresh("labels_shape"),
+            );
             e.node("Reshape", &[&nll, &shape], vec![], Out::Fresh("nll"))
         }
         // with no ignore index and no class weights every position counts: the plain mean

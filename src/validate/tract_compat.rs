@@ -28,7 +28,8 @@ fn slice_ends_from_shapes(graph: &mut GraphProto, b: &mut Builder) {
         if types.get(&node.input[1]) != Some(crate::onnx::INT64) {
             continue;
         }
-        let Some(ends) = known(node.input.get(2)).filter(|e| e.iter().any(|&e| e >= SLICE_TO_THE_END))
+        let Some(ends) =
+            known(node.input.get(2)).filter(|e| e.iter().any(|&e| e >= SLICE_TO_THE_END))
         else {
             continue;
         };
