@@ -6,6 +6,9 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+# Every pip install below (setup scripts, the wheel tests) skips pip's cache: on a clean machine
+# it would only double the gigabytes installed.
+export PIP_NO_CACHE_DIR=1
 
 scripts/setup-python.sh
 scripts/setup-runtime.sh   # .venv-rt: onnxruntime 1.31.1 + numpy only, for the step-graph runner tests

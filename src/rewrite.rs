@@ -31,20 +31,7 @@ pub fn build_patch(
     // The node that writes the loss the graph reports, when that is not the CE's own output:
     // the end of a rescaling chain (HF Trainer's `Div(num_items_in_batch)`), or the scalar a
     // per-position (`reduction='none'`) loss is reduced to.
-    let (reported_by, rescaled_by): (Option<usize>, Vec<String>) = if site.reduction == "none" {
-        let reported = site
-            .reported
-            .as_ref()
-            .ok_or_else(|| Error::UnsupportedReduction(site.reduction.clone()))?;
-        (Some(reported.producer), reported.path.clone())
-    } else {
-        let chain = reported_chain(index, site);
-        let ops = chain
-            .iter()
-            .map(|&i| index.graph.node[i].op_type().to_string())
-            .collect();
-        (chain.last().copied(), ops)
-    };
+    let (reported_by, rescaled_by) = reported_by(index, site)?;
     let mut forward = build_forward(
         &mut b,
         index,
@@ -62,15 +49,11 @@ pub fn build_patch(
     };
     let mut replacements = vec![(site.node_index, std::mem::take(&mut forward.nodes))];
     let mut reported = site.loss_output.clone();
-    if let Some(last) = reported_by {
+    if let Some((last, output)) = reported_by {
         // That value becomes `ce_loss`, and the number loss is added after it, so
         // `loss = reported + λ·number_loss` whatever the reduction and scaling.
         let mut node = index.graph.node[last].clone();
-        let k = node
-            .output
-            .iter()
-            .position(|o| site.reported.as_ref().is_none_or(|r| *o == r.output))
-            .unwrap_or(0);
+        let k = node.output.iter().position(|o| *o == output).unwrap_or(0);
         reported = node.output[k].clone();
         node.output[k] = CE_OUTPUT.to_string();
         let loss_type = index.elem_type(&reported).unwrap_or(forward.loss_type);
@@ -132,6 +115,45 @@ fn declare_layer_norm_statistics(
             (i, vec![node])
         })
         .collect()
+}
+
+/// Where the loss the graph reports is written, when that is not the CE's own output: the
+/// node and its output, and the op types on the way (for the metadata). A per-position CE
+/// (`reduction='none'`) ends in the scalar `ce_reported` found; a scalar CE passes through a
+/// rescaling chain (HF Trainer's `Div(num_items_in_batch)`) or, when it is no graph output
+/// itself, into the first scalar graph output that depends on it (`0.5·CE + aux`).
+fn reported_by(
+    index: &GraphIndex,
+    site: &CeSite,
+) -> Result<(Option<(usize, String)>, Vec<String>), Error> {
+    if site.reduction == "none" {
+        let reported = site
+            .reported
+            .as_ref()
+            .ok_or_else(|| Error::UnsupportedReduction(site.reduction.clone()))?;
+        return Ok((
+            Some((reported.producer, reported.output.clone())),
+            reported.path.clone(),
+        ));
+    }
+    let chain = reported_chain(index, site);
+    if let Some(&last) = chain.last() {
+        let ops = chain
+            .iter()
+            .map(|&i| index.graph.node[i].op_type().to_string())
+            .collect();
+        let output = index.graph.node[last].output[0].clone();
+        return Ok((Some((last, output)), ops));
+    }
+    if index.is_graph_output(&site.loss_output) {
+        return Ok((None, Vec::new()));
+    }
+    Ok(
+        match crate::ce_reported::reported_loss(index, &site.loss_output) {
+            Some(r) => (Some((r.producer, r.output)), r.path),
+            None => (None, Vec::new()),
+        },
+    )
 }
 
 /// Ops that rescale a scalar loss on its way to the graph output.

@@ -4,7 +4,8 @@
 #
 # Creates VENV with `${PYTHON:-python3} -m venv` when VENV/bin/python is missing, and runs
 # `pip install -r REQUIREMENTS` when the venv is new or the file changed since the last install
-# (sha256 stamp in VENV/.requirements.sha256); otherwise does nothing. pip's output goes to
+# (sha256 stamp in VENV/.requirements.sha256); otherwise does nothing. No pip cache: the
+# wheels (torch's CUDA libraries alone are gigabytes) would be stored twice on a full disk. pip's output goes to
 # VENV/TAG.log, whose tail is shown on failure (exit 1). CHECK, if given, is a command run after
 # the install with the log as stdout/stderr; its failure also fails (and leaves no stamp).
 # Prints one line, prefixed TAG.
@@ -24,7 +25,7 @@ pinned_venv() {
     return 0
   fi
   rm -f "$stamp"
-  if ! "$venv/bin/python" -m pip install --disable-pip-version-check -r "$req" >"$log" 2>&1; then
+  if ! "$venv/bin/python" -m pip install --disable-pip-version-check --no-cache-dir -r "$req" >"$log" 2>&1; then
     echo "$tag: pip install -r $rel failed; last lines of $log:" >&2
     tail -n 20 "$log" >&2
     exit 1

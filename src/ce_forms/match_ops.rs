@@ -65,7 +65,17 @@ fn reduce_axes(index: &GraphIndex, node: &NodeProto) -> Option<Vec<i64>> {
     node.input
         .get(1)
         .filter(|a| !a.is_empty())
-        .and_then(|a| index.constant_i64(a))
+        .and_then(|a| constant_ints(index, a))
+}
+
+/// A small integer constant, also where the exporter casts or reshapes it first (the dynamo
+/// exporter's `Reshape(Cast(Constant))` axes and slice bounds).
+fn constant_ints(index: &GraphIndex, t: &str) -> Option<Vec<i64>> {
+    constant_numbers(index, t)?
+        .into_iter()
+        // `as` saturates: INT64_MAX slice ends (2^63 as f64) come back as i64::MAX
+        .map(|v| (v.fract() == 0.0).then_some(v as i64))
+        .collect()
 }
 
 /// Whether `axes` is exactly the last axis of `x`.
@@ -296,7 +306,7 @@ pub fn pick(index: &GraphIndex, t: &str) -> Option<Pick> {
         "Squeeze" => {
             let mut p = pick(index, node.input.first()?)?;
             let axes = attr_ints(node, "axes")
-                .or_else(|| node.input.get(1).and_then(|a| index.constant_i64(a)))?;
+                .or_else(|| node.input.get(1).and_then(|a| constant_ints(index, a)))?;
             let rank = static_rank(index, node.input.first()?)?;
             if !(axes == [-1] || axes == [rank as i64 - 1]) {
                 return None;
@@ -345,6 +355,7 @@ pub fn pick_through_moves(index: &GraphIndex, t: &str) -> Option<Pick> {
         let (i, n) = index.producer(t)?;
         let next = match n.op_type() {
             "Transpose" | "Reshape" | "Squeeze" | "Unsqueeze" | "Gather" => n.input.first()?,
+            "Slice" if slice_keeps_all(index, n) => n.input.first()?,
             "Where" => {
                 let computed = |k: usize| {
                     n.input.get(k).filter(|x| {
@@ -364,6 +375,36 @@ pub fn pick_through_moves(index: &GraphIndex, t: &str) -> Option<Pick> {
         t = through_identity(index, next);
     }
     None
+}
+
+/// A `Slice` that keeps every element (the dynamo exporter's `x[:, 0:1]` of an axis of 1, or
+/// `x[:]`): starts 0, steps 1, every end at or past the axis' end.
+fn slice_keeps_all(index: &GraphIndex, n: &NodeProto) -> bool {
+    let Some(x) = n.input.first() else {
+        return false;
+    };
+    let input = |k: usize| n.input.get(k).filter(|t| !t.is_empty());
+    let (Some(starts), Some(ends)) = (
+        input(1).and_then(|t| constant_ints(index, t)),
+        input(2).and_then(|t| constant_ints(index, t)),
+    ) else {
+        return false;
+    };
+    let axes = match input(3) {
+        Some(t) => constant_ints(index, t),
+        None => Some((0..starts.len() as i64).collect()),
+    };
+    let steps_one = input(4)
+        .map(|t| constant_ints(index, t).is_some_and(|s| s.iter().all(|&v| v == 1)))
+        .unwrap_or(true);
+    let Some(axes) = axes.filter(|a| a.len() == starts.len() && a.len() == ends.len()) else {
+        return false;
+    };
+    steps_one
+        && starts.iter().all(|&s| s == 0)
+        && axes.iter().zip(&ends).all(|(&axis, &end)| {
+            end >= i32::MAX as i64 || index.static_dim(x, axis, 0).is_some_and(|size| end >= size)
+        })
 }
 
 /// `h = onehot(labels)` over `x`'s classes (float 0/1): `OneHot(labels, depth, [0, 1])` on the
@@ -394,9 +435,11 @@ fn one_hot(index: &GraphIndex, h: &str, x: &str) -> Option<Pick> {
             if constant_numbers(index, values)? != [0.0, 1.0] {
                 return None;
             }
-            let depth = constant_numbers(index, depth)?;
-            if depth.len() != 1 || width.is_some_and(|w| depth[0] != w as f64) {
-                return None;
+            match constant_numbers(index, depth) {
+                Some(d) if d.len() == 1 && width.is_none_or(|w| d[0] == w as f64) => {}
+                Some(_) => return None,
+                None if is_run_time_width(index, depth, width) => {}
+                None => return None,
             }
             Some(Pick {
                 source: x.to_string(),
@@ -425,6 +468,54 @@ fn one_hot(index: &GraphIndex, h: &str, x: &str) -> Option<Pick> {
         }
         _ => None,
     }
+}
+
+/// `t` is the last entry of a tensor's run-time shape (`Gather(Shape(y), −1)`, `Shape(y,
+/// start=−1)`), possibly cast or reshaped, of a `y` whose width, where the graph fixes it,
+/// is `width`.
+fn is_run_time_width(index: &GraphIndex, t: &str, width: Option<i64>) -> bool {
+    let mut t = through_identity(index, t);
+    for _ in 0..8 {
+        let Some((_, n)) = index.producer(t) else {
+            return false;
+        };
+        let shape_of = |s: &str| {
+            let (_, shape) = producer(index, through_identity(index, s), "Shape")?;
+            let y = shape.input.first()?;
+            let y_width = index.static_last_dim(y);
+            (width.is_none() || y_width.is_none() || width == y_width).then_some((shape, y))
+        };
+        match n.op_type() {
+            "Gather" => {
+                let (Some(s), Some(k)) = (n.input.first(), n.input.get(1)) else {
+                    return false;
+                };
+                let Some((shape, y)) = shape_of(s) else {
+                    return false;
+                };
+                // a Shape with start/end attributes is only part of y's shape
+                if shape
+                    .attribute
+                    .iter()
+                    .any(|a| a.name() == "start" || a.name() == "end")
+                {
+                    return false;
+                }
+                let last = static_rank(index, y).map(|r| r as i64 - 1);
+                return matches!(constant_ints(index, k).as_deref(), Some([k]) if *k == -1 || Some(*k) == last);
+            }
+            "Shape" => {
+                return attr_i(n, "start") == Some(-1)
+                    && attr_i(n, "end").is_none()
+                    && shape_of(t).is_some();
+            }
+            "Cast" | "Reshape" | "Squeeze" | "Unsqueeze" if !n.input.is_empty() => {
+                t = through_identity(index, &n.input[0])
+            }
+            _ => return false,
+        }
+    }
+    false
 }
 
 /// `Range(0, V, 1)` (or a constant 0..V), V the classes' width where the graph fixes it.
@@ -461,8 +552,8 @@ fn trailing_one(index: &GraphIndex, idx: &str) -> bool {
     }
     match index.producer(idx) {
         Some((_, n)) if n.op_type() == "Unsqueeze" => {
-            let axes =
-                attr_ints(n, "axes").or_else(|| n.input.get(1).and_then(|a| index.constant_i64(a)));
+            let axes = attr_ints(n, "axes")
+                .or_else(|| n.input.get(1).and_then(|a| constant_ints(index, a)));
             let out_rank = static_rank(index, idx);
             matches!(axes.as_deref(), Some([-1]))
                 || matches!((axes.as_deref(), out_rank), (Some([a]), Some(r)) if *a == r as i64 - 1)
@@ -474,9 +565,80 @@ fn trailing_one(index: &GraphIndex, idx: &str) -> bool {
     }
 }
 
-/// The values of a small numeric constant (initializer or Constant node), as f64.
+/// Looks through the ops exporters put between a constant and its use that keep its values:
+/// `Identity`, `Cast`/`CastLike` (rounded toward zero to integer types, as ONNX casts),
+/// `Reshape`, `Squeeze`, `Unsqueeze`, `Flatten`.
 pub fn constant_numbers(index: &GraphIndex, t: &str) -> Option<Vec<f64>> {
     use crate::onnx::proto::tensor_proto::DataType;
+    let mut t = t;
+    let mut to_int = false;
+    for _ in 0..8 {
+        let (_, n) = match index.producer(t) {
+            Some((_, n)) if n.op_type() == "Constant" => break,
+            Some(p) if index.constant_tensor(t).is_none() => p,
+            _ => break,
+        };
+        match n.op_type() {
+            "Identity" | "Reshape" | "Squeeze" | "Unsqueeze" | "Flatten" => {}
+            "Cast" => {
+                let to = DataType::try_from(attr_i(n, "to")? as i32).ok()?;
+                if to == DataType::Bool {
+                    return None;
+                }
+                to_int |= !matches!(
+                    to,
+                    DataType::Float | DataType::Double | DataType::Float16 | DataType::Bfloat16
+                );
+            }
+            // CastLike(constant, like): the constant in like's type
+            "CastLike" => {
+                let like = n.input.get(1).and_then(|l| index.elem_type(l));
+                let float_like = like.is_some_and(|e| {
+                    [
+                        DataType::Float,
+                        DataType::Double,
+                        DataType::Float16,
+                        DataType::Bfloat16,
+                    ]
+                    .iter()
+                    .any(|d| *d as i32 == e)
+                });
+                if like == Some(DataType::Bool as i32) {
+                    return None;
+                }
+                to_int |= !float_like;
+            }
+            _ => return None,
+        }
+        t = n.input.first()?;
+    }
+    let values = constant_values(index, t)?;
+    Some(if to_int {
+        values.into_iter().map(f64::trunc).collect()
+    } else {
+        values
+    })
+}
+
+/// The values of a small numeric constant (initializer or Constant node), as f64.
+fn constant_values(index: &GraphIndex, t: &str) -> Option<Vec<f64>> {
+    use crate::onnx::proto::tensor_proto::DataType;
+    // Constant(value_int(s)/value_float(s)), as the dynamo exporter writes small ones
+    if let Some((_, n)) = producer(index, t, "Constant") {
+        for a in &n.attribute {
+            match a.name() {
+                "value_int" => return Some(vec![a.i() as f64]),
+                "value_ints" if a.ints.len() <= 4096 => {
+                    return Some(a.ints.iter().map(|&v| v as f64).collect())
+                }
+                "value_float" => return Some(vec![a.f() as f64]),
+                "value_floats" if a.floats.len() <= 4096 => {
+                    return Some(a.floats.iter().map(|&v| v as f64).collect())
+                }
+                _ => {}
+            }
+        }
+    }
     let tensor = index.constant_tensor(t)?;
     let count: i64 = tensor.dims.iter().product();
     if !(0..=4096).contains(&count) {

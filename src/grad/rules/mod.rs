@@ -74,7 +74,8 @@ pub fn rule(op: &str) -> Option<Rule> {
         "Softmax" | "LogSoftmax" => r(first, nn::softmax),
         "LayerNormalization" => r(all, nn::layer_norm),
         "SoftmaxCrossEntropyLoss" | "NegativeLogLikelihoodLoss" => r(first, nn::cross_entropy),
-        "ReduceSum" | "ReduceMean" => r(first, reduce::reduce),
+        "ReduceSum" | "ReduceMean" | "ReduceSumSquare" | "ReduceL1" | "ReduceL2"
+        | "ReduceLogSumExp" | "ReduceMax" | "ReduceMin" => r(first, reduce::reduce),
         "Reshape" | "Squeeze" | "Unsqueeze" | "Flatten" => r(first, shape::reshape),
         "Transpose" => r(first, shape::transpose),
         "Expand" => r(first, shape::expand),

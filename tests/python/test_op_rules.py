@@ -1,0 +1,156 @@
+"""Gradient rules beyond the fixtures' ops, and a scalar loss reported after more arithmetic.
+
+Each case is the tiny LM trained on `F.cross_entropy + aux(logits)`, where `aux` is a
+regularizer built on one reduction (the z-loss on log-sum-exp, max/min logits, L1/L2 norms),
+exported at test time by both torch exporters. The CE is a scalar that is not the graph's
+output, so ntl-patch adds the number loss to the reported `CE + aux` (ce_loss is that value).
+Reference: torch autograd (float64) of `CE + aux + 0.3·ntloss`; the `--split` gradient graph
+runs in onnxruntime. ReduceSumSquare, which torch never exports, is the sum-of-squares case
+with its `ReduceSum(Pow(z, 2))` replaced in the exported graph.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.numpy_helper
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import TOKENIZER, run_patch
+from test_ort_training import _batch, _norm_rel, _quiet_ort
+
+WEIGHT = 0.3
+GRAD_RTOL = 1e-5
+
+AUX = {
+    "z_loss": (lambda z: 1e-2 * torch.logsumexp(z, -1).pow(2).mean(), "ReduceLogSumExp"),
+    "max_logit": (lambda z: 0.1 * z.amax(-1).mean(), "ReduceMax"),
+    "min_logit": (lambda z: 0.1 * z.amin(-1).mean(), "ReduceMin"),
+    "l2_norm": (lambda z: 0.1 * torch.linalg.vector_norm(z, dim=-1).mean(), "ReduceL2"),
+    "l1_norm": (lambda z: 1e-2 * torch.linalg.vector_norm(z, ord=1, dim=-1).mean(), "ReduceL1"),
+    "sum_square": (lambda z: 1e-3 * z.pow(2).sum(-1).mean(), "ReduceSumSquare"),
+}
+CASES = [(a, e) for a in AUX for e in ("torchscript", "dynamo")]
+
+
+class TinyLMLoss(torch.nn.Module):
+    """The tiny LM's logits under a loss written in torch: `loss(logits, labels)`."""
+
+    def __init__(self, weights, loss, dtype=torch.float32):
+        super().__init__()
+        import tiny_lm
+
+        self.lm = tiny_lm.build("flat", {k: v.to(dtype) for k, v in weights.items()}, dtype=dtype)
+        self.loss = loss
+
+    def forward(self, input_ids, labels):
+        return self.loss(self.lm.logits(input_ids), labels)
+
+
+def _ce_plus(aux: str):
+    def loss(z, y):
+        ce = F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1), ignore_index=-100)
+        return ce + AUX[aux][0](z)
+
+    return loss
+
+
+def export(model: torch.nn.Module, exporter: str, path: Path) -> None:
+    import generate
+
+    ids, labels = (torch.from_numpy(a) for a in _batch())
+    if exporter == "torchscript":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(model, (ids, labels), str(path), dynamo=False, opset_version=17,
+                              training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+                              input_names=["input_ids", "labels"], output_names=["loss"],
+                              dynamic_axes={"input_ids": {0: "B", 1: "T"}, "labels": {0: "B", 1: "T"}})
+    else:
+        generate.export_dynamo(model, path)
+
+
+def _as_sum_square(path: Path) -> None:
+    """ReduceSum(Pow(x, 2)) → ReduceSumSquare(x): torch writes the sum of squares that way."""
+    m = onnx.load(str(path))
+    g = m.graph
+    producers = {o: n for n in g.node for o in n.output}
+    for n in g.node:
+        pow_ = producers.get(n.input[0]) if n.op_type == "ReduceSum" and n.input else None
+        if pow_ is not None and pow_.op_type == "Pow":
+            n.op_type = "ReduceSumSquare"
+            n.input[0] = pow_.input[0]
+            opset = next(o.version for o in m.opset_import if o.domain in ("", "ai.onnx"))
+            if opset < 18 and len(n.input) > 1:
+                # ReduceSumSquare takes its axes as an attribute before opset 18
+                n.attribute.append(onnx.helper.make_attribute("axes", _constant(g, n.input[1]).tolist()))
+                del n.input[1]
+            break
+    else:
+        raise AssertionError("no ReduceSum(Pow) in the export")
+    onnx.save(m, str(path))
+
+
+def _constant(g: onnx.GraphProto, name: str) -> np.ndarray:
+    for t in g.initializer:
+        if t.name == name:
+            return onnx.numpy_helper.to_array(t)
+    node = next(n for n in g.node if n.op_type == "Constant" and n.output[0] == name)
+    return onnx.numpy_helper.to_array(node.attribute[0].t)
+
+
+def torch_reference(weights, loss, input_ids, labels):
+    """float64 (total, reported, ntl, {parameter: gradient of total}): `reported` is the
+    model's own loss, total = reported + 0.3·ntloss (labels -100 where the loss ignores them)."""
+    import ntl_torch
+
+    m = TinyLMLoss(weights, loss, torch.float64)
+    ids, y = torch.from_numpy(input_ids), torch.from_numpy(labels)
+    reported = m(ids, y)
+    ntl = ntl_torch.ntl_value(ntl_torch.ntloss_object("wasserstein"), m.lm.logits(ids), y)
+    total = reported + WEIGHT * ntl
+    params = dict(m.lm.named_parameters())
+    grads = torch.autograd.grad(total, list(params.values()))
+    return float(total), float(reported), float(ntl), {k: g.numpy() for k, g in zip(params, grads)}
+
+
+def check_gradient_graph(src: Path, weights, loss, tmp_path: Path) -> dict:
+    """`ntl-patch step --split` of `src` against torch autograd; returns the step summary."""
+    out = tmp_path / "m.grad.onnx"
+    r = run_patch(["step", src, "--tokenizer", TOKENIZER, "--weight", str(WEIGHT), "--split", "-o", out,
+                   "--json"])
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    params = summary["parameters"]
+    input_ids, labels = _batch()
+    sess = _quiet_ort().InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    outs = sess.run(None, {"input_ids": input_ids, "labels": labels})
+    total, reported, ntl, want = torch_reference(weights, loss, input_ids, labels)
+    # the number loss is added to what the graph reported
+    assert abs(outs[1] - reported) <= 1e-5 * abs(reported)
+    assert abs(outs[2] - ntl) <= 1e-5 * abs(ntl)
+    assert abs(outs[0] - total) <= 1e-5 * abs(total)
+    names = {p: p.removeprefix("lm.") for p in params}
+    all_want = np.concatenate([want[names[p]].ravel() for p in params])
+    floor = 1e-3 * float(np.linalg.norm(all_want))
+    errs = {p: _norm_rel(g.astype(np.float64), want[names[p]], floor) for p, g in zip(params, outs[3:])}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= GRAD_RTOL, errs
+    return summary
+
+
+@pytest.mark.parametrize("aux,exporter", CASES, ids=[f"{a}-{e}" for a, e in CASES])
+def test_gradient_through_reduction_regularizer(aux, exporter, weights, tmp_path):
+    src = tmp_path / "m.onnx"
+    export(TinyLMLoss(weights, _ce_plus(aux)), exporter, src)
+    if aux == "sum_square":
+        _as_sum_square(src)
+    op = AUX[aux][1]
+    assert op in {n.op_type for n in onnx.load(str(src)).graph.node}, f"the export has no {op}"
+    check_gradient_graph(src, weights, _ce_plus(aux), tmp_path)
