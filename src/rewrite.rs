@@ -117,6 +117,9 @@ fn declare_layer_norm_statistics(
         .collect()
 }
 
+/// A node (index) and one of its outputs.
+type NodeOutput = (usize, String);
+
 /// Where the loss the graph reports is written, when that is not the CE's own output: the
 /// node and its output, and the op types on the way (for the metadata). A per-position CE
 /// (`reduction='none'`) ends in the scalar `ce_reported` found; a scalar CE passes through a
@@ -125,7 +128,7 @@ fn declare_layer_norm_statistics(
 fn reported_by(
     index: &GraphIndex,
     site: &CeSite,
-) -> Result<(Option<(usize, String)>, Vec<String>), Error> {
+) -> Result<(Option<NodeOutput>, Vec<String>), Error> {
     if site.reduction == "none" {
         let reported = site
             .reported
