@@ -120,6 +120,42 @@ fn freeze_keeps_parameters_constant() {
 }
 
 #[test]
+fn buffers_the_dynamo_exporter_records_are_not_trained() {
+    use ntl_patch::onnx::proto::{StringStringEntryProto, ValueInfoProto};
+    // torch.export's graph signature, as the dynamo exporter writes it on a value's metadata
+    let kind = |name: &str, kind: &str| ValueInfoProto {
+        name: Some(name.into()),
+        metadata_props: vec![StringStringEntryProto {
+            key: Some("pkg.torch.export.graph_signature.InputSpec.kind".into()),
+            value: Some(kind.into()),
+        }],
+        ..Default::default()
+    };
+    let (dir, m) = case(&model("lm_flat"), |m| {
+        let g = m.graph.as_mut().unwrap();
+        g.value_info.push(kind("fc1.bias", "BUFFER"));
+        g.value_info.push(kind("fc2.bias", "PARAMETER"));
+    });
+    let out = dir.path().join("s.onnx");
+    let o = bin()
+        .arg("step")
+        .arg(&m)
+        .arg("-o")
+        .arg(&out)
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let summary: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(summary["buffers"], serde_json::json!(["fc1.bias"]));
+    let meta = metadata(&read_model(&out));
+    let params: Vec<String> = serde_json::from_value(meta["parameters"].clone()).unwrap();
+    assert_eq!(params.len(), 14);
+    assert!(!params.contains(&"fc1.bias".to_string()));
+    assert!(params.contains(&"fc2.bias".to_string()));
+}
+
+#[test]
 fn split_writes_gradient_and_update_graphs() {
     let (dir, m) = case(&model("lm_nll"), |_| {});
     bin()

@@ -204,11 +204,35 @@ struct Built {
     zeros: ZeroState,
 }
 
-fn is_buffer(name: &str) -> bool {
+fn is_buffer_name(name: &str) -> bool {
     BUFFER_SUFFIXES.iter().any(|s| {
         name.strip_suffix(s)
             .is_some_and(|rest| rest.is_empty() || rest.ends_with(['.', '/', '_', ':']))
     })
+}
+
+/// What torch.export's graph signature says each lifted input is, as the dynamo exporter
+/// records it on the value's metadata (`PARAMETER`, `BUFFER`, `CONSTANT_TENSOR`, ...).
+const INPUT_KIND_KEY: &str = "pkg.torch.export.graph_signature.InputSpec.kind";
+
+/// Initializers the exporter recorded as something other than a parameter (buffers such as
+/// Gemma's `embed_scale` or GPT-J's `embed_positions`, lifted constants).
+fn recorded_non_parameters(graph: &GraphProto) -> std::collections::HashSet<&str> {
+    let values = graph.value_info.iter().chain(&graph.input);
+    let kinds = values.map(|v| (v.name(), &v.metadata_props)).chain(
+        graph
+            .initializer
+            .iter()
+            .map(|t| (t.name(), &t.metadata_props)),
+    );
+    kinds
+        .filter(|(_, props)| {
+            props
+                .iter()
+                .any(|p| p.key() == INPUT_KIND_KEY && p.value() != "PARAMETER")
+        })
+        .map(|(name, _)| name)
+        .collect()
 }
 
 /// Turns the patched forward model into the step graph (or the gradient graph, returning the
@@ -232,8 +256,10 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         .iter()
         .filter(|t| t.data_type() == FLOAT && !t.name().starts_with(&format!("{PREFIX}/")))
         .collect();
-    let (buffer_like, candidates): (Vec<&TensorProto>, Vec<&TensorProto>) =
-        float_inits.into_iter().partition(|t| is_buffer(t.name()));
+    let recorded = recorded_non_parameters(graph);
+    let (buffer_like, candidates): (Vec<&TensorProto>, Vec<&TensorProto>) = float_inits
+        .into_iter()
+        .partition(|t| is_buffer_name(t.name()) || recorded.contains(t.name()));
     let candidate_names: Vec<String> = candidates.iter().map(|t| t.name().to_string()).collect();
     let reaching = grad::reaching_loss(&graph.node, &loss, &candidate_names);
     let buffer_names: Vec<String> = buffer_like.iter().map(|t| t.name().to_string()).collect();
