@@ -173,7 +173,8 @@ impl<'g> GraphIndex<'g> {
                 .filter(|s| !s.is_empty())
         };
         match node.op_type() {
-            "Identity" | "Cast" | "LogSoftmax" | "Softmax" | "Relu" | "Dropout" => {
+            "Identity" | "Cast" | "LogSoftmax" | "Softmax" | "Relu" | "Dropout" | "Tanh"
+            | "Sigmoid" | "Gelu" | "Erf" | "Neg" | "Exp" | "Log" | "Abs" | "Sqrt" => {
                 self.static_dim(input(0)?, axis, depth + 1)
             }
             "Add" | "Sub" | "Mul" | "Div" if axis == -1 => input(0)
@@ -189,11 +190,32 @@ impl<'g> GraphIndex<'g> {
                 let i = normalize_axis(axis, perm.len())?;
                 self.static_dim(input(0)?, perm[i], depth + 1)
             }
-            "Reshape" => {
-                let shape = self.constant_i64(input(1)?)?;
-                let i = normalize_axis(axis, shape.len())?;
-                Some(shape[i]).filter(|&d| d > 0)
-            }
+            "Reshape" => match self.constant_i64(input(1)?) {
+                Some(shape) => {
+                    let i = normalize_axis(axis, shape.len())?;
+                    Some(shape[i]).filter(|&d| d > 0)
+                }
+                None if axis == -1 => self.last_shape_entry(input(1)?, depth + 1),
+                None => None,
+            },
+            _ => None,
+        }
+    }
+
+    /// The last entry of a run-time shape vector whose tail is constant: tf2onnx's Dense
+    /// reshapes to `Concat(Gather(Shape(x), free), [V])`, possibly cast.
+    fn last_shape_entry(&self, shape: &str, depth: usize) -> Option<i64> {
+        if depth > 32 {
+            return None;
+        }
+        if let Some(t) = self.constant_tensor(shape) {
+            return last_int(t).filter(|&d| d > 0);
+        }
+        let (_, node) = self.producer(shape)?;
+        let first = node.input.first()?;
+        match node.op_type() {
+            "Cast" | "Identity" => self.last_shape_entry(first, depth + 1),
+            "Concat" => self.last_shape_entry(node.input.last()?, depth + 1),
             _ => None,
         }
     }
@@ -231,6 +253,24 @@ impl<'g> GraphIndex<'g> {
                 .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
                 .collect(),
         )
+    }
+}
+
+/// The last value of a small int64 or int32 constant (tf2onnx builds shapes in int32).
+fn last_int(t: &crate::onnx::TensorProto) -> Option<i64> {
+    let raw = t.raw_data.as_deref().unwrap_or(&[]);
+    match t.data_type() {
+        crate::onnx::INT64 if raw.is_empty() => t.int64_data.last().copied(),
+        crate::onnx::INT64 => raw
+            .rchunks_exact(8)
+            .next()
+            .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))),
+        crate::onnx::INT32 if raw.is_empty() => t.int32_data.last().map(|&v| v as i64),
+        crate::onnx::INT32 => raw
+            .rchunks_exact(4)
+            .next()
+            .map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")) as i64),
+        _ => None,
     }
 }
 

@@ -159,7 +159,13 @@ impl Ranks {
                 _ => None,
             },
             "Gemm" | "Flatten" => Some(2),
-            "Gather" => rk(0).zip(rk(1)).map(|(a, b)| (a + b).saturating_sub(1)),
+            "Gather" => {
+                // entries picked from a shape vector (tf2onnx's Gather(Shape(x), free))
+                if let (Some(1), Some(1), Some(k)) = (rk(0), rk(1), len(1)) {
+                    self.len1d.insert(node.output[0].clone(), k);
+                }
+                rk(0).zip(rk(1)).map(|(a, b)| (a + b).saturating_sub(1))
+            }
             "GatherElements" => rk(1),
             "ReduceSum" | "ReduceMean" | "ReduceMax" | "ReduceMin" | "ReduceProd"
             | "ReduceLogSumExp" | "ReduceSumSquare" | "ReduceL2" | "ArgMax" | "ArgMin" => {

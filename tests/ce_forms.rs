@@ -32,6 +32,9 @@ const FORMS: &[(&str, &str)] = &[
         "log of softmax × Equal(labels, Range) + ReduceSum",
     ),
     ("tf_categorical", "log_softmax × OneHot + ReduceSum"),
+    // the width and rank only in tf2onnx's run-time Dense reshape (no value_info)
+    ("tf_softmax_onehot", "log of softmax × OneHot + ReduceSum"),
+    ("tf_gather_nd", "log_softmax + GatherND"),
     ("jax_int", "logsumexp − logits GatherND"),
     ("jax_int_masked", "logsumexp − logits GatherND"),
     ("jax_onehot", "log_softmax × OneHot + ReduceSum"),

@@ -194,8 +194,14 @@ fn emit(b: &mut Builder, index: &GraphIndex, core: &Core) {
     let p = &core.pick;
     let shape = b.node("Shape", &[&core.logits], "ce_form/logits_shape", vec![]);
     let width = b.slice(&shape, -1, i64::MAX, 0, "ce_form/width");
-    let minus_one = b.const_i64("ce_form/minus_one", &[1], &[-1]);
-    let target = b.concat(&[&minus_one, &width], 0, "ce_form/logits_2d_shape");
+    // a constant target where the graph fixes the width, so later passes read it statically
+    let target = match index.static_last_dim(&core.logits) {
+        Some(v) => b.const_i64("ce_form/logits_2d_shape", &[2], &[-1, v]),
+        None => {
+            let minus_one = b.const_i64("ce_form/minus_one", &[1], &[-1]);
+            b.concat(&[&minus_one, &width], 0, "ce_form/logits_2d_shape")
+        }
+    };
     let logits = b.node(
         "Reshape",
         &[&core.logits, &target],
