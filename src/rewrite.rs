@@ -29,8 +29,8 @@ pub fn build_patch(
     let mut b = Builder::new(PREFIX, opset, index.taken_names());
 
     // The node that writes the loss the graph reports, when that is not the CE's own output:
-    // the end of a rescaling chain (HF Trainer's `Div(num_items_in_batch)`), or the scalar a
-    // per-position (`reduction='none'`) loss is reduced to.
+    // the end of a rescaling chain (HF Trainer's `Div(num_items_in_batch)`), the scalar a
+    // per-position (`reduction='none'`) loss is reduced to, or a larger loss the CE is part of.
     let (reported_by, rescaled_by) = reported_by(index, site)?;
     let mut forward = build_forward(
         &mut b,

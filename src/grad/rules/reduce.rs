@@ -36,10 +36,13 @@ pub fn reduce(
         _ => t.to_string(),
     };
     let g = kept(ctx, &g, "grad/reduce_kept");
-    let shape = ctx.shape(x);
     let gx = match op {
-        "ReduceSum" => ctx.op("Expand", &[&g, &shape], "grad/reduce"),
+        "ReduceSum" => {
+            let shape = ctx.shape(x);
+            ctx.op("Expand", &[&g, &shape], "grad/reduce")
+        }
         "ReduceMean" => {
+            let shape = ctx.shape(x);
             let spread = ctx.op("Expand", &[&g, &shape], "grad/reduce");
             // how many elements each mean averaged: the product of the reduced dims, from the
             // shape (no Size: MIGraphX takes none)
