@@ -100,6 +100,42 @@ fn every_exporter_form_is_recognised_and_validates_in_tract() {
     }
 }
 
+/// The step graph of every exporter form runs whole on the CUDA and ROCm kernel tables and is
+/// taken whole by the MIGraphX model: the masks' position bookkeeping uses no `Size`, `Range` or
+/// computed `ConstantOfShape` (README "GPU execution providers").
+#[test]
+fn every_exporter_step_graph_has_no_gpu_fallback() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, _) in FORMS {
+        let out = dir.path().join(format!("{name}.step.onnx"));
+        bin()
+            .arg("step")
+            .arg(exporter_model(name))
+            .arg("--tokenizer")
+            .arg(tokenizer())
+            .arg("-o")
+            .arg(&out)
+            .assert()
+            .success();
+        for target in ["cuda", "rocm", "migraphx"] {
+            let o = bin()
+                .arg("inspect")
+                .arg(&out)
+                .args(["--target", target, "--json"])
+                .assert()
+                .success();
+            let v: serde_json::Value = serde_json::from_slice(&o.get_output().stdout).unwrap();
+            let gpu = &v["gpu"][0];
+            assert_eq!(
+                gpu["fallbacks"].as_array().map(Vec::len),
+                Some(0),
+                "{name} {target}: {}",
+                gpu["summary"]
+            );
+        }
+    }
+}
+
 #[test]
 fn the_rewrite_keeps_every_original_output_and_leaves_no_orphans() {
     let dir = tempfile::tempdir().unwrap();

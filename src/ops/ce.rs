@@ -151,8 +151,9 @@ pub fn flatten_inputs(
 /// number loss: it skips what the cross-entropy skips. `labels` itself where nothing is masked.
 ///
 /// A mask applies to the per-position loss after layout ops (Paddle: Unsqueeze, Transpose,
-/// Squeeze); the same ops replayed on the position indices `0..M` (laid out like the
-/// cross-entropy's output `per_position`) say which position each mask element belongs to.
+/// Squeeze); where they transpose, the same ops replayed on the position indices `0..M` (laid
+/// out like the cross-entropy's output `per_position`) say which position each mask element
+/// belongs to. Reshapes alone keep the order: the flattened mask is already position-ordered.
 pub fn masked_labels(
     b: &mut Builder,
     index: &GraphIndex,
@@ -179,7 +180,12 @@ pub fn masked_labels(
         let shape = b.node("Shape", &[&m.applied_to], "mask_shape", vec![]);
         let full = b.node("Expand", &[&keep, &shape], "mask_full", vec![]);
         let mut flat = b.reshape(&full, &[-1], "mask_flat");
-        if !m.layout.is_empty() {
+        // reshapes keep the row-major order of the positions; only a transpose moves them
+        let moves = m
+            .layout
+            .iter()
+            .any(|&n| index.graph.node[n].op_type() == "Transpose");
+        if moves {
             flat = back_to_positions(b, index, per_position, &m.layout, &flat);
         }
         kept = Some(match kept {
@@ -205,11 +211,15 @@ fn back_to_positions(
     layout: &[usize],
     flat_keep: &str,
 ) -> String {
-    let count = b.node("Size", &[per_position], "mask_positions", vec![]);
-    let zero = b.const_i64("mask_zero_i", &[], &[0]);
-    let one = b.const_i64("mask_one_i", &[], &[1]);
-    let ids = b.node("Range", &[&zero, &count, &one], "mask_position_ids", vec![]);
+    // the position ids 0..M laid out like the loss, from its shape alone (no Size, Range or
+    // ConstantOfShape of a computed count: MIGraphX takes shapes only from Shape outputs)
     let shape = b.node("Shape", &[per_position], "mask_loss_shape", vec![]);
+    let one = b.const_i64("mask_one_i", &[], &[1]);
+    let ones = b.node("Expand", &[&one, &shape], "mask_ones", vec![]);
+    let ones = b.reshape(&ones, &[-1], "mask_ones_flat");
+    let axis = b.const_i64("mask_axis", &[], &[0]);
+    let counted = b.node("CumSum", &[&ones, &axis], "mask_counted", vec![]);
+    let ids = b.binary("Sub", &counted, &one, "mask_position_ids");
     let mut moved = b.node("Reshape", &[&ids, &shape], "mask_ids_laid_out", vec![]);
     for &n in layout {
         let mut node = index.graph.node[n].clone();
@@ -221,16 +231,9 @@ fn back_to_positions(
     }
     let where_ = b.reshape(&moved, &[-1], "mask_ids_flat");
     let keep_f = b.cast(flat_keep, FLOAT, "mask_keep_f");
-    let count_1d = b.reshape(&count, &[1], "mask_positions_1d");
-    let zeros = b.node(
-        "ConstantOfShape",
-        &[&count_1d],
-        "mask_zeros",
-        vec![crate::onnx::tensor_attr(
-            "value",
-            crate::onnx::f32_tensor("value", &[1], &[0.0]),
-        )],
-    );
+    // as many zeros as positions: the mask covers every one of them, in another order
+    let zero = b.scalar_f32("mask_zero_f", 0.0);
+    let zeros = b.binary("Mul", &keep_f, &zero, "mask_zeros");
     let back = b.node(
         "ScatterElements",
         &[&zeros, &where_, &keep_f],
