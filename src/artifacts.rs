@@ -151,7 +151,20 @@ struct Target<'m> {
 impl<'m> Target<'m> {
     fn locate(model: &'m ModelProto, req: &ArtifactsRequest, vocab: &Vocab) -> Result<Self, Error> {
         let index = GraphIndex::new(model.graph.as_ref().expect("checked on load"));
-        let site = select_site(&index, req.ce_node.as_deref())?;
+        let site = select_site(&index, req.ce_node.as_deref()).map_err(|e| match e {
+            Error::NoCrossEntropy { .. } if has_spelled_out_ce(model) => Error::Usage(
+                "the training graph's cross-entropy is written out of primitive ops, which artifacts mode cannot patch (ONNX Runtime already differentiated them); patch the forward graph (`ntl-patch MODEL`) and generate the artifacts from it, or use `ntl-patch step`".into(),
+            ),
+            e => e,
+        })?;
+        if site.reduction == "none" {
+            // the graph reduces the per-position loss itself, after the CE's gradient node
+            // reads it: the number loss has no place in ORT's backward there
+            return Err(Error::Usage(format!(
+                "cross-entropy '{}' has reduction 'none' and the graph reduces it itself, which artifacts mode cannot patch; patch the forward graph (`ntl-patch MODEL`) and generate the artifacts from it, or use `ntl-patch step`",
+                crate::text::escape(&site.node_name)
+            )));
+        }
         let width = logits_width(&index, &site, req.vocab_size)?;
         let tokens = number_tokens(vocab, &req.loss, width)?;
         let opset = default_opset(model).ok_or(Error::NoOpset)?;
@@ -162,6 +175,13 @@ impl<'m> Target<'m> {
             opset,
         })
     }
+}
+
+/// Whether the forward patch would find a cross-entropy spelled out of primitive ops (checked
+/// on a copy: artifacts mode never rewrites them).
+fn has_spelled_out_ce(model: &ModelProto) -> bool {
+    let mut copy = model.clone();
+    crate::ce_forms::rewrite(&mut copy).is_ok_and(|forms| !forms.is_empty())
 }
 
 /// Loads one artifact graph read-only and checks it can be patched.

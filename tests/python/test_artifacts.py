@@ -236,6 +236,13 @@ def test_artifacts_bad_input(base_artifacts, tmp_path):
             n.op_type = "SomethingElseGrad"
     onnx.save(m, broken / "training_model.onnx")
     _fails([broken, *tok], "SoftmaxCrossEntropyLossGrad", tmp_path / "o4")
+    # cross-entropies ORT differentiated in forms artifacts mode cannot splice into: spelled
+    # out of primitive ops, and reduction='none' reduced by the graph itself
+    exporters = FIXTURES / "exporters"
+    spelled = _generate(onnx.load(exporters / "torch_gather.onnx"), tmp_path / "spelled")
+    _fails([spelled, *tok], "written out of primitive ops", tmp_path / "o6")
+    per_position = _generate(onnx.load(exporters / "torch_sce_none_masked.onnx"), tmp_path / "none")
+    _fails([per_position, *tok], "reduction 'none'", tmp_path / "o7")
     # the output folder exists
     (tmp_path / "o5").mkdir()
     r = run_patch(["artifacts", base, *tok, "-o", tmp_path / "o5"])
