@@ -12,6 +12,8 @@ use crate::text::escape as esc;
 
 pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
     let model = load_model(path)?;
+    // the matchers walk producers: a cycle or a tensor produced twice would loop them
+    crate::patch::check_consistency(&model).map_err(Error::MalformedGraph)?;
     // what the patch sees: spelled-out cross-entropies rewritten first (in memory only)
     let mut seen = model.clone();
     let graph = match crate::ce_forms::rewrite(&mut seen) {

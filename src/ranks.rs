@@ -152,6 +152,8 @@ impl Ranks {
                 len(0)
             }
             "MatMul" => match (rk(0), rk(1)) {
+                // a scalar operand is invalid ONNX: no rank to infer
+                (Some(0), _) | (_, Some(0)) => None,
                 (Some(1), Some(1)) => Some(0),
                 (Some(1), Some(b)) => Some(b - 1),
                 (Some(a), Some(1)) => Some(a - 1),

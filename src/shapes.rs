@@ -463,7 +463,7 @@ impl Shapes {
                 let axis = attr_i(node, "axis").unwrap_or(0);
                 shapes.and_then(|ss| {
                     let r = ss.first()?.len();
-                    let a = if axis < 0 { axis + r as i64 } else { axis } as usize;
+                    let a = crate::graph::normalize_axis(axis, r)?;
                     let mut out = ss[0].clone();
                     let mut total: Option<i64> = Some(0);
                     for s in &ss {
@@ -471,7 +471,7 @@ impl Shapes {
                             return None;
                         }
                         total = match (total, &s[a]) {
-                            (Some(t), Dim::Known(k)) => Some(t + k),
+                            (Some(t), Dim::Known(k)) => t.checked_add(*k),
                             _ => None,
                         };
                     }

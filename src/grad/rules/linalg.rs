@@ -1,6 +1,6 @@
 //! MatMul and Gemm.
 
-use super::Grads;
+use super::{g0, Grads};
 use crate::error::Error;
 use crate::grad::Ctx;
 use crate::onnx::{attr, attr_i, float_attr, int_attr, NodeProto};
@@ -12,9 +12,15 @@ pub fn matmul(
     gy: &[Option<String>],
     wants: &[bool],
 ) -> Result<Grads, Error> {
-    let g = gy[0].clone().expect("gradient");
+    let g = g0(node, gy)?.to_string();
     let (a, b) = (node.input[0].clone(), node.input[1].clone());
     let (ra, rb) = (ctx.rank(&a, node)?, ctx.rank(&b, node)?);
+    if ra == 0 || rb == 0 {
+        return Err(Error::MalformedGraph(format!(
+            "MatMul node '{}' has a scalar input (MatMul takes tensors of rank 1 or more)",
+            node.name()
+        )));
+    }
     let mut out = vec![None, None];
     if ra == 1 && rb == 1 {
         // dot product: y is a scalar
@@ -94,7 +100,7 @@ pub fn gemm(
     gy: &[Option<String>],
     wants: &[bool],
 ) -> Result<Grads, Error> {
-    let g = gy[0].clone().expect("gradient");
+    let g = g0(node, gy)?.to_string();
     let (a, b) = (node.input[0].as_str(), node.input[1].as_str());
     let alpha = attr(node, "alpha").map(|x| x.f()).unwrap_or(1.0);
     let beta = attr(node, "beta").map(|x| x.f()).unwrap_or(1.0);
