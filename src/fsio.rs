@@ -207,7 +207,27 @@ pub fn check_output_path(path: &Path) -> std::io::Result<()> {
                 kind_of(&meta)
             ),
         )),
-        Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
+        Err(e) if e.kind() == ErrorKind::NotFound => check_output_folder(path),
+        Err(e) => Err(e),
+    }
+}
+
+/// A new output's folder must exist: said plainly, not as the temporary file's path.
+fn check_output_folder(path: &Path) -> std::io::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    match std::fs::metadata(dir) {
+        Ok(meta) if meta.is_dir() => Ok(()),
+        Ok(_) => Err(IoError::new(
+            ErrorKind::InvalidInput,
+            format!("'{}' is not a folder", dir.display()),
+        )),
+        Err(e) if e.kind() == ErrorKind::NotFound => Err(IoError::new(
+            ErrorKind::NotFound,
+            format!("the folder '{}' does not exist", dir.display()),
+        )),
         Err(e) => Err(e),
     }
 }

@@ -16,8 +16,8 @@ use ntl_patch::step::{run_step, OptimizerKind, OptimizerOptions, StepRequest};
 use ntl_patch::text::escape;
 use ntl_patch::validate::{self, Runtime, ValidateRequest};
 
-/// Splice a number-aware loss into the cross-entropy of an exported ONNX training graph, so
-/// ONNX Runtime Training trains it with CE + λ·NTL.
+/// Splice a number-aware loss into the cross-entropy of an exported ONNX training graph
+/// (loss = CE + λ·NTL), and write training steps that any ONNX runtime runs.
 #[derive(Parser)]
 #[command(
     name = "ntl-patch",

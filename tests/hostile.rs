@@ -663,6 +663,8 @@ fn outputs_that_are_not_regular_files_are_refused() {
     ] {
         refused(&run(&[os(&path), os("-o"), os(out)]), kind);
     }
+    let missing = dir.path().join("no_such_folder").join("out.onnx");
+    refused(&run(&[os(&path), os("-o"), os(&missing)]), "the folder '");
     let meta = std::fs::symlink_metadata(&fifo).unwrap();
     assert!(std::os::unix::fs::FileTypeExt::is_fifo(&meta.file_type()));
     assert_eq!(std::fs::read(&target).unwrap(), b"keep");

@@ -7,7 +7,10 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::*;
-use ntl_patch::onnx::ModelProto;
+use ntl_patch::onnx::proto::type_proto::Value;
+use ntl_patch::onnx::{ModelProto, FLOAT};
+
+const DOUBLE: i32 = ntl_patch::onnx::proto::tensor_proto::DataType::Double as i32;
 use prost::Message;
 
 /// A temp folder with `model.onnx` (from `src`, optionally edited) and the fixture tokenizer.
@@ -202,6 +205,41 @@ fn refusals_are_one_line_and_write_nothing() {
         &["--freeze", "no.such."],
         "--freeze 'no.such.' matches no",
     );
+}
+
+#[test]
+fn weights_of_another_float_type_are_named() {
+    // a float64 export: the same weights widened, every float value retyped
+    let (_d, m) = case(&model("lm_flat"), |m| {
+        let g = m.graph.as_mut().unwrap();
+        for t in g.initializer.iter_mut().filter(|t| t.data_type() == FLOAT) {
+            let values: Vec<f64> = if t.raw_data().is_empty() {
+                t.float_data.iter().map(|&v| v as f64).collect()
+            } else {
+                t.raw_data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()) as f64)
+                    .collect()
+            };
+            t.float_data.clear();
+            t.raw_data = None;
+            t.double_data = values;
+            t.data_type = Some(DOUBLE);
+        }
+        let values = g
+            .input
+            .iter_mut()
+            .chain(&mut g.output)
+            .chain(&mut g.value_info);
+        for v in values {
+            if let Some(Value::TensorType(tt)) = v.r#type.as_mut().and_then(|t| t.value.as_mut()) {
+                if tt.elem_type() == FLOAT {
+                    tt.elem_type = Some(DOUBLE);
+                }
+            }
+        }
+    });
+    step_fails(&m, &[], "the weights are float64");
 }
 
 #[test]

@@ -237,6 +237,38 @@ fn recorded_non_parameters(graph: &GraphProto) -> std::collections::HashSet<&str
 
 /// Turns the patched forward model into the step graph (or the gradient graph, returning the
 /// update graph as a separate model).
+/// Why nothing trains: weights of another float type (a half-precision or float64 export)
+/// get their own fix; otherwise the weights are not initializers or all are frozen.
+fn no_parameters_message(graph: &GraphProto, loss: &str) -> String {
+    let other_floats: Vec<String> = graph
+        .initializer
+        .iter()
+        .filter(|t| float_type_name(t.data_type()).is_some())
+        .map(|t| t.name().to_string())
+        .collect();
+    let reaching = grad::reaching_loss(&graph.node, loss, &other_floats);
+    let typed = reaching.first().and_then(|name| {
+        let t = graph.initializer.iter().find(|t| t.name() == name)?;
+        Some((name, float_type_name(t.data_type())?))
+    });
+    match typed {
+        Some((name, ty)) => format!(
+            "the weights are {ty} (e.g. '{name}'), and step trains float32 parameters (float32 optimizer state and updates); export the model in float32"
+        ),
+        None => "no float32 initializer reaches the loss through differentiable ops, so there is nothing to train; check the export keeps the weights as initializers (and --freeze)".into(),
+    }
+}
+
+fn float_type_name(dt: i32) -> Option<&'static str> {
+    use crate::onnx::proto::tensor_proto::DataType;
+    match DataType::try_from(dt).ok()? {
+        DataType::Float16 => Some("float16"),
+        DataType::Bfloat16 => Some("bfloat16"),
+        DataType::Double => Some("float64"),
+        _ => None,
+    }
+}
+
 fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Result<Built, Error> {
     let opset = default_opset(model).expect("checked by the patch step");
     let graph = model.graph.as_mut().expect("loaded models have a graph");
@@ -277,9 +309,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         .into_iter()
         .partition(|p| req.freeze.iter().any(|f| p.starts_with(f.as_str())));
     if params.is_empty() {
-        return Err(Error::Usage(
-            "no float32 initializer reaches the loss through differentiable ops, so there is nothing to train; check the export keeps the weights as initializers (and --freeze)".into(),
-        ));
+        return Err(Error::Usage(no_parameters_message(graph, &loss)));
     }
     let mut warnings = Vec::new();
     let generated: Vec<&String> = params
