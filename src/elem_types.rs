@@ -6,7 +6,9 @@
 use std::collections::HashMap;
 
 use crate::graph::GraphIndex;
-use crate::onnx::{attr, attr_i, BOOL, INT64};
+use crate::onnx::{attr, attr_i, BOOL, INT32, INT64};
+
+const UINT8: i32 = crate::onnx::proto::tensor_proto::DataType::Uint8 as i32;
 
 #[derive(Debug, Default)]
 pub struct ElemTypes(HashMap<String, i32>);
@@ -40,6 +42,16 @@ impl ElemTypes {
                     .and_then(|a| a.t.as_ref())
                     .map(|t| t.data_type()),
                 "Where" => node.input.get(1).and_then(|i| types.get(i).copied()),
+                // ops whose output type is not their first input's
+                "OneHot" => node.input.get(2).and_then(|i| types.get(i).copied()),
+                "DequantizeLinear" => node.input.get(1).and_then(|i| types.get(i).copied()),
+                "QuantizeLinear" => Some(
+                    node.input
+                        .get(2)
+                        .and_then(|i| types.get(i).copied())
+                        .unwrap_or(UINT8),
+                ),
+                "MatMulInteger" | "ConvInteger" => Some(INT32),
                 "ConstantOfShape" => Some(
                     attr(node, "value")
                         .and_then(|a| a.t.as_ref())

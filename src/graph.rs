@@ -118,6 +118,13 @@ impl<'g> GraphIndex<'g> {
     /// Element type of a tensor where the graph declares it, or where it follows from a
     /// producer that keeps its input's type.
     pub fn elem_type(&self, tensor: &str) -> Option<i32> {
+        self.elem_type_backward(tensor)
+            // an op the walk does not know (Gather of an embedding, LayerNorm...): follow the
+            // types forward from the initializers and inputs
+            .or_else(|| crate::elem_types::ElemTypes::infer(self).get(tensor))
+    }
+
+    fn elem_type_backward(&self, tensor: &str) -> Option<i32> {
         // iterative, and bounded: a chain of type-keeping nodes can be as long as the graph
         let mut tensor = tensor;
         for _ in 0..=self.graph.node.len() {

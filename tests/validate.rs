@@ -949,3 +949,72 @@ fn tampered_ntil_alphas_and_place_values_fail_validation() {
     let (code, report) = validate_json(&bad, &["--seq", "16"], &[]);
     assert_fails_on(&report, code, &["loss", "number_loss"]);
 }
+
+/// A float16 LM `[B, T] ids → Gather(emb) → MatMul(head) → SCE(mean)`, weights seeded.
+fn half_lm() -> ModelProto {
+    use ntl_patch::onnx::proto::tensor_proto::DataType;
+    use ntl_patch::onnx::{i64_tensor, GraphProto, TensorProto};
+    let f16_tensor = |name: &str, dims: &[i64], seed: u32| {
+        let n: i64 = dims.iter().product();
+        let raw = (0..n as u32)
+            .flat_map(|i| {
+                let x = ((i.wrapping_mul(2654435761) ^ seed) % 2001) as f32 / 1000.0 - 1.0;
+                half::f16::from_f32(x).to_le_bytes()
+            })
+            .collect();
+        TensorProto {
+            name: Some(name.into()),
+            dims: dims.to_vec(),
+            data_type: Some(DataType::Float16 as i32),
+            raw_data: Some(raw),
+            ..Default::default()
+        }
+    };
+    let graph = GraphProto {
+        name: Some("half_lm".into()),
+        node: vec![
+            node("Gather", &["emb", "input_ids"], &["h"], vec![]),
+            node("MatMul", &["h", "head"], &["z"], vec![]),
+            node("Reshape", &["z", "flat_shape"], &["z_flat"], vec![]),
+            node("Reshape", &["labels", "minus_one"], &["y_flat"], vec![]),
+            sce("z_flat", "y_flat", "loss"),
+        ],
+        initializer: vec![
+            f16_tensor("emb", &[48, 16], 7),
+            f16_tensor("head", &[16, 48], 11),
+            i64_tensor("flat_shape", &[2], &[-1, 48]),
+            i64_tensor("minus_one", &[1], &[-1]),
+        ],
+        input: vec![
+            value("input_ids", DataType::Int64, &[None, None]),
+            value("labels", DataType::Int64, &[None, None]),
+        ],
+        output: vec![value("loss", DataType::Float16, &[])],
+        ..Default::default()
+    };
+    model_proto(graph, 17)
+}
+
+#[test]
+fn half_precision_graphs_validate_at_their_precision() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("half.onnx");
+    std::fs::write(&input, half_lm().encode_to_vec()).unwrap();
+    std::fs::copy(tokenizer(), dir.path().join("tokenizer.json")).unwrap();
+    let out = patch(&input, dir.path(), &["--loss", "wasserstein"]);
+    let lib = ort_library();
+    for runtime in ["tract", "ort"] {
+        let (code, report) =
+            validate_json(&out, &["--runtime", runtime], &[("ORT_DYLIB_PATH", &lib)]);
+        assert_passes(&report, code);
+        // the number loss is float32 in the graph: held to the requested tolerance
+        let nl = check(&report, "number_loss", "independent");
+        assert!(nl["rel_err"].as_f64().unwrap() < 1e-5, "{report}");
+        let notes = report["notes"].to_string();
+        assert!(notes.contains("loss (float16)"), "{notes}");
+    }
+    // a wrong total still fails at float16's tolerance
+    let bad = tampered(&out, "ntl/weight", |v| v[0] = 0.33);
+    let (code, report) = validate_json(&bad, &[], &[]);
+    assert_fails_on(&report, code, &["loss"]);
+}

@@ -145,6 +145,7 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
     };
     let ind = independent(&meta, &table, sequences.as_ref(), &copy, &outputs)?;
     let mut checks = Vec::new();
+    let mut half_outputs = Vec::new();
     // (report label, runtime output, independent value)
     for (name, output, expected) in [
         (loss_name.as_str(), copy.total.as_str(), ind.total),
@@ -155,12 +156,20 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
             continue; // the reported CE is the graph's own value: nothing independent to compare
         }
         let got = outputs.get(output)?.to_f64();
+        let declared = GraphIndex::new(copy.model.graph.as_ref().expect("built")).elem_type(output);
+        let rtol = match half_precision_rtol(declared) {
+            Some((floor, ty)) if floor > req.rtol => {
+                half_outputs.push(format!("{name} ({ty})"));
+                floor
+            }
+            _ => req.rtol,
+        };
         checks.push(Check::compare(
             name,
             Against::Independent,
             &got,
             &[expected],
-            req.rtol,
+            rtol,
             req.atol,
         ));
     }
@@ -184,6 +193,12 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
         notes.push(note);
     }
 
+    if !half_outputs.is_empty() {
+        notes.push(format!(
+            "{} computed in half precision by the graph: compared with a relative tolerance of 4 units in the last place of that type, the most it can hold",
+            half_outputs.join(", ")
+        ));
+    }
     if !copy.noise_removed.is_empty() {
         notes.push(format!(
             "Gumbel noise disabled for validation: the patch draws noise (scale {}) in {} random node(s); the validation copy adds none ({} read the clean digit logits), so the forward is the deterministic argmax path (noise scale 0) that the reference computes",
@@ -522,4 +537,15 @@ fn flat_mismatch(why: String) -> Error {
     Error::Validation(format!(
         "the runtime's flat logits and labels do not fit the metadata: {why}"
     ))
+}
+
+/// The relative tolerance a half-precision output can meet against the float64 reference:
+/// 4 units in its last place (the graph rounds the loss to that type).
+fn half_precision_rtol(elem_type: Option<i32>) -> Option<(f64, &'static str)> {
+    use crate::onnx::proto::tensor_proto::DataType;
+    match DataType::try_from(elem_type?).ok()? {
+        DataType::Float16 => Some((4.0 * 2f64.powi(-10), "float16")),
+        DataType::Bfloat16 => Some((4.0 * 2f64.powi(-7), "bfloat16")),
+        _ => None,
+    }
 }

@@ -95,6 +95,21 @@ fn from_ort(name: &str, v: &DynValue) -> ort::Result<HostTensor> {
             let (s, d) = v.try_extract_tensor::<f64>()?;
             (s.to_vec(), Data::F64(d.to_vec()))
         }
+        // half-precision outputs widen exactly to float32
+        TensorElementType::Float16 => {
+            let (s, d) = v.try_extract_tensor::<half::f16>()?;
+            (
+                s.to_vec(),
+                Data::F32(d.iter().map(|x| x.to_f32()).collect()),
+            )
+        }
+        TensorElementType::Bfloat16 => {
+            let (s, d) = v.try_extract_tensor::<half::bf16>()?;
+            (
+                s.to_vec(),
+                Data::F32(d.iter().map(|x| x.to_f32()).collect()),
+            )
+        }
         TensorElementType::Int64 => {
             let (s, d) = v.try_extract_tensor::<i64>()?;
             (s.to_vec(), Data::I64(d.to_vec()))
