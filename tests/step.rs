@@ -244,13 +244,25 @@ fn weights_of_another_float_type_are_named() {
 
 #[test]
 fn unsupported_op_on_a_parameter_path_is_named() {
-    // Tanh -> Softplus: same arity, no gradient rule.
+    // Tanh -> Softsign: same arity, no gradient rule.
     let (_d, m) = case(&model("lm_flat"), |m| {
         let g = m.graph.as_mut().unwrap();
         let n = g.node.iter_mut().find(|n| n.op_type() == "Tanh").unwrap();
-        n.op_type = Some("Softplus".into());
+        n.op_type = Some("Softsign".into());
     });
-    step_fails(&m, &[], "no gradient rule for Softplus");
+    step_fails(&m, &[], "no gradient rule for Softsign");
+}
+
+#[test]
+fn einsum_with_a_repeated_subscript_is_refused() {
+    // a diagonal (a subscript twice in one operand) has no einsum gradient
+    let (_d, m) = case(&model("lm_flat"), |m| {
+        let g = m.graph.as_mut().unwrap();
+        let n = g.node.iter_mut().find(|n| n.op_type() == "Tanh").unwrap();
+        n.op_type = Some("Einsum".into());
+        n.attribute = vec![ntl_patch::onnx::string_attr("equation", "bbv->bv")];
+    });
+    step_fails(&m, &[], "a subscript repeats within one operand");
 }
 
 #[test]

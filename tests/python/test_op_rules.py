@@ -1,8 +1,8 @@
 """Gradient rules beyond the fixtures' ops, and a scalar loss reported after more arithmetic.
 
 Each case is the tiny LM trained on `F.cross_entropy + aux(logits)`, where `aux` is a
-regularizer built on one reduction (the z-loss on log-sum-exp, max/min logits, L1/L2 norms),
-exported at test time by both torch exporters. The CE is a scalar that is not the graph's
+regularizer built on one reduction (the z-loss on log-sum-exp, max/min logits, L1/L2 norms)
+or on one activation, CumSum or Einsum (PRelu with a learned slope of its own), exported at test time by both torch exporters. The CE is a scalar that is not the graph's
 output, so ntl-patch adds the number loss to the reported `CE + aux` (ce_loss is that value).
 Reference: torch autograd (float64) of `CE + aux + 0.3·ntloss`; the `--split` gradient graph
 runs in onnxruntime. ReduceSumSquare, which torch never exports, is the sum-of-squares case
@@ -11,6 +11,7 @@ with its `ReduceSum(Pow(z, 2))` replaced in the exported graph.
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 from pathlib import Path
@@ -39,6 +40,56 @@ AUX = {
 CASES = [(a, e) for a in AUX for e in ("torchscript", "dynamo")]
 
 
+class PReluAux(torch.nn.Module):
+    """A learned per-class PRelu slope (a parameter beside the LM's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.slope = torch.nn.Parameter(torch.linspace(0.05, 0.5, 48))
+
+    def forward(self, z):
+        return 0.1 * F.prelu(z.transpose(1, 2), self.slope).mean()  # channels: the classes
+
+
+# Activations and other ops off the fixtures' path, as a regularizer on the logits. Each
+# names the op the export must contain (torch writes some of them only under TorchScript).
+ACTIVATIONS = {
+    "softplus": (lambda z: 0.1 * F.softplus(z).mean(), "Softplus"),
+    "elu": (lambda z: 0.1 * F.elu(z, 0.7).mean(), "Elu"),
+    "celu": (lambda z: 0.1 * F.celu(z, 0.8).mean(), "Celu"),
+    "selu": (lambda z: 0.1 * F.selu(z).mean(), "Selu"),
+    "leaky_relu": (lambda z: 0.1 * F.leaky_relu(z, 0.2).mean(), "LeakyRelu"),
+    "hardsigmoid": (lambda z: 0.1 * F.hardsigmoid(4 * z).mean(), "HardSigmoid"),  # 4z: past ±3
+    "hardswish": (lambda z: 0.1 * F.hardswish(4 * z).mean(), "HardSwish"),
+    "sin": (lambda z: 0.1 * torch.sin(z).mean(), "Sin"),
+    "cos": (lambda z: 0.1 * torch.cos(z).mean(), "Cos"),
+    "atan": (lambda z: 0.1 * torch.atan(z).mean(), "Atan"),
+    "prelu": (PReluAux, "PRelu"),
+    "cumsum": (lambda z: 1e-3 * torch.cumsum(z, 1).pow(2).mean(), "CumSum"),
+    "einsum": (lambda z: 1e-3 * torch.einsum("btv,btv->bt", z, z).mean(), "Einsum"),
+    "tile": (lambda z: 1e-3 * (z.repeat(1, 2, 3).pow(2) * torch.linspace(0, 1, 144)).mean(), "Tile"),
+    "einsum_ellipsis": (lambda z: 1e-3 * torch.einsum("...v,...v->...", z, z).mean(), "Einsum"),
+    "einsum_summed": (lambda z: 1e-3 * torch.einsum("btv,v->b", z.tanh(), z[0, 0]).mean(), "Einsum"),
+}
+
+
+def _aux_loss(aux):
+    """CE + the regularizer; a module where the regularizer has parameters of its own."""
+    make, _ = ACTIVATIONS[aux]
+    if isinstance(make, type):
+
+        class Loss(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.aux = make()
+
+            def forward(self, z, y):
+                return F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1)) + self.aux(z)
+
+        return Loss()
+    return lambda z, y: F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1)) + make(z)
+
+
 class TinyLMLoss(torch.nn.Module):
     """The tiny LM's logits under a loss written in torch: `loss(logits, labels)`."""
 
@@ -47,7 +98,9 @@ class TinyLMLoss(torch.nn.Module):
         import tiny_lm
 
         self.lm = tiny_lm.build("flat", {k: v.to(dtype) for k, v in weights.items()}, dtype=dtype)
-        self.loss = loss
+        # a loss with parameters of its own: a copy in this dtype (its parameters are named
+        # "loss.…", beside the LM's "lm.…")
+        self.loss = copy.deepcopy(loss).to(dtype) if isinstance(loss, torch.nn.Module) else loss
 
     def forward(self, input_ids, labels):
         return self.loss(self.lm.logits(input_ids), labels)
@@ -115,7 +168,7 @@ def torch_reference(weights, loss, input_ids, labels):
     reported = m(ids, y)
     ntl = ntl_torch.ntl_value(ntl_torch.ntloss_object("wasserstein"), m.lm.logits(ids), y)
     total = reported + WEIGHT * ntl
-    params = dict(m.lm.named_parameters())
+    params = dict(m.named_parameters())
     grads = torch.autograd.grad(total, list(params.values()))
     return float(total), float(reported), float(ntl), {k: g.numpy() for k, g in zip(params, grads)}
 
@@ -136,7 +189,8 @@ def check_gradient_graph(src: Path, weights, loss, tmp_path: Path) -> dict:
     assert abs(outs[1] - reported) <= 1e-5 * abs(reported)
     assert abs(outs[2] - ntl) <= 1e-5 * abs(ntl)
     assert abs(outs[0] - total) <= 1e-5 * abs(total)
-    names = {p: p.removeprefix("lm.") for p in params}
+    names = {p: p if p in want else f"lm.{p}" for p in params}
+    assert set(names.values()) == set(want), f"trained {sorted(params)}, torch has {sorted(want)}"
     all_want = np.concatenate([want[names[p]].ravel() for p in params])
     floor = 1e-3 * float(np.linalg.norm(all_want))
     errs = {p: _norm_rel(g.astype(np.float64), want[names[p]], floor) for p, g in zip(params, outs[3:])}
@@ -154,3 +208,16 @@ def test_gradient_through_reduction_regularizer(aux, exporter, weights, tmp_path
     op = AUX[aux][1]
     assert op in {n.op_type for n in onnx.load(str(src)).graph.node}, f"the export has no {op}"
     check_gradient_graph(src, weights, _ce_plus(aux), tmp_path)
+
+
+ACT_CASES = [(a, e) for a in ACTIVATIONS for e in ("torchscript", "dynamo")]
+
+
+@pytest.mark.parametrize("aux,exporter", ACT_CASES, ids=[f"{a}-{e}" for a, e in ACT_CASES])
+def test_gradient_through_activation(aux, exporter, weights, tmp_path):
+    src = tmp_path / "m.onnx"
+    export(TinyLMLoss(weights, _aux_loss(aux)), exporter, src)
+    op = ACTIVATIONS[aux][1]
+    if op not in {n.op_type for n in onnx.load(str(src)).graph.node}:
+        pytest.skip(f"the {exporter} exporter writes {aux} without {op}")
+    check_gradient_graph(src, weights, _aux_loss(aux), tmp_path)

@@ -146,3 +146,132 @@ pub fn gemm(
     }
     Ok(out)
 }
+
+/// Einsum: operand k's gradient is the einsum of the other operands and `g`, written to k's
+/// subscripts; a subscript only k has (the forward summed it) is broadcast back, and an
+/// ellipsis the forward broadcast is summed back to k's shape.
+pub fn einsum(
+    ctx: &mut Ctx,
+    node: &NodeProto,
+    gy: &[Option<String>],
+    wants: &[bool],
+) -> Result<Grads, Error> {
+    let g = g0(node, gy)?.to_string();
+    let written = attr(node, "equation")
+        .map(|a| String::from_utf8_lossy(a.s()).into_owned())
+        .unwrap_or_default();
+    let refuse = |why: &str| {
+        Error::Usage(format!(
+            "Einsum node '{}' ('{written}'): {why}; the step graph differentiates einsums whose operands each name a subscript once",
+            node.name()
+        ))
+    };
+    let eq: String = written.chars().filter(|c| !c.is_whitespace()).collect();
+    let (lhs, out) = match eq.split_once("->") {
+        Some((l, o)) => (l.to_string(), o.to_string()),
+        None => (eq.clone(), implicit_einsum_output(&eq)),
+    };
+    let terms: Vec<&str> = lhs.split(',').collect();
+    if terms.len() != node.input.len() {
+        return Err(refuse("the equation names a different number of operands"));
+    }
+    for t in terms.iter().chain([&out.as_str()]) {
+        let l = subscripts(t);
+        let distinct: std::collections::BTreeSet<&char> = l.iter().collect();
+        if distinct.len() != l.len() || l.iter().any(|c| !c.is_ascii_alphabetic()) {
+            return Err(refuse("a subscript repeats within one operand"));
+        }
+        if t.matches("...").count() > 1 || t.replace("...", "").contains('.') {
+            return Err(refuse("malformed ellipsis"));
+        }
+    }
+    let mut grads = vec![None; terms.len()];
+    for k in (0..terms.len()).filter(|&k| wants[k]) {
+        let term = terms[k];
+        let others: Vec<usize> = (0..terms.len()).filter(|&i| i != k).collect();
+        let seen: std::collections::BTreeSet<char> = others
+            .iter()
+            .flat_map(|&i| subscripts(terms[i]))
+            .chain(subscripts(&out))
+            .collect();
+        if term.contains("...") && !out.contains("...") {
+            return Err(refuse("the forward sums over the ellipsis"));
+        }
+        // output axes of the subscripts only this operand has: positive before an ellipsis,
+        // counted from the end after it
+        let (head, tail) = term.split_once("...").unwrap_or((term, ""));
+        let mut lonely: Vec<i64> = Vec::new();
+        for (j, c) in head.chars().enumerate() {
+            if !seen.contains(&c) {
+                lonely.push(j as i64);
+            }
+        }
+        let tail_len = tail.chars().count() as i64;
+        for (j, c) in tail.chars().enumerate() {
+            if !seen.contains(&c) {
+                lonely.push(j as i64 - tail_len);
+            }
+        }
+        let kept: String = term
+            .chars()
+            .filter(|c| *c == '.' || seen.contains(c))
+            .collect();
+        let mut operands: Vec<&str> = others.iter().map(|&i| terms[i]).collect();
+        operands.push(&out);
+        let equation = format!("{}->{kept}", operands.join(","));
+        let mut inputs: Vec<&str> = others.iter().map(|&i| node.input[i].as_str()).collect();
+        inputs.push(&g);
+        let x = node.input[k].as_str();
+        let mut gx = ctx.b.node(
+            "Einsum",
+            &inputs,
+            "grad/einsum",
+            vec![crate::onnx::string_attr("equation", &equation)],
+        );
+        if !lonely.is_empty() {
+            let u = ctx.b.unsqueeze(&gx, &lonely, "grad/einsum_lonely");
+            let shape = ctx.shape(x);
+            gx = ctx.op("Expand", &[&u, &shape], "grad/einsum_expand");
+        }
+        if term.contains("...") {
+            let rank = ctx.rank(x, node)?;
+            gx = ctx.unbroadcast(&gx, x, Some(rank));
+        }
+        if let Some(r) = ctx.ranks.get(x) {
+            ctx.ranks.set(&gx, r);
+        }
+        grads[k] = Some(gx);
+    }
+    Ok(grads)
+}
+
+/// The letters of one einsum operand, without its ellipsis.
+fn subscripts(term: &str) -> Vec<char> {
+    term.chars().filter(|&c| c != '.').collect()
+}
+
+/// numpy's implicit output: the ellipsis, then the subscripts used once, alphabetically.
+fn implicit_einsum_output(lhs: &str) -> String {
+    let all = subscripts(&lhs.replace(',', ""));
+    let mut once: Vec<char> = all
+        .iter()
+        .copied()
+        .filter(|c| all.iter().filter(|d| *d == c).count() == 1)
+        .collect();
+    once.sort_unstable();
+    let ellipsis = if lhs.contains("...") { "..." } else { "" };
+    format!("{ellipsis}{}", once.into_iter().collect::<String>())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::implicit_einsum_output;
+
+    #[test]
+    fn implicit_output_is_numpys() {
+        assert_eq!(implicit_einsum_output("ij,jk"), "ik");
+        assert_eq!(implicit_einsum_output("ba,ca"), "bc");
+        assert_eq!(implicit_einsum_output("...ij,...jk"), "...ik");
+        assert_eq!(implicit_einsum_output("ii"), "");
+    }
+}

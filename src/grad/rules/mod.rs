@@ -1,6 +1,7 @@
 //! The gradient rules, one module per op family, and the one table that maps an op type to
 //! its rule. A new op's rule goes into the family module and one line here.
 
+mod activations;
 mod elementwise;
 mod linalg;
 mod nn;
@@ -65,19 +66,25 @@ pub fn rule(op: &str) -> Option<Rule> {
         "Sum" => r(all, e::sum),
         "Neg" | "Exp" | "Log" | "Sqrt" | "Tanh" | "Sigmoid" | "Erf" | "Relu" | "Abs"
         | "Reciprocal" | "Identity" => r(first, e::unary),
+        "Softplus" | "Elu" | "Celu" | "Selu" | "LeakyRelu" | "HardSigmoid" | "HardSwish"
+        | "Sin" | "Cos" | "Atan" => r(first, activations::activation),
+        "PRelu" => r(first_two, activations::prelu),
         "Cast" | "CastLike" => r(e::cast_inputs, e::cast),
         "Where" => r(|_| vec![1, 2], e::where_),
         "Clip" => r(first, e::clip),
         "Dropout" => r(first, e::dropout),
         "MatMul" => r(first_two, linalg::matmul),
         "Gemm" => r(all, linalg::gemm),
+        "Einsum" => r(all, linalg::einsum),
         "Softmax" | "LogSoftmax" => r(first, nn::softmax),
         "LayerNormalization" => r(all, nn::layer_norm),
         "SoftmaxCrossEntropyLoss" | "NegativeLogLikelihoodLoss" => r(first, nn::cross_entropy),
         "ReduceSum" | "ReduceMean" | "ReduceSumSquare" | "ReduceL1" | "ReduceL2"
         | "ReduceLogSumExp" | "ReduceMax" | "ReduceMin" => r(first, reduce::reduce),
+        "CumSum" => r(first, reduce::cumsum),
         "Reshape" | "Squeeze" | "Unsqueeze" | "Flatten" => r(first, shape::reshape),
         "Transpose" => r(first, shape::transpose),
+        "Tile" => r(first, shape::tile),
         "Expand" => r(first, shape::expand),
         "Slice" => r(first, shape::slice),
         "Concat" => r(all, shape::concat),

@@ -1,5 +1,6 @@
 //! The Reduce* family: the output's gradient is put back over the reduced axes, times the
-//! reduction's derivative (1 for sums, 1/n for means, the softmax for log-sum-exp, ...).
+//! reduction's derivative (1 for sums, 1/n for means, the softmax for log-sum-exp, ...); and
+//! CumSum, the running sum.
 
 use super::{g0, like, Grads};
 use crate::error::Error;
@@ -118,4 +119,31 @@ fn elementwise_only(ctx: &mut Ctx, op: &str, x: &str, g: &str) -> String {
             ctx.op("Expand", &[g, &shape], "grad/reduce")
         }
     }
+}
+
+/// CumSum(x, axis): each input reaches every later (earlier, reversed) output, so its
+/// gradient is the cumulative sum of `g` the other way, with the same exclusivity.
+pub fn cumsum(
+    ctx: &mut Ctx,
+    node: &NodeProto,
+    gy: &[Option<String>],
+    _: &[bool],
+) -> Result<Grads, Error> {
+    let g = g0(node, gy)?;
+    let x = node.input[0].as_str();
+    let Some(axis) = node.input.get(1).filter(|a| !a.is_empty()) else {
+        return Err(Error::MalformedGraph(format!(
+            "CumSum node '{}' has no axis input",
+            node.name()
+        )));
+    };
+    let reverse = attr_i(node, "reverse").unwrap_or(0) != 0;
+    let attrs = vec![
+        int_attr("exclusive", attr_i(node, "exclusive").unwrap_or(0)),
+        int_attr("reverse", i64::from(!reverse)),
+    ];
+    let gx = ctx
+        .b
+        .node("CumSum", &[g, axis.as_str()], "grad/cumsum", attrs);
+    like(ctx, gx, x)
 }

@@ -1,5 +1,5 @@
 //! Layout ops: the gradient is the forward's layout change undone (reshape, transpose,
-//! slice, concat, split), summed where the forward copied (expand, gather).
+//! slice, concat, split), summed where the forward copied (expand, tile, gather).
 
 use super::{g0, like, Grads};
 use crate::error::Error;
@@ -385,4 +385,37 @@ pub fn pad(
     let refs: Vec<&str> = inputs.iter().map(|s| s.as_str()).collect();
     let gx = ctx.b.node("Pad", &refs, "grad/pad", vec![]);
     like(ctx, gx, &node.input[0])
+}
+
+/// Tile(x, repeats): every copy's gradient is summed back, `g` viewed as
+/// `[r0, d0, r1, d1, …]` and summed over the repeat axes.
+pub fn tile(
+    ctx: &mut Ctx,
+    node: &NodeProto,
+    gy: &[Option<String>],
+    _: &[bool],
+) -> Result<Grads, Error> {
+    let g = g0(node, gy)?;
+    let x = node.input[0].as_str();
+    let Some(repeats) = node.input.get(1).filter(|r| !r.is_empty()) else {
+        return Err(Error::MalformedGraph(format!(
+            "Tile node '{}' has no repeats input",
+            node.name()
+        )));
+    };
+    let rank = ctx.rank(x, node)?;
+    if rank == 0 {
+        return like(ctx, g.to_string(), x);
+    }
+    let column = ctx.i64s(&[1]);
+    let r = ctx.op("Unsqueeze", &[repeats, &column], "grad/tile_r");
+    let shape = ctx.shape(x);
+    let d = ctx.op("Unsqueeze", &[&shape, &column], "grad/tile_d");
+    let pairs = ctx.b.concat(&[&r, &d], 1, "grad/tile_pairs");
+    let flat = ctx.i64s(&[-1]);
+    let view = ctx.op("Reshape", &[&pairs, &flat], "grad/tile_view");
+    let gv = ctx.op("Reshape", &[g, &view], "grad/tile_g");
+    let axes: Vec<i64> = (0..rank as i64).map(|i| 2 * i).collect();
+    let gx = ctx.b.reduce_sum(&gv, &axes, false, "grad/tile");
+    like(ctx, gx, x)
 }
