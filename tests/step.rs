@@ -323,3 +323,28 @@ fn validate_trains_a_step_graph_in_tract_like_onnxruntime() {
         );
     }
 }
+
+#[test]
+fn tract_trains_a_celu_like_onnxruntime() {
+    // tract 0.23's own Celu misses α: validate spells it out, so both runtimes agree
+    let (dir, m) = case(&model("lm_flat"), |m| {
+        let g = m.graph.as_mut().unwrap();
+        let n = g.node.iter_mut().find(|n| n.op_type() == "Tanh").unwrap();
+        n.op_type = Some("Celu".into());
+        n.attribute = vec![ntl_patch::onnx::float_attr("alpha", 0.5)];
+    });
+    bin().arg("step").arg(&m).assert().success();
+    let out = bin()
+        .arg("validate")
+        .arg(dir.path().join("model.step.onnx"))
+        .arg("--json")
+        .output()
+        .unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let checks = report["checks"].as_array().unwrap();
+    assert!(
+        checks.iter().any(|c| c["against"] == "onnxruntime"),
+        "{report}"
+    );
+    assert!(checks.iter().all(|c| c["passed"] == true), "{report}");
+}

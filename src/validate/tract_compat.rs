@@ -2,7 +2,7 @@
 //! types (the dynamo exporter's `SplitToSequence` + `SequenceAt` become `Slice`s, as for the
 //! step graph), and its shape analysis mis-sizes a `Slice` whose end is `INT64_MAX` ("to the
 //! end", how exporters write `x[a:]`) on a symbolic dim, so such ends become the dim itself,
-//! read from the data's shape.
+//! read from the data's shape. tract's Celu misses its factor α: spelled out in primitives.
 
 use crate::graph::GraphIndex;
 use crate::onnx::{GraphProto, NodeProto};
@@ -12,6 +12,35 @@ use crate::shapes::{Shapes, SLICE_TO_THE_END};
 pub fn rewrite(graph: &mut GraphProto, b: &mut Builder) {
     crate::grad::canonical::split_to_sequence_as_slices(graph, b);
     slice_ends_from_shapes(graph, b);
+    celu_as_primitives(graph, b);
+}
+
+/// tract 0.23 computes Celu as `max(0, x) + min(0, exp(x/α) − 1)`, without the factor α:
+/// the validation copy spells out ONNX's `max(0, x) + min(0, α·(exp(x/α) − 1))`.
+fn celu_as_primitives(graph: &mut GraphProto, b: &mut Builder) {
+    let old = std::mem::take(&mut graph.node);
+    for node in old {
+        let (Some(x), Some(y)) = (node.input.first(), node.output.first()) else {
+            graph.node.push(node);
+            continue;
+        };
+        if node.op_type() != "Celu" {
+            graph.node.push(node);
+            continue;
+        }
+        let (x, y) = (x.clone(), y.clone());
+        let alpha = crate::onnx::attr(&node, "alpha").map_or(1.0, |a| a.f());
+        let (zero, one) = (b.scalar_f32("tract/c", 0.0), b.scalar_f32("tract/c", 1.0));
+        let a = b.scalar_f32("tract/celu_alpha", alpha);
+        let t = b.binary("Div", &x, &a, "tract/celu_t");
+        let e = b.unary("Exp", &t, "tract/celu_exp");
+        let e1 = b.binary("Sub", &e, &one, "tract/celu_e1");
+        let neg = b.binary("Mul", &e1, &a, "tract/celu_neg");
+        let low = b.binary("Min", &neg, &zero, "tract/celu_low");
+        let high = b.binary("Max", &x, &zero, "tract/celu_high");
+        b.node_to("Add", &[&high, &low], &[&y], vec![]);
+        graph.node.append(&mut b.nodes);
+    }
 }
 
 fn slice_ends_from_shapes(graph: &mut GraphProto, b: &mut Builder) {
