@@ -527,7 +527,10 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
         let buffers = if s.buffers.is_empty() {
             String::new()
         } else {
-            format!("; buffers kept constant: {}", s.buffers.join(", "))
+            format!(
+                "; kept constant (buffers, exporter constants): {}",
+                s.buffers.join(", ")
+            )
         };
         let frozen = if s.frozen.is_empty() {
             String::new()

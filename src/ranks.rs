@@ -173,6 +173,12 @@ impl Ranks {
             | "ReduceLogSumExp" | "ReduceSumSquare" | "ReduceL2" | "ArgMax" | "ArgMin" => {
                 let keep = attr_i(node, "keepdims").unwrap_or(1) != 0;
                 if keep {
+                    // a vector reduced keeps one entry (tf2onnx's ReduceProd of shape entries)
+                    let noop = attr_i(node, "noop_with_empty_axes").unwrap_or(0) != 0
+                        && axes_len(1).unwrap_or(0) == 0;
+                    if rk(0) == Some(1) && !noop {
+                        self.len1d.insert(node.output[0].clone(), 1);
+                    }
                     rk(0)
                 } else if node.op_type().starts_with("Arg") {
                     rk(0).map(|r| r.saturating_sub(1))

@@ -137,6 +137,48 @@ fn every_exporter_step_graph_has_no_gpu_fallback() {
 }
 
 #[test]
+fn step_trains_exactly_each_frameworks_variables() {
+    // models.json names the initializers that hold a framework variable; every other float
+    // initializer (tf2onnx's -1 and 0, Keras' ignore_class as a float, jax2onnx's fill values)
+    // is a constant the step must not train
+    let models: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(root().join("fixtures/exporters/models.json")).unwrap(),
+    )
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    for (name, _) in FORMS {
+        let mut variables: Vec<&str> = models["models"][name]["initializers"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{name} in models.json"))
+            .iter()
+            .filter(|i| i.get("parameter").is_some())
+            .map(|i| i["name"].as_str().unwrap())
+            .collect();
+        variables.sort_unstable();
+        let out = dir.path().join(format!("{name}.step.onnx"));
+        let o = bin()
+            .arg("step")
+            .arg(exporter_model(name))
+            .arg("--tokenizer")
+            .arg(tokenizer())
+            .arg("-o")
+            .arg(&out)
+            .arg("--json")
+            .assert()
+            .success();
+        let summary: serde_json::Value = serde_json::from_slice(&o.get_output().stdout).unwrap();
+        let mut trained: Vec<&str> = summary["parameters"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p.as_str().unwrap())
+            .collect();
+        trained.sort_unstable();
+        assert_eq!(trained, variables, "{name}");
+    }
+}
+
+#[test]
 fn the_rewrite_keeps_every_original_output_and_leaves_no_orphans() {
     let dir = tempfile::tempdir().unwrap();
     let (out, _) = patch_json(&exporter_model("tf_sparse"), dir.path());

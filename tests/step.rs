@@ -348,3 +348,114 @@ fn tract_trains_a_celu_like_onnxruntime() {
     );
     assert!(checks.iter().all(|c| c["passed"] == true), "{report}");
 }
+
+#[test]
+fn parameters_holding_the_same_values_are_warned_about() {
+    // k.weight a copy of q.weight: as when an exporter stores one weight twice
+    let (dir, m) = case(&model("lm_flat"), |m| {
+        let g = m.graph.as_mut().unwrap();
+        let q = g
+            .initializer
+            .iter()
+            .find(|t| t.name() == "q.weight")
+            .unwrap()
+            .clone();
+        let k = g
+            .initializer
+            .iter_mut()
+            .find(|t| t.name() == "k.weight")
+            .unwrap();
+        k.raw_data = q.raw_data;
+        k.float_data = q.float_data;
+    });
+    let out = bin().arg("step").arg(&m).arg("--json").assert().success();
+    let summary: serde_json::Value = serde_json::from_slice(&out.get_output().stdout).unwrap();
+    let warnings = summary["warnings"].to_string();
+    assert!(
+        warnings.contains("'q.weight' and 'k.weight' hold the same values"),
+        "{warnings}"
+    );
+    // the fixture itself has no copies
+    let plain = bin()
+        .arg("step")
+        .arg(model("lm_flat"))
+        .arg("--tokenizer")
+        .arg(tokenizer())
+        .arg("-o")
+        .arg(dir.path().join("plain.step.onnx"))
+        .arg("--json")
+        .assert()
+        .success();
+    let stdout = String::from_utf8_lossy(&plain.get_output().stdout).to_string();
+    assert!(!stdout.contains("hold the same values"), "{stdout}");
+}
+
+#[test]
+fn a_reshape_to_a_shape_computed_like_tf2onnx_keeps_its_rank() {
+    // tf2onnx's Dense on [B, T, D]: Reshape(x, Concat(ReduceProd(Gather(Shape(x), [0, 1])),
+    // [D])) → MatMul, and back; the MatMul's gradient needs the reshaped rank
+    let (dir, m) = case(&model("lm_flat"), |m| {
+        let g = m.graph.as_mut().unwrap();
+        g.initializer
+            .push(ntl_patch::onnx::i64_tensor("lead_axes", &[2], &[0, 1]));
+        g.initializer
+            .push(ntl_patch::onnx::i64_tensor("width", &[1], &[16]));
+        let at = g
+            .node
+            .iter()
+            .position(|n| n.name() == "/fc1/MatMul")
+            .unwrap();
+        let tf_reshape = [
+            node("Shape", &["/Add_output_0"], &["tf/shape"], vec![]),
+            node("Gather", &["tf/shape", "lead_axes"], &["tf/lead"], vec![]),
+            node("ReduceProd", &["tf/lead"], &["tf/rows"], vec![]),
+            node(
+                "Concat",
+                &["tf/rows", "width"],
+                &["tf/target"],
+                vec![ntl_patch::onnx::int_attr("axis", 0)],
+            ),
+            node(
+                "Reshape",
+                &["/Add_output_0", "tf/target"],
+                &["tf/flat"],
+                vec![],
+            ),
+        ];
+        g.node.splice(at..at, tf_reshape);
+        let fc1 = g
+            .node
+            .iter_mut()
+            .find(|n| n.name() == "/fc1/MatMul")
+            .unwrap();
+        fc1.input[0] = "tf/flat".into();
+        let residual = g
+            .node
+            .iter()
+            .position(|n| n.input.iter().any(|i| i == "/fc2/Add_output_0"))
+            .unwrap();
+        g.node.insert(
+            residual,
+            node(
+                "Reshape",
+                &["/fc2/Add_output_0", "tf/shape"],
+                &["tf/back"],
+                vec![],
+            ),
+        );
+        for i in &mut g.node[residual + 1].input {
+            if i == "/fc2/Add_output_0" {
+                *i = "tf/back".into();
+            }
+        }
+    });
+    bin().arg("step").arg(&m).assert().success();
+    let out = bin()
+        .arg("validate")
+        .arg(dir.path().join("model.step.onnx"))
+        .arg("--json")
+        .output()
+        .unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["passed"], true, "{report}");
+}

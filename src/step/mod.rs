@@ -4,6 +4,7 @@
 //! update graph separately (for data-parallel training, where gradients are averaged
 //! between the two).
 
+mod copies;
 pub mod optimizer;
 mod zero_state;
 
@@ -215,9 +216,10 @@ fn is_buffer_name(name: &str) -> bool {
 /// records it on the value's metadata (`PARAMETER`, `BUFFER`, `CONSTANT_TENSOR`, ...).
 const INPUT_KIND_KEY: &str = "pkg.torch.export.graph_signature.InputSpec.kind";
 
-/// Initializers the exporter recorded as something other than a parameter (buffers such as
-/// Gemma's `embed_scale` or GPT-J's `embed_positions`, lifted constants).
-fn recorded_non_parameters(graph: &GraphProto) -> std::collections::HashSet<&str> {
+/// What the exporter recorded each lifted initializer as (`PARAMETER`, `BUFFER`, ...), where
+/// it did: non-parameters are buffers such as Gemma's `embed_scale` or GPT-J's
+/// `embed_positions`, or lifted constants.
+fn recorded_kinds(graph: &GraphProto) -> std::collections::HashMap<&str, &str> {
     let values = graph.value_info.iter().chain(&graph.input);
     let kinds = values.map(|v| (v.name(), &v.metadata_props)).chain(
         graph
@@ -226,17 +228,25 @@ fn recorded_non_parameters(graph: &GraphProto) -> std::collections::HashSet<&str
             .map(|t| (t.name(), &t.metadata_props)),
     );
     kinds
-        .filter(|(_, props)| {
-            props
-                .iter()
-                .any(|p| p.key() == INPUT_KIND_KEY && p.value() != "PARAMETER")
+        .filter_map(|(name, props)| {
+            let kind = props.iter().find(|p| p.key() == INPUT_KIND_KEY)?;
+            Some((name, kind.value()))
         })
-        .map(|(name, _)| name)
         .collect()
 }
 
-/// Turns the patched forward model into the step graph (or the gradient graph, returning the
-/// update graph as a separate model).
+/// Whether a float initializer is a constant rather than a weight: a buffer by name, recorded
+/// as a non-parameter, or a single value the exporter did not record as a parameter —
+/// tf2onnx, jax2onnx and paddle2onnx store epsilons, scales and fill values (`-1`, `0`,
+/// `1/√d`) as initializers, and training them would change the model's arithmetic.
+fn is_constant(t: &TensorProto, kinds: &std::collections::HashMap<&str, &str>) -> bool {
+    let kind = kinds.get(t.name()).copied();
+    let single_value = t.dims.iter().product::<i64>() == 1;
+    is_buffer_name(t.name())
+        || kind.is_some_and(|k| k != "PARAMETER")
+        || (single_value && kind.is_none())
+}
+
 /// Why nothing trains: weights of another float type (a half-precision or float64 export)
 /// get their own fix; otherwise the weights are not initializers or all are frozen.
 fn no_parameters_message(graph: &GraphProto, loss: &str) -> String {
@@ -269,6 +279,8 @@ fn float_type_name(dt: i32) -> Option<&'static str> {
     }
 }
 
+/// Turns the patched forward model into the step graph (or the gradient graph, returning the
+/// update graph as a separate model).
 fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Result<Built, Error> {
     let opset = default_opset(model).expect("checked by the patch step");
     let graph = model.graph.as_mut().expect("loaded models have a graph");
@@ -288,10 +300,10 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         .iter()
         .filter(|t| t.data_type() == FLOAT && !t.name().starts_with(&format!("{PREFIX}/")))
         .collect();
-    let recorded = recorded_non_parameters(graph);
+    let kinds = recorded_kinds(graph);
     let (buffer_like, candidates): (Vec<&TensorProto>, Vec<&TensorProto>) = float_inits
         .into_iter()
-        .partition(|t| is_buffer_name(t.name()) || recorded.contains(t.name()));
+        .partition(|t| is_constant(t, &kinds));
     let candidate_names: Vec<String> = candidates.iter().map(|t| t.name().to_string()).collect();
     let reaching = grad::reaching_loss(&graph.node, &loss, &candidate_names);
     let buffer_names: Vec<String> = buffer_like.iter().map(|t| t.name().to_string()).collect();
@@ -325,6 +337,15 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
     }
     let by_name: std::collections::HashMap<&str, &TensorProto> =
         graph.initializer.iter().map(|t| (t.name(), t)).collect();
+    let trained: Vec<&TensorProto> = params
+        .iter()
+        .filter_map(|p| by_name.get(p.as_str()).copied())
+        .collect();
+    if let Some((a, b)) = copies::same_values(&trained).first() {
+        warnings.push(format!(
+            "parameters '{a}' and '{b}' hold the same values (a weight the exporter stored twice, e.g. folded or transposed): they train as separate tensors, so the model drifts from the framework's; re-export without constant folding (torch: optimize=False / do_constant_folding=False; tf2onnx: without its fold_constants optimizer)"
+        ));
+    }
     let param_dims: Vec<Vec<i64>> = params
         .iter()
         .map(|p| {

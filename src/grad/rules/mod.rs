@@ -82,6 +82,7 @@ pub fn rule(op: &str) -> Option<Rule> {
         "ReduceSum" | "ReduceMean" | "ReduceSumSquare" | "ReduceL1" | "ReduceL2"
         | "ReduceLogSumExp" | "ReduceMax" | "ReduceMin" => r(first, reduce::reduce),
         "CumSum" => r(first, reduce::cumsum),
+        "GlobalAveragePool" => r(first, reduce::global_average_pool),
         "Reshape" | "Squeeze" | "Unsqueeze" | "Flatten" => r(first, shape::reshape),
         "Transpose" => r(first, shape::transpose),
         "Tile" => r(first, shape::tile),

@@ -1,6 +1,6 @@
 //! The Reduce* family: the output's gradient is put back over the reduced axes, times the
-//! reduction's derivative (1 for sums, 1/n for means, the softmax for log-sum-exp, ...); and
-//! CumSum, the running sum.
+//! reduction's derivative (1 for sums, 1/n for means, the softmax for log-sum-exp, ...);
+//! GlobalAveragePool, a mean; and CumSum, the running sum.
 
 use super::{g0, like, Grads};
 use crate::error::Error;
@@ -145,5 +145,26 @@ pub fn cumsum(
     let gx = ctx
         .b
         .node("CumSum", &[g, axis.as_str()], "grad/cumsum", attrs);
+    like(ctx, gx, x)
+}
+
+/// GlobalAveragePool: the mean over the spatial axes (2 and on; tf2onnx writes a Keras
+/// LayerNormalization's moments with it), so `g` spreads evenly back over them.
+pub fn global_average_pool(
+    ctx: &mut Ctx,
+    node: &NodeProto,
+    gy: &[Option<String>],
+    _: &[bool],
+) -> Result<Grads, Error> {
+    let g = g0(node, gy)?;
+    let x = node.input[0].as_str();
+    let shape = ctx.shape(x);
+    let spatial = ctx.b.slice(&shape, 2, i64::MAX, 0, "grad/gap_spatial");
+    let spatial = ctx.b.cast(&spatial, FLOAT, "grad/gap_spatial_f");
+    let n = ctx
+        .b
+        .reduce("ReduceProd", &spatial, &[], false, "grad/gap_n");
+    let spread = ctx.op("Expand", &[g, &shape], "grad/gap_spread");
+    let gx = ctx.op("Div", &[&spread, &n], "grad/gap");
     like(ctx, gx, x)
 }
