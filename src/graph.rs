@@ -115,8 +115,8 @@ impl<'g> GraphIndex<'g> {
         Some((Some(elem).filter(|&e| e != 0), dims?))
     }
 
-    /// Element type of a tensor where the graph declares it, or where it follows from a
-    /// producer that keeps its input's type.
+    /// Element type of a tensor where the graph declares it, or where it follows from the
+    /// producers before it.
     pub fn elem_type(&self, tensor: &str) -> Option<i32> {
         self.elem_type_backward(tensor)
             // an op the walk does not know (Gather of an embedding, LayerNorm...): follow the
@@ -124,6 +124,7 @@ impl<'g> GraphIndex<'g> {
             .or_else(|| crate::elem_types::ElemTypes::infer(self).get(tensor))
     }
 
+    /// Back through producers that keep their input's type, to a declared type.
     fn elem_type_backward(&self, tensor: &str) -> Option<i32> {
         // iterative, and bounded: a chain of type-keeping nodes can be as long as the graph
         let mut tensor = tensor;

@@ -1,4 +1,4 @@
-//! MatMul and Gemm.
+//! MatMul, Gemm and Einsum.
 
 use super::{g0, Grads};
 use crate::error::Error;
@@ -179,7 +179,9 @@ pub fn einsum(
         let l = subscripts(t);
         let distinct: std::collections::BTreeSet<&char> = l.iter().collect();
         if distinct.len() != l.len() || l.iter().any(|c| !c.is_ascii_alphabetic()) {
-            return Err(refuse("a subscript repeats within one operand"));
+            return Err(refuse(
+                "a subscript repeats within one operand (or is not a letter)",
+            ));
         }
         if t.matches("...").count() > 1 || t.replace("...", "").contains('.') {
             return Err(refuse("malformed ellipsis"));
