@@ -319,6 +319,12 @@ fn op_type() -> impl Strategy<Value = String> {
         "Flatten",
         "If",
         "Loop",
+        // gradient rules with inputs or attributes of their own
+        "Einsum",
+        "Tile",
+        "CumSum",
+        "PRelu",
+        "GlobalAveragePool",
         "",
         "Bogus",
     ])

@@ -162,11 +162,14 @@ pub fn einsum(
         .unwrap_or_default();
     let refuse = |why: &str| {
         Error::Usage(format!(
-            "Einsum node '{}' ('{written}'): {why}; the step graph differentiates einsums whose operands each name a subscript once",
+            "Einsum node '{}' ('{written}'): {why}; the step graph differentiates einsums whose equation fits the operands and names each subscript once per operand",
             node.name()
         ))
     };
     let eq: String = written.chars().filter(|c| !c.is_whitespace()).collect();
+    if eq.is_empty() {
+        return Err(refuse("it has no equation"));
+    }
     let (lhs, out) = match eq.split_once("->") {
         Some((l, o)) => (l.to_string(), o.to_string()),
         None => (eq.clone(), implicit_einsum_output(&eq)),
@@ -185,6 +188,16 @@ pub fn einsum(
         }
         if t.matches("...").count() > 1 || t.replace("...", "").contains('.') {
             return Err(refuse("malformed ellipsis"));
+        }
+    }
+    for (term, x) in terms.iter().zip(&node.input) {
+        let letters = subscripts(term).len();
+        let fits = |rank: usize| match term.contains("...") {
+            true => letters <= rank,
+            false => letters == rank,
+        };
+        if ctx.ranks.get(x).is_some_and(|r| !fits(r)) {
+            return Err(refuse("the equation does not match the rank of an operand"));
         }
     }
     let mut grads = vec![None; terms.len()];
