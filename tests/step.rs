@@ -254,15 +254,24 @@ fn unsupported_op_on_a_parameter_path_is_named() {
 }
 
 #[test]
-fn einsum_with_a_repeated_subscript_is_refused() {
-    // a diagonal (a subscript twice in one operand) has no einsum gradient
-    let (_d, m) = case(&model("lm_flat"), |m| {
-        let g = m.graph.as_mut().unwrap();
-        let n = g.node.iter_mut().find(|n| n.op_type() == "Tanh").unwrap();
-        n.op_type = Some("Einsum".into());
-        n.attribute = vec![ntl_patch::onnx::string_attr("equation", "bbv->bv")];
-    });
-    step_fails(&m, &[], "a subscript repeats within one operand");
+fn einsums_without_a_gradient_are_refused() {
+    // a diagonal (a subscript twice in one operand), no equation, an equation of another rank
+    for (equation, needle) in [
+        (Some("bbv->bv"), "a subscript repeats within one operand"),
+        (None, "it has no equation"),
+        (Some("bv->bv"), "does not match the rank of an operand"),
+    ] {
+        let (_d, m) = case(&model("lm_flat"), |m| {
+            let g = m.graph.as_mut().unwrap();
+            let n = g.node.iter_mut().find(|n| n.op_type() == "Tanh").unwrap();
+            n.op_type = Some("Einsum".into());
+            n.attribute = equation
+                .map(|e| ntl_patch::onnx::string_attr("equation", e))
+                .into_iter()
+                .collect();
+        });
+        step_fails(&m, &[], needle);
+    }
 }
 
 #[test]
