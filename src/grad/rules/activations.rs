@@ -1,5 +1,5 @@
 //! Activation functions with attributes or piecewise definitions (Softplus, the ELU family,
-//! LeakyRelu, PRelu, HardSigmoid, HardSwish) and the trigonometric functions. At the kinks
+//! LeakyRelu, PRelu, HardSigmoid, HardSwish, Gelu) and the trigonometric functions. At the kinks
 //! each rule takes torch's side, so a step equals torch autograd.
 
 use super::{g0, like, Grads};
@@ -88,6 +88,15 @@ pub fn activation(
             let d = ctx.b.where_(&low, &zero, &d, "grad/hardswish_d");
             ctx.op("Mul", &[g, &d], "grad/hardswish")
         }
+        // opset 20: Φ(x) + x·φ(x), or the derivative of the tanh approximation
+        "Gelu" => {
+            let d = if crate::onnx::attr_s(node, "approximate").as_deref() == Some("tanh") {
+                gelu_tanh_derivative(ctx, x)
+            } else {
+                gelu_derivative(ctx, x)
+            };
+            ctx.op("Mul", &[g, &d], "grad/gelu")
+        }
         "Sin" => {
             let c = ctx.op("Cos", &[x], "grad/sin_d");
             ctx.op("Mul", &[g, &c], "grad/sin")
@@ -107,6 +116,49 @@ pub fn activation(
         op => unreachable!("activation rule registered for {op}"),
     };
     like(ctx, gx, x)
+}
+
+/// d/dx x·Φ(x) = Φ(x) + x·φ(x), with Φ(x) = ½(1 + erf(x/√2)) and φ(x) = exp(−x²/2)/√(2π).
+fn gelu_derivative(ctx: &mut Ctx, x: &str) -> String {
+    let (half, one) = (ctx.f32(0.5), ctx.f32(1.0));
+    let inv_sqrt2 = ctx.f32(std::f32::consts::FRAC_1_SQRT_2);
+    let t = ctx.op("Mul", &[x, &inv_sqrt2], "grad/gelu_t");
+    let e = ctx.op("Erf", &[&t], "grad/gelu_erf");
+    let e1 = ctx.op("Add", &[&e, &one], "grad/gelu_erf1");
+    let cdf = ctx.op("Mul", &[&e1, &half], "grad/gelu_cdf");
+    let x2 = ctx.op("Mul", &[x, x], "grad/gelu_x2");
+    let m_half = ctx.f32(-0.5);
+    let ex = ctx.op("Mul", &[&x2, &m_half], "grad/gelu_ex");
+    let ex = ctx.op("Exp", &[&ex], "grad/gelu_exp");
+    let inv_sqrt_2pi = ctx.f32(0.398_942_3);
+    let pdf = ctx.op("Mul", &[&ex, &inv_sqrt_2pi], "grad/gelu_pdf");
+    let xpdf = ctx.op("Mul", &[x, &pdf], "grad/gelu_xpdf");
+    ctx.op("Add", &[&cdf, &xpdf], "grad/gelu_d")
+}
+
+/// The tanh approximation y = ½x(1 + tanh u), u = √(2/π)(x + 0.044715x³):
+/// dy/dx = ½(1 + tanh u) + ½x(1 − tanh² u)·√(2/π)(1 + 3·0.044715x²).
+fn gelu_tanh_derivative(ctx: &mut Ctx, x: &str) -> String {
+    let (half, one) = (ctx.f32(0.5), ctx.f32(1.0));
+    let (k, c) = (ctx.f32(0.797_884_6), ctx.f32(0.044_715));
+    let c3 = ctx.f32(3.0 * 0.044_715);
+    let x2 = ctx.op("Mul", &[x, x], "grad/gelu_x2");
+    let x3 = ctx.op("Mul", &[&x2, x], "grad/gelu_x3");
+    let cx3 = ctx.op("Mul", &[&x3, &c], "grad/gelu_cx3");
+    let inner = ctx.op("Add", &[x, &cx3], "grad/gelu_inner");
+    let u = ctx.op("Mul", &[&inner, &k], "grad/gelu_u");
+    let t = ctx.op("Tanh", &[&u], "grad/gelu_tanh");
+    let t1 = ctx.op("Add", &[&t, &one], "grad/gelu_t1");
+    let left = ctx.op("Mul", &[&t1, &half], "grad/gelu_left");
+    let t2 = ctx.op("Mul", &[&t, &t], "grad/gelu_t2");
+    let sech2 = ctx.op("Sub", &[&one, &t2], "grad/gelu_sech2");
+    let c3x2 = ctx.op("Mul", &[&x2, &c3], "grad/gelu_c3x2");
+    let du = ctx.op("Add", &[&c3x2, &one], "grad/gelu_du");
+    let du = ctx.op("Mul", &[&du, &k], "grad/gelu_du_k");
+    let hx = ctx.op("Mul", &[x, &half], "grad/gelu_hx");
+    let right = ctx.op("Mul", &[&hx, &sech2], "grad/gelu_right");
+    let right = ctx.op("Mul", &[&right, &du], "grad/gelu_right_du");
+    ctx.op("Add", &[&left, &right], "grad/gelu_d")
 }
 
 /// PRelu(x, slope): x above zero, slope·x below (torch's side at 0: the slope). The slope's

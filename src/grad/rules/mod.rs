@@ -67,7 +67,7 @@ pub fn rule(op: &str) -> Option<Rule> {
         "Neg" | "Exp" | "Log" | "Sqrt" | "Tanh" | "Sigmoid" | "Erf" | "Relu" | "Abs"
         | "Reciprocal" | "Identity" => r(first, e::unary),
         "Softplus" | "Elu" | "Celu" | "Selu" | "LeakyRelu" | "HardSigmoid" | "HardSwish"
-        | "Sin" | "Cos" | "Atan" => r(first, activations::activation),
+        | "Gelu" | "Sin" | "Cos" | "Atan" => r(first, activations::activation),
         "PRelu" => r(first_two, activations::prelu),
         "Cast" | "CastLike" => r(e::cast_inputs, e::cast),
         "Where" => r(|_| vec![1, 2], e::where_),
