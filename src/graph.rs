@@ -11,6 +11,8 @@ pub struct GraphIndex<'g> {
     consumers: HashMap<&'g str, Vec<usize>>,
     /// Ranks inferred through the whole graph, computed on first use.
     ranks: std::cell::OnceCell<crate::ranks::Ranks>,
+    /// Element types followed forward through the whole graph, computed on first use.
+    types: std::cell::OnceCell<crate::elem_types::ElemTypes>,
 }
 
 impl<'g> GraphIndex<'g> {
@@ -30,6 +32,7 @@ impl<'g> GraphIndex<'g> {
             producer,
             consumers,
             ranks: std::cell::OnceCell::new(),
+            types: std::cell::OnceCell::new(),
         }
     }
 
@@ -121,7 +124,11 @@ impl<'g> GraphIndex<'g> {
         self.elem_type_backward(tensor)
             // an op the walk does not know (Gather of an embedding, LayerNorm...): follow the
             // types forward from the initializers and inputs
-            .or_else(|| crate::elem_types::ElemTypes::infer(self).get(tensor))
+            .or_else(|| {
+                self.types
+                    .get_or_init(|| crate::elem_types::ElemTypes::infer(self))
+                    .get(tensor)
+            })
     }
 
     /// Back through producers that keep their input's type, to a declared type.

@@ -55,6 +55,19 @@ fn metadata(m: &ModelProto) -> serde_json::Value {
     serde_json::from_str(v.value()).unwrap()
 }
 
+/// Writes `model`'s step graph beside it, then runs `validate --json` on it (three training
+/// steps in tract against ONNX Runtime), which must exit 0; returns the report.
+fn step_and_validate(model: &Path, args: &[&str]) -> serde_json::Value {
+    bin().arg("step").arg(model).args(args).assert().success();
+    let out = bin()
+        .arg("validate")
+        .arg(model.with_file_name("model.step.onnx"))
+        .arg("--json")
+        .assert()
+        .success();
+    serde_json::from_slice(&out.get_output().stdout).unwrap()
+}
+
 #[test]
 fn step_graph_has_the_documented_interface() {
     let (dir, m) = case(&model("lm_flat"), |_| {});
@@ -311,15 +324,8 @@ fn validate_trains_a_step_graph_in_tract_like_onnxruntime() {
         ),
         ("lm_nll", vec!["--loss", "ntil", "--max-grad-norm", "1"]),
     ] {
-        let (dir, m) = case(&model(fixture), |_| {});
-        bin().arg("step").arg(&m).args(&args).assert().success();
-        let out = bin()
-            .arg("validate")
-            .arg(dir.path().join("model.step.onnx"))
-            .arg("--json")
-            .assert()
-            .success();
-        let report: serde_json::Value = serde_json::from_slice(&out.get_output().stdout).unwrap();
+        let (_dir, m) = case(&model(fixture), |_| {});
+        let report = step_and_validate(&m, &args);
         let checks = report["checks"].as_array().unwrap();
         let against_ort = checks
             .iter()
@@ -336,20 +342,13 @@ fn validate_trains_a_step_graph_in_tract_like_onnxruntime() {
 #[test]
 fn tract_trains_a_celu_like_onnxruntime() {
     // tract 0.23's own Celu misses α: validate spells it out, so both runtimes agree
-    let (dir, m) = case(&model("lm_flat"), |m| {
+    let (_dir, m) = case(&model("lm_flat"), |m| {
         let g = m.graph.as_mut().unwrap();
         let n = g.node.iter_mut().find(|n| n.op_type() == "Tanh").unwrap();
         n.op_type = Some("Celu".into());
         n.attribute = vec![ntl_patch::onnx::float_attr("alpha", 0.5)];
     });
-    bin().arg("step").arg(&m).assert().success();
-    let out = bin()
-        .arg("validate")
-        .arg(dir.path().join("model.step.onnx"))
-        .arg("--json")
-        .output()
-        .unwrap();
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let report = step_and_validate(&m, &[]);
     let checks = report["checks"].as_array().unwrap();
     assert!(
         checks.iter().any(|c| c["against"] == "onnxruntime"),
@@ -403,7 +402,7 @@ fn parameters_holding_the_same_values_are_warned_about() {
 fn a_reshape_to_a_shape_computed_like_tf2onnx_keeps_its_rank() {
     // tf2onnx's Dense on [B, T, D]: Reshape(x, Concat(ReduceProd(Gather(Shape(x), [0, 1])),
     // [D])) → MatMul, and back; the MatMul's gradient needs the reshaped rank
-    let (dir, m) = case(&model("lm_flat"), |m| {
+    let (_dir, m) = case(&model("lm_flat"), |m| {
         let g = m.graph.as_mut().unwrap();
         g.initializer
             .push(ntl_patch::onnx::i64_tensor("lead_axes", &[2], &[0, 1]));
@@ -458,13 +457,6 @@ fn a_reshape_to_a_shape_computed_like_tf2onnx_keeps_its_rank() {
             }
         }
     });
-    bin().arg("step").arg(&m).assert().success();
-    let out = bin()
-        .arg("validate")
-        .arg(dir.path().join("model.step.onnx"))
-        .arg("--json")
-        .output()
-        .unwrap();
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let report = step_and_validate(&m, &[]);
     assert_eq!(report["passed"], true, "{report}");
 }

@@ -146,6 +146,7 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
     let ind = independent(&meta, &table, sequences.as_ref(), &copy, &outputs)?;
     let mut checks = Vec::new();
     let mut half_outputs = Vec::new();
+    let copy_index = GraphIndex::new(copy.model.graph.as_ref().expect("built"));
     // (report label, runtime output, independent value)
     for (name, output, expected) in [
         (loss_name.as_str(), copy.total.as_str(), ind.total),
@@ -156,7 +157,7 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
             continue; // the reported CE is the graph's own value: nothing independent to compare
         }
         let got = outputs.get(output)?.to_f64();
-        let declared = GraphIndex::new(copy.model.graph.as_ref().expect("built")).elem_type(output);
+        let declared = copy_index.elem_type(output);
         let rtol = match half_precision_rtol(declared) {
             Some((floor, ty)) if floor > req.rtol => {
                 half_outputs.push(format!("{name} ({ty})"));

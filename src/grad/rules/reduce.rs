@@ -131,20 +131,13 @@ pub fn cumsum(
 ) -> Result<Grads, Error> {
     let g = g0(node, gy)?;
     let x = node.input[0].as_str();
-    let Some(axis) = node.input.get(1).filter(|a| !a.is_empty()) else {
-        return Err(Error::MalformedGraph(format!(
-            "CumSum node '{}' has no axis input",
-            node.name()
-        )));
-    };
+    let axis = node.input[1].as_str();
     let reverse = attr_i(node, "reverse").unwrap_or(0) != 0;
     let attrs = vec![
         int_attr("exclusive", attr_i(node, "exclusive").unwrap_or(0)),
         int_attr("reverse", i64::from(!reverse)),
     ];
-    let gx = ctx
-        .b
-        .node("CumSum", &[g, axis.as_str()], "grad/cumsum", attrs);
+    let gx = ctx.b.node("CumSum", &[g, axis], "grad/cumsum", attrs);
     like(ctx, gx, x)
 }
 

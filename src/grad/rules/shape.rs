@@ -397,12 +397,7 @@ pub fn tile(
 ) -> Result<Grads, Error> {
     let g = g0(node, gy)?;
     let x = node.input[0].as_str();
-    let Some(repeats) = node.input.get(1).filter(|r| !r.is_empty()) else {
-        return Err(Error::MalformedGraph(format!(
-            "Tile node '{}' has no repeats input",
-            node.name()
-        )));
-    };
+    let repeats = node.input[1].as_str();
     let rank = ctx.rank(x, node)?;
     if rank == 0 {
         return like(ctx, g.to_string(), x);
