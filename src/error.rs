@@ -43,8 +43,9 @@ pub enum Error {
     OutputIsInput(PathBuf),
     #[error("no tokenizer given and none found at '{0}'; pass --tokenizer PATH (tokenizer.json or a one-token-per-line vocab file)")]
     TokenizerMissing(PathBuf),
+    /// A tokenizer or number-table problem (`vocab::TableError`'s one line).
     #[error("{0}")]
-    Table(#[from] crate::number_table::TableError),
+    Table(String),
     #[error("external data location '{location}' of tensor '{tensor}' {problem}; keep external data files inside the model's folder")]
     UnsafeExternalData {
         tensor: String,

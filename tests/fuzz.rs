@@ -19,12 +19,12 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use common::*;
+use ntl_ops::options::{Combine, LossKind, LossOptions, NtilOptions};
 use ntl_patch::onnx::proto::attribute_proto::AttributeType;
 use ntl_patch::onnx::proto::tensor_shape_proto::dimension;
 use ntl_patch::onnx::proto::type_proto;
 use ntl_patch::onnx::{AttributeProto, GraphProto, ModelProto, NodeProto, ValueInfoProto};
-use ntl_patch::ops::{Combine, LossKind, LossOptions, NtilOptions};
-use ntl_patch::pipeline::{run_patch, PatchRequest};
+use ntl_patch::passes::pipeline::{run_patch, PatchRequest};
 use ntl_patch::Error;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestRunner};
@@ -125,7 +125,7 @@ fn patch_bytes(bytes: &[u8], loss: LossKind, outcomes: &Outcomes) -> Result<(), 
             weight: 0.3,
             reweigh: false,
             squash: None,
-            number_set: ntl_patch::number_table::NumberSet::DigitLevel,
+            number_set: ntl_patch::vocab::number_table::NumberSet::DigitLevel,
             combine: if matches!(loss, LossKind::Ntil | LossKind::Emd) {
                 Combine::Scaled
             } else {
@@ -671,10 +671,11 @@ fn inspect_never_panics_on_mutated_input() {
         let path = dir.path().join("model.onnx");
         std::fs::write(&path, bytes).unwrap();
         let targets = [
-            ntl_patch::gpu_kernels::Target::Cuda,
-            ntl_patch::gpu_kernels::Target::Rocm,
+            ntl_patch::tools::gpu_kernels::Target::Cuda,
+            ntl_patch::tools::gpu_kernels::Target::Rocm,
         ];
-        let result = in_thread(move || ntl_patch::inspect::inspect_targets(&path, json, &targets))?;
+        let result =
+            in_thread(move || ntl_patch::tools::inspect::inspect_targets(&path, json, &targets))?;
         bump(&executed);
         if let Err(e) = result {
             one_line_error(&e)?;
@@ -712,7 +713,7 @@ fn validate_never_panics_on_mutated_patched_graphs() {
                 weight: 0.3,
                 reweigh: false,
                 squash: None,
-                number_set: ntl_patch::number_table::NumberSet::DigitLevel,
+                number_set: ntl_patch::vocab::number_table::NumberSet::DigitLevel,
                 combine: Combine::Add,
                 ntil: NtilOptions::default(),
                 float_level: false,
@@ -733,9 +734,9 @@ fn validate_never_panics_on_mutated_patched_graphs() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("model.onnx");
         std::fs::write(&path, m.encode_to_vec()).unwrap();
-        let req = ntl_patch::validate::ValidateRequest {
+        let req = ntl_patch::tools::validate::ValidateRequest {
             model: path,
-            runtime: ntl_patch::validate::Runtime::Tract,
+            runtime: ntl_patch::tools::validate::Runtime::Tract,
             reference: None,
             tokenizer: Some(tokenizer()),
             rtol: 1e-5,
@@ -744,7 +745,7 @@ fn validate_never_panics_on_mutated_patched_graphs() {
             seq: 8,
             seed: 0,
         };
-        let result = in_thread(move || ntl_patch::validate::run(&req).map(|_| ()))?;
+        let result = in_thread(move || ntl_patch::tools::validate::run(&req).map(|_| ()))?;
         bump(&executed);
         if let Err(e) = result {
             one_line_error(&e)?;
@@ -769,7 +770,7 @@ fn artifacts_never_panics_and_leaves_nothing_on_error() {
         edits.iter().for_each(|e| apply_graph(&mut m, e));
         let root = tempfile::tempdir().unwrap();
         let dir = artifacts_folder_with(root.path(), &m);
-        let req = ntl_patch::artifacts::ArtifactsRequest {
+        let req = ntl_patch::passes::artifacts::ArtifactsRequest {
             dir: dir.clone(),
             output: None,
             tokenizer: None,
@@ -780,14 +781,15 @@ fn artifacts_never_panics_and_leaves_nothing_on_error() {
                 weight: 0.3,
                 reweigh: false,
                 squash: None,
-                number_set: ntl_patch::number_table::NumberSet::DigitLevel,
+                number_set: ntl_patch::vocab::number_table::NumberSet::DigitLevel,
                 combine: Combine::Add,
                 ntil: NtilOptions::default(),
                 float_level: false,
                 label_smoothing: 0.0,
             },
         };
-        let result = in_thread(move || ntl_patch::artifacts::run_artifacts(&req).map(|_| ()))?;
+        let result =
+            in_thread(move || ntl_patch::passes::artifacts::run_artifacts(&req).map(|_| ()))?;
         bump(&executed);
         let mut left: Vec<String> = std::fs::read_dir(root.path())
             .unwrap()

@@ -8,13 +8,13 @@ mod common;
 use std::collections::HashMap;
 
 use common::*;
-use ntl_patch::gpu_kernels::{
-    check_model, fallback_nodes, migraphx, tables, tables_for, GpuReport, Missing, Placement,
-    Target,
-};
 use ntl_patch::onnx::proto::tensor_proto::DataType;
 use ntl_patch::onnx::proto::{type_proto, OperatorSetIdProto, TensorShapeProto};
 use ntl_patch::onnx::{int_attr, GraphProto, ModelProto, NodeProto, TypeProto, ValueInfoProto};
+use ntl_patch::tools::gpu_kernels::{
+    check_model, fallback_nodes, migraphx, tables, tables_for, GpuReport, Missing, Placement,
+    Target,
+};
 
 const LOSSES: [&str; 7] = [
     "wasserstein",

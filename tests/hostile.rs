@@ -400,7 +400,7 @@ fn validate_a_symbolic_vocabulary_patched_with_vocab_size() {
     );
     let (dir, path) = folder(&m);
     let out_path = dir.path().join("out.onnx");
-    // the width is proven through the shape vector (Shape → Slice → Concat, crate::shapes):
+    // the width is proven through the shape vector (Shape → Slice → Concat, crate::graph::shapes):
     // a wrong --vocab-size is refused, the right one agrees
     let out = run(&[
         os(&path),
@@ -487,7 +487,7 @@ fn huge_tokenizer_files_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let big = dir.path().join("tokenizer.json");
     let f = std::fs::File::create(&big).unwrap();
-    f.set_len(ntl_patch::limits::MAX_TOKENIZER_BYTES + 1)
+    f.set_len(ntl_patch::io::limits::MAX_TOKENIZER_BYTES + 1)
         .unwrap(); // sparse
     refused(
         &run(&[

@@ -7,7 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
-use ntl_patch::number_table::*;
+use ntl_patch::vocab::number_table::*;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -29,7 +29,9 @@ fn pairs(t: &NumberTable) -> Vec<(i64, f64)> {
 }
 
 fn build(name: &str, set: NumberSet, width: usize) -> NumberTable {
-    NumberTable::build(&vocab(name), set, width).unwrap_or_else(|e| panic!("{name}: {e}"))
+    vocab(name)
+        .number_table(set, width)
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
 /// The WordLevel fixture has 39 ids (0..=38).
@@ -115,13 +117,13 @@ fn token_values_follow_python_float() {
         ("３", 3.0),
     ];
     for (tok, v) in yes {
-        assert_eq!(all.value_of(tok), Some(v), "{tok:?}");
+        assert_eq!(number_value(all, tok), Some(v), "{tok:?}");
     }
     let no = [
         "▁3", "Ġ3", "##3", "inf", "nan", "1e400", "1__0", "_1", "1_", "0x10", "",
     ];
     for tok in no {
-        assert_eq!(all.value_of(tok), None, "{tok:?}");
+        assert_eq!(number_value(all, tok), None, "{tok:?}");
     }
 }
 
@@ -137,12 +139,9 @@ fn padded_width_keeps_ids_and_marks_padding_non_number() {
 
 #[test]
 fn id_beyond_width_is_an_error_naming_id_width_and_fix() {
-    let err = NumberTable::build(
-        &vocab("wordlevel.json"),
-        NumberSet::DigitLevel,
-        WL_WIDTH - 1,
-    )
-    .unwrap_err();
+    let err = vocab("wordlevel.json")
+        .number_table(NumberSet::DigitLevel, WL_WIDTH - 1)
+        .unwrap_err();
     assert!(matches!(
         err,
         TableError::IdExceedsWidth {
@@ -158,15 +157,15 @@ fn id_beyond_width_is_an_error_naming_id_width_and_fix() {
     assert!(!msg.contains('\n'));
     // Also when the offending token is not a number, and for digit_ids.
     let v = Vocab::from_lines("0\n1\n2\n3\n4\n5\n6\n7\n8\n9\nx\n");
-    assert!(NumberTable::build(&v, NumberSet::DigitLevel, 10).is_err());
-    assert!(NumberTable::digit_ids(&v, 10).is_err());
-    assert!(NumberTable::digit_ids(&v, 11).is_ok());
+    assert!(v.number_table(NumberSet::DigitLevel, 10).is_err());
+    assert!(v.digit_ids(10).is_err());
+    assert!(v.digit_ids(11).is_ok());
 }
 
 #[test]
 fn no_digit_tokens_suggests_all_numbers() {
     let v = vocab("no_digits.json");
-    let err = NumberTable::build(&v, NumberSet::DigitLevel, 5).unwrap_err();
+    let err = v.number_table(NumberSet::DigitLevel, 5).unwrap_err();
     assert!(matches!(
         err,
         TableError::NoNumberTokens {
@@ -179,7 +178,7 @@ fn no_digit_tokens_suggests_all_numbers() {
     assert!(msg.contains("digit-level"), "{msg}");
     assert!(msg.contains("--all-numbers"), "{msg}");
     // With all numbers, "12" and "1.5" are found ("Ġ3" is not).
-    let t = NumberTable::build(&v, NumberSet::AllNumbers, 5).unwrap();
+    let t = v.number_table(NumberSet::AllNumbers, 5).unwrap();
     assert_eq!(pairs(&t), [(2, 12.0), (3, 1.5)]);
 }
 
@@ -187,7 +186,7 @@ fn no_digit_tokens_suggests_all_numbers() {
 fn no_numbers_at_all_is_an_error_without_the_all_numbers_hint() {
     let v = Vocab::from_lines("a\nb\nĠ3\n");
     for set in [NumberSet::DigitLevel, NumberSet::AllNumbers] {
-        let msg = NumberTable::build(&v, set, 3).unwrap_err().to_string();
+        let msg = v.number_table(set, 3).unwrap_err().to_string();
         assert!(msg.contains("no number token"), "{msg}");
         assert!(!msg.contains("try --all-numbers"), "{msg}");
     }
@@ -196,13 +195,13 @@ fn no_numbers_at_all_is_an_error_without_the_all_numbers_hint() {
 #[test]
 fn all_ids_numbers_is_an_error_like_ntloss() {
     let v = Vocab::from_lines("0\n1\n2\n");
-    let err = NumberTable::build(&v, NumberSet::DigitLevel, 3).unwrap_err();
+    let err = v.number_table(NumberSet::DigitLevel, 3).unwrap_err();
     assert!(
         matches!(err, TableError::AllTokensAreNumbers { .. }),
         "{err}"
     );
     // A padded width leaves non-number ids, which is fine.
-    let t = NumberTable::build(&v, NumberSet::DigitLevel, 4).unwrap();
+    let t = v.number_table(NumberSet::DigitLevel, 4).unwrap();
     assert_eq!(t.first_non_number_id(), 3);
 }
 
@@ -227,7 +226,7 @@ fn wordpiece_parses() {
     assert_eq!((v.len(), v.max_id()), (20, Some(19)));
     assert_eq!(v.id_of("[MASK]"), Some(4));
     assert_eq!(v.id_of("."), Some(5));
-    let digits = NumberTable::digit_ids(&v, 20).unwrap();
+    let digits = v.digit_ids(20).unwrap();
     assert_eq!(digits, [6, 7, 8, 9, 10, 11, 12, 13, 14, 15]);
     let t = build("wordpiece.json", NumberSet::AllNumbers, 20);
     assert_eq!(t.len(), 11); // ten digits and "12"; "##4" is not a number
@@ -248,7 +247,7 @@ fn unigram_ids_are_positions_and_digit_ids_are_by_value() {
         [9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 0.0]
     );
     // ...while digit_ids is by digit value.
-    let digits = NumberTable::digit_ids(&v, 17).unwrap();
+    let digits = v.digit_ids(17).unwrap();
     assert_eq!(digits, [14, 13, 12, 11, 10, 9, 8, 7, 6, 5]);
 }
 
@@ -299,7 +298,7 @@ fn added_tokens_count_and_override_the_model_vocab() {
     assert_eq!(t.ids(), [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]);
     assert_eq!(t.value_of(3), None);
     assert_eq!(
-        NumberTable::digit_ids(&v, 15).unwrap(),
+        v.digit_ids(15).unwrap(),
         [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
     );
 }
@@ -307,7 +306,7 @@ fn added_tokens_count_and_override_the_model_vocab() {
 #[test]
 fn missing_digits_are_named() {
     let v = Vocab::from_lines("0\n1\n2\n3\n4\n6\n7\n8\nx\n");
-    let msg = NumberTable::digit_ids(&v, 9).unwrap_err().to_string();
+    let msg = v.digit_ids(9).unwrap_err().to_string();
     assert!(msg.contains("\"5\"") && msg.contains("\"9\""), "{msg}");
     assert!(!msg.contains("\"4\""), "{msg}");
 }
@@ -320,9 +319,9 @@ fn shared_ids_are_accepted_and_resolved_deterministically() {
     let v = Vocab::from_json_str(json).unwrap();
     assert_eq!(v.len(), 2);
     assert_eq!((v.id_of("7"), v.id_of(" 7")), (Some(1), Some(1)));
-    let t = NumberTable::build(&v, NumberSet::AllNumbers, 2).unwrap();
+    let t = v.number_table(NumberSet::AllNumbers, 2).unwrap();
     assert_eq!(pairs(&t), [(1, 7.0)]);
-    let t = NumberTable::build(&v, NumberSet::DigitLevel, 2).unwrap();
+    let t = v.number_table(NumberSet::DigitLevel, 2).unwrap();
     assert_eq!(pairs(&t), [(1, 7.0)]);
 }
 
@@ -338,8 +337,8 @@ fn results_do_not_depend_on_input_order() {
     );
     assert!(f.entries().eq(b.entries()));
     for set in [NumberSet::DigitLevel, NumberSet::AllNumbers] {
-        let tf = NumberTable::build(&f, set, 8).unwrap();
-        let tb = NumberTable::build(&b, set, 8).unwrap();
+        let tf = f.number_table(set, 8).unwrap();
+        let tb = b.number_table(set, 8).unwrap();
         assert_eq!(tf, tb);
     }
     // And repeated loads of a file give the same table.

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
 use common::*;
-use ntl_patch::model_io::{
+use ntl_patch::io::model_io::{
     check_external_data, encode_streaming, external_locations, load_model, load_model_source,
     model_dir, save_model_from,
 };

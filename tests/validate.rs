@@ -7,9 +7,9 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::*;
-use ntl_patch::number_table::{NumberSet, NumberTable, Vocab};
 use ntl_patch::onnx::ModelProto;
-use ntl_patch::validate::reference::{self, Batch, CeReduction, NtlKind, NtlSettings};
+use ntl_patch::tools::validate::reference::{self, Batch, CeReduction, NtlKind, NtlSettings};
+use ntl_patch::vocab::number_table::{NumberSet, Vocab};
 use prost::Message;
 use serde_json::Value;
 
@@ -214,11 +214,11 @@ fn reference_matches_every_ntloss_setting() {
     let tables = [
         (
             true,
-            NumberTable::build(&vocab, NumberSet::DigitLevel, width).unwrap(),
+            vocab.number_table(NumberSet::DigitLevel, width).unwrap(),
         ),
         (
             false,
-            NumberTable::build(&vocab, NumberSet::AllNumbers, width).unwrap(),
+            vocab.number_table(NumberSet::AllNumbers, width).unwrap(),
         ),
     ];
     // the tables rebuilt from the tokenizer are ntloss's
@@ -580,7 +580,7 @@ fn ort_catches_a_tampered_graph() {
 
 mod sequence_reference {
     use super::*;
-    use ntl_patch::validate::reference_ntil::{
+    use ntl_patch::tools::validate::reference_ntil::{
         self as seq, DigitTokens, NtilSettings, NumberLevelSettings, SeqLoss, Sequences,
     };
 

@@ -1,0 +1,196 @@
+//! Label-side bookkeeping for the per-sequence losses: where the digits are, which maximal
+//! runs of digits form numbers, and each digit's place. Nothing here carries a gradient, so
+//! any standard op may be used (CumSum, Range, TopK, ...) — as long as ORT's CUDA and ROCm
+//! providers have kernels for it (no ReduceMax: ROCm lacks it from opset 18).
+//!
+//! Runs never cross sequences: everything is computed on `[B, T]` labels, along T.
+
+use crate::losses::SeqInputs;
+use crate::onnx::{FLOAT, INT64};
+use crate::Builder;
+
+/// Digits of the labels, `[B, T]` (and `[B, T, 10]` for the one-hot).
+pub struct Digits {
+    /// `[B, T, 10]` float one-hot of the label digit (all zero where the label is no digit).
+    pub onehot: String,
+    /// `[B, T]` float: 1 where the label is a digit.
+    pub is_digit: String,
+    /// `[B, T]` float: the label digit's value (0 elsewhere).
+    pub value: String,
+    /// `[10]` float: 0..9.
+    pub arange: String,
+}
+
+/// The numbers (maximal digit runs) of each sequence.
+pub struct Runs {
+    /// `[B, R, T]` float: 1 where position t belongs to run r of sequence b (R = most runs
+    /// in any sequence, at least 1; sequences with fewer runs have all-zero rows).
+    pub membership: String,
+    /// `[B, T]` float: number of digits after t in its run (0 for the units digit and for
+    /// positions outside runs).
+    pub digits_after: String,
+    /// `[B]` float: runs per sequence.
+    pub count: String,
+    /// `[B, R]` float: 1 for the runs that exist.
+    pub exists: String,
+    /// `[B, T]` float: 1 at the first digit of each run.
+    pub first_digit: String,
+    /// `[B, R]` float: digits in each run.
+    pub digit_count: String,
+}
+
+pub fn digits(b: &mut Builder, seq: &SeqInputs, digit_ids: &[i64; 10]) -> Digits {
+    let ids = b.const_i64("digit_ids", &[10], digit_ids);
+    let arange: Vec<f32> = (0..10).map(|d| d as f32).collect();
+    let arange = b.const_f32("digit_values", &[10], &arange);
+    let labels = b.unsqueeze(&seq.labels, &[2], "labels_bt1");
+    let onehot = b.equal(&labels, &ids, "label_digit_match");
+    let onehot = b.cast(&onehot, FLOAT, "label_digit_onehot");
+    let is_digit = b.reduce_sum(&onehot, &[2], false, "label_is_digit");
+    let value = b.binary("Mul", &onehot, &arange, "label_digit_parts");
+    let value = b.reduce_sum(&value, &[2], false, "label_digit_value");
+    Digits {
+        onehot,
+        is_digit,
+        value,
+        arange,
+    }
+}
+
+/// Runs of digits; with `dot` (ntloss float-level), a `"."` between two digits joins them.
+pub fn runs(b: &mut Builder, seq: &SeqInputs, digits: &Digits, dot: Option<i64>) -> Runs {
+    let d = b.cast(&digits.is_digit, INT64, "run_digit");
+    let zero_col = zero_column(b, &d);
+    let prev = shift(b, &d, &zero_col, 1, "run_prev_digit");
+    let (in_run, continues) = match dot {
+        None => (d.clone(), prev.clone()),
+        Some(dot) => {
+            let dot_id = b.const_i64("dot_id", &[], &[dot]);
+            let is_dot = b.equal(&seq.labels, &dot_id, "run_is_dot_b");
+            let is_dot = b.cast(&is_dot, INT64, "run_is_dot");
+            let next = shift(b, &d, &zero_col, -1, "run_next_digit");
+            let between = b.binary("Mul", &is_dot, &prev, "run_dot_after_digit");
+            let between = b.binary("Mul", &between, &next, "run_dot_between_digits");
+            let in_run = b.binary("Add", &d, &between, "run_member");
+            let dot_prev = shift(b, &is_dot, &zero_col, 1, "run_prev_dot");
+            let prev2 = shift(b, &d, &zero_col, 2, "run_prev2_digit");
+            let bridged = b.binary("Mul", &dot_prev, &prev2, "run_bridged");
+            let continues = b.binary("Add", &prev, &bridged, "run_continues");
+            (in_run, continues)
+        }
+    };
+    let one = b.const_i64("run_one", &[], &[1]);
+    let not_cont = b.binary("Sub", &one, &continues, "run_not_continued");
+    let start = b.binary("Mul", &in_run, &not_cont, "run_start");
+    let axis = b.const_i64("run_axis", &[], &[1]);
+    let run_id = b.node("CumSum", &[&start, &axis], "run_index_all", vec![]);
+    let run_id = b.binary("Mul", &run_id, &in_run, "run_index");
+
+    // R = max(1, most runs in a sequence); membership[b, r, t] = (run_id[b, t] == r + 1).
+    let per_row = b.reduce_sum(&start, &[1], false, "run_per_row");
+    let per_row = b.cast(&per_row, FLOAT, "run_per_row_f");
+    let per_row = b.unsqueeze(&per_row, &[0], "run_per_row_1b");
+    let (most, _) = b.top1(&per_row, "run_busiest_row");
+    let most = b.reshape(&most, &[], "run_most_f");
+    let one_f = b.scalar_f32("run_one_f", 1.0);
+    let most = b.binary("Max", &most, &one_f, "run_most_at_least_1_f");
+    let most = b.cast(&most, INT64, "run_most_at_least_1");
+    let limit = b.binary("Add", &most, &one, "run_limit");
+    let ids = b.node("Range", &[&one, &limit, &one], "run_ids", vec![]);
+    let ids = b.reshape(&ids, &[1, -1, 1], "run_ids_col");
+    let run_id_row = b.unsqueeze(&run_id, &[1], "run_index_row");
+    let member = b.equal(&run_id_row, &ids, "run_member_b");
+    let membership = b.cast(&member, FLOAT, "run_membership");
+
+    let start_f = b.cast(&start, FLOAT, "run_start_f");
+    // A run starts with a digit: a joining dot always has a digit before it.
+    let first_digit = b.binary("Mul", &start_f, &digits.is_digit, "run_first_digit");
+    let digit_row = b.unsqueeze(&digits.is_digit, &[1], "run_digit_row");
+    let run_digits = b.binary("Mul", &membership, &digit_row, "run_digit_members");
+    let digit_count = b.reduce_sum(&run_digits, &[2], false, "run_digit_count_per_run");
+
+    // digits after t = (digit count at the run's end) − (digit count at t), where the count at
+    // the end is the count at the run's first digit − 1 + the run's digits.
+    let counted = b.node("CumSum", &[&d, &axis], "run_digit_count_i", vec![]);
+    let counted = b.cast(&counted, FLOAT, "run_digit_count");
+    let at_first = b.binary("Mul", &counted, &first_digit, "run_count_at_first_t");
+    let at_first = b.unsqueeze(&at_first, &[1], "run_count_at_first_row");
+    let at_first = b.binary("Mul", &membership, &at_first, "run_count_at_first_spread");
+    let at_first = b.reduce_sum(&at_first, &[2], false, "run_count_at_first");
+    let at_end = b.binary("Add", &at_first, &digit_count, "run_count_at_end_plus_1");
+    let at_end = b.binary("Sub", &at_end, &one_f, "run_count_at_end");
+    let at_end = b.unsqueeze(&at_end, &[2], "run_count_at_end_col");
+    let end_at_t = b.binary("Mul", &membership, &at_end, "run_end_spread");
+    let end_at_t = b.reduce_sum(&end_at_t, &[1], false, "run_end_at_t");
+    let after = b.binary("Sub", &end_at_t, &counted, "run_after_raw");
+    let digits_after = b.binary("Mul", &after, &digits.is_digit, "run_digits_after");
+
+    // Every run holds at least one digit.
+    let half = b.scalar_f32("run_half", 0.5);
+    let exists = b.binary("Greater", &digit_count, &half, "run_exists_b");
+    let exists = b.cast(&exists, FLOAT, "run_exists");
+    let count = b.reduce_sum(&exists, &[1], false, "run_count");
+    Runs {
+        membership,
+        digits_after,
+        count,
+        exists,
+        first_digit,
+        digit_count,
+    }
+}
+
+/// `[B, 1]` int64 zeros shaped like the first column of `x`.
+fn zero_column(b: &mut Builder, x: &str) -> String {
+    let first = b.slice(x, 0, 1, 1, "zero_col_src");
+    let zero = b.const_i64("zero", &[], &[0]);
+    b.binary("Mul", &first, &zero, "zero_col")
+}
+
+/// `x` shifted along T by `k` (k > 0: `out[t] = x[t−k]`; k < 0: `out[t] = x[t+|k|]`), zero-filled.
+fn shift(b: &mut Builder, x: &str, zero_col: &str, k: i64, hint: &str) -> String {
+    let pad: Vec<&str> = std::iter::repeat_n(zero_col, k.unsigned_abs() as usize).collect();
+    if k > 0 {
+        let mut parts = pad;
+        parts.push(x);
+        let padded = b.concat(&parts, 1, &format!("{hint}_padded"));
+        let shape = b.node("Shape", &[x], &format!("{hint}_shape"), vec![]);
+        let t = b.slice(&shape, 1, 2, 0, &format!("{hint}_len"));
+        let zero = b.const_i64(&format!("{hint}_begin"), &[1], &[0]);
+        let axis = b.const_i64(&format!("{hint}_axis"), &[1], &[1]);
+        b.node("Slice", &[&padded, &zero, &t, &axis], hint, vec![])
+    } else {
+        let mut parts = vec![x];
+        parts.extend(pad);
+        let padded = b.concat(&parts, 1, &format!("{hint}_padded"));
+        b.slice(&padded, -k, i64::MAX, 1, hint)
+    }
+}
+
+/// `10^min(e, max_exp)` as float32, looked up in a table of correctly rounded powers so the
+/// place values equal the reference's `float32(10.0 ** e)` exactly.
+pub fn place_values(b: &mut Builder, exponent: &str, max_exp: i64) -> String {
+    let table: Vec<f32> = (0..=max_exp).map(|e| 10f64.powi(e as i32) as f32).collect();
+    let table = b.const_f32("place_table", &[max_exp + 1], &table);
+    let hi = b.scalar_f32("place_max_exp", max_exp as f32);
+    let e = b.binary("Min", exponent, &hi, "place_exponent");
+    let e = b.cast(&e, INT64, "place_index");
+    b.gather(&table, &e, 0, "place_value")
+}
+
+/// `[B, R]` float: `10^(−n/2)` for a run of n digits (n clamped at `max_exp + 1`).
+///
+/// ORT's `DivGrad` squares the denominator, which overflows float32 beyond ~1.8e19 (a
+/// 20-digit number) and silently drops a gradient term. Multiplying numerator and denominator
+/// of a ratio of whole numbers by this label-side factor keeps every denominator within
+/// `[10^(−n/2), 10^(n/2)]`, so its square stays finite; the ratio's value is unchanged.
+pub fn magnitude_scale(b: &mut Builder, runs: &Runs, max_exp: i64) -> String {
+    let table: Vec<f32> = (0..=max_exp + 1)
+        .map(|n| 10f64.powf(-(n as f64) / 2.0) as f32)
+        .collect();
+    let table = b.const_f32("magnitude_scale_table", &[max_exp + 2], &table);
+    let hi = b.scalar_f32("magnitude_max_digits", (max_exp + 1) as f32);
+    let n = b.binary("Min", &runs.digit_count, &hi, "magnitude_digits");
+    let n = b.cast(&n, INT64, "magnitude_index");
+    b.gather(&table, &n, 0, "magnitude_scale")
+}

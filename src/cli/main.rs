@@ -1,0 +1,625 @@
+//! The `ntl-patch` command line: parse, run, print, exit (0 ok, 1 input error, 2 internal;
+//! `usage`).
+
+mod usage;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use ntl_ops::options::{Combine, LossKind, LossOptions, NtilOptions};
+use ntl_patch::io::model_io::ExternalDataAction;
+use ntl_patch::passes::artifacts::{run_artifacts, ArtifactsRequest};
+use ntl_patch::passes::pipeline::{run_patch, PatchRequest};
+use ntl_patch::passes::step::{run_step, OptimizerKind, OptimizerOptions, StepRequest};
+use ntl_patch::text::escape;
+use ntl_patch::tools::validate::{self, Runtime, ValidateRequest};
+use ntl_patch::vocab::number_table::NumberSet;
+
+/// Splice a number-aware loss into the cross-entropy of an exported ONNX training graph
+/// (loss = CE + λ·NTL), and write training steps that any ONNX runtime runs.
+#[derive(Parser)]
+#[command(
+    name = "ntl-patch",
+    version,
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    patch: PatchArgs,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Show the cross-entropy node(s), logits/labels, vocab width, opset, IR and external data.
+    Inspect {
+        model: PathBuf,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Check every op against an ONNX Runtime GPU execution provider and name the nodes that
+        /// would fall back to CPU (repeatable): cuda = onnxruntime-gpu 1.31.1, rocm =
+        /// onnxruntime-rocm 1.22.2 (the last ROCm EP), migraphx = onnxruntime-migraphx 1.27.1,
+        /// cuda-1.19 / rocm-1.19 = onnxruntime-training 1.19.2.
+        #[arg(long, value_enum, value_name = "EP")]
+        target: Vec<TargetArg>,
+    },
+    /// Run a patched graph and check its losses against an independent implementation.
+    Validate(ValidateArgs),
+    /// Add the number loss to ONNX Runtime training artifacts (forward and analytic backward).
+    Artifacts(ArtifactsArgs),
+    /// Write a standard-ONNX training step: patched forward, whole-model backward and the
+    /// optimizer update in one graph that any ONNX runtime trains (docs/STEP_GRAPH.md).
+    Step(StepArgs),
+}
+
+#[derive(Args)]
+struct StepArgs {
+    /// The exported ONNX training graph (its first output is the loss).
+    model: PathBuf,
+    #[command(flatten)]
+    loss: LossArgs,
+    #[command(flatten)]
+    source: SourceArgs,
+    /// Optimizer.
+    #[arg(long, value_enum, default_value_t = OptimizerArg::Adamw)]
+    optimizer: OptimizerArg,
+    /// Learning rate (the default value of the graph's `ntl/lr` input).
+    #[arg(long, default_value_t = 1e-3, allow_negative_numbers = true)]
+    lr: f64,
+    /// AdamW β1.
+    #[arg(long, default_value_t = 0.9, allow_negative_numbers = true)]
+    beta1: f64,
+    /// AdamW β2.
+    #[arg(long, default_value_t = 0.999, allow_negative_numbers = true)]
+    beta2: f64,
+    /// AdamW ε.
+    #[arg(long, default_value_t = 1e-8, allow_negative_numbers = true)]
+    eps: f64,
+    /// Weight decay (decoupled for AdamW, L2 for SGD, as in torch) [default: 0.01 adamw, 0 sgd].
+    #[arg(long, allow_negative_numbers = true)]
+    weight_decay: Option<f64>,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    momentum: f64,
+    /// Clip the gradient norm over all trained parameters (torch clip_grad_norm_).
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    max_grad_norm: Option<f64>,
+    /// Do not train the initializers whose names start with PREFIX (repeatable).
+    #[arg(long, value_name = "PREFIX")]
+    freeze: Vec<String>,
+    /// Write a gradient graph (MODEL.grad.onnx) and an update graph (MODEL.update.onnx).
+    #[arg(long)]
+    split: bool,
+    /// Output path [default: MODEL.step.onnx beside the model; with --split MODEL.grad.onnx].
+    #[arg(short, long)]
+    output: Option<PathBuf>,
+    /// With -o in another folder: copy the model's external data files next to the output.
+    #[arg(long)]
+    copy_external_data: bool,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum OptimizerArg {
+    /// torch.optim.AdamW (decoupled weight decay).
+    Adamw,
+    /// torch.optim.SGD (momentum, L2 weight decay).
+    Sgd,
+}
+
+#[derive(Args)]
+struct PatchArgs {
+    /// The exported ONNX training graph (its first output is the loss).
+    #[arg(required = true)]
+    model: Option<PathBuf>,
+    #[command(flatten)]
+    loss: LossArgs,
+    #[command(flatten)]
+    source: SourceArgs,
+    /// Output path [default: MODEL.ntl.onnx beside the model].
+    #[arg(short, long)]
+    output: Option<PathBuf>,
+    /// With -o in another folder: copy the model's external data files next to the output
+    /// [default: copy only those the output folder does not already hold].
+    #[arg(long)]
+    copy_external_data: bool,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// How to read the model's cross-entropy and vocabulary, shared by both patch commands.
+#[derive(Args)]
+struct SourceArgs {
+    /// tokenizer.json (Hugging Face) or a one-token-per-line vocab file [default: tokenizer.json beside the model, or in DIR].
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Logits width, where the graph leaves it symbolic.
+    #[arg(long, value_name = "V", allow_negative_numbers = true)]
+    vocab_size: Option<usize>,
+    /// The cross-entropy node to patch (node name or loss output), when there are several.
+    #[arg(long, value_name = "NAME")]
+    ce_node: Option<String>,
+    /// Logits-only graph: add an int64 `labels` input and Hugging Face's causal-LM cross-entropy
+    /// (ignore_index -100) as output `loss` [default: added, with a notice, when the graph has no
+    /// cross-entropy and one [B, T, V] output].
+    #[arg(long)]
+    add_loss: bool,
+    /// With an added loss on [B, T, V] logits: no causal shift (labels align with positions).
+    #[arg(long)]
+    no_shift: bool,
+}
+
+/// The loss and its options, shared by patching a graph and patching artifacts.
+#[derive(Args)]
+struct LossArgs {
+    /// The number loss.
+    #[arg(long, value_enum, default_value_t = LossArg::Wasserstein)]
+    loss: LossArg,
+    /// λ in CE + λ·NTL.
+    #[arg(long, default_value_t = 0.3, allow_negative_numbers = true)]
+    weight: f64,
+    /// Scale the loss by the softmax mass on number tokens (ntloss `reweigh`; off in the paper).
+    #[arg(long)]
+    reweigh: bool,
+    /// ntloss squash factor S > 1 for the Wasserstein distances.
+    #[arg(long, value_name = "S", allow_negative_numbers = true)]
+    squash: Option<f64>,
+    /// Number tokens are exactly "0".."9" (ntloss digit_level=True) [default].
+    #[arg(long, conflicts_with = "all_numbers")]
+    digit_level: bool,
+    /// Number tokens are all tokens Python's float() parses to a finite value.
+    #[arg(long)]
+    all_numbers: bool,
+    /// How the loss joins CE [default: scaled for ntil/emd (the NTIL reference), add otherwise].
+    #[arg(long, value_enum)]
+    combine: Option<CombineArg>,
+    /// NTIL/EMD: weight base for digit places, w = digit_exp^r [default: 1.2 ntil, 1.0 emd].
+    #[arg(long, allow_negative_numbers = true)]
+    digit_exp: Option<f64>,
+    /// NTIL: weight of the relative absolute-difference term.
+    #[arg(long, default_value_t = 0.2, allow_negative_numbers = true)]
+    abs_alpha: f64,
+    /// NTIL: weight of the order-of-magnitude term.
+    #[arg(long, default_value_t = 0.2, allow_negative_numbers = true)]
+    mag_alpha: f64,
+    /// NTIL: weight of the digit EMD term.
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    digit_alpha: f64,
+    /// NTIL: Gumbel-softmax temperature.
+    #[arg(long, default_value_t = 0.1, allow_negative_numbers = true)]
+    gumbel_tau: f64,
+    /// NTIL: Gumbel noise scale (0: deterministic, forward = argmax digits).
+    #[arg(long, default_value_t = 0.01, allow_negative_numbers = true)]
+    gumbel_noise: f64,
+    /// number-level: a "." between digits joins one number ("12.34" -> 1234).
+    #[arg(long)]
+    float_level: bool,
+    /// Label smoothing ε of the cross-entropy ntl-patch writes, as torch's
+    /// `F.cross_entropy(label_smoothing=ε)`: (1−ε)·CE + ε·mean over classes of −log p.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    label_smoothing: f64,
+}
+
+#[derive(Args)]
+struct ArtifactsArgs {
+    /// The folder generate_artifacts wrote (training_model.onnx, eval_model.onnx, optimizer_model.onnx, checkpoint).
+    dir: PathBuf,
+    #[command(flatten)]
+    loss: LossArgs,
+    #[command(flatten)]
+    source: SourceArgs,
+    /// Output folder [default: DIR-ntl beside DIR].
+    #[arg(short, long)]
+    output: Option<PathBuf>,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct ValidateArgs {
+    /// A graph written by ntl-patch.
+    model: PathBuf,
+    /// Runtime that executes the graph.
+    #[arg(long, value_enum, default_value_t = RuntimeArg::Tract)]
+    runtime: RuntimeArg,
+    /// Recorded inputs/outputs in the ONNX test-data layout (input_*.pb, output_*.pb).
+    #[arg(long, value_name = "DIR")]
+    reference: Option<PathBuf>,
+    /// tokenizer.json or vocab file [default: tokenizer.json beside the model].
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Relative tolerance.
+    #[arg(long, default_value_t = 1e-5, allow_negative_numbers = true)]
+    rtol: f64,
+    /// Absolute tolerance.
+    #[arg(long, default_value_t = 1e-6, allow_negative_numbers = true)]
+    atol: f64,
+    /// Batch size and sequence length of the generated inputs.
+    #[arg(long, default_value_t = 2, allow_negative_numbers = true)]
+    batch: usize,
+    #[arg(long, default_value_t = 8, allow_negative_numbers = true)]
+    seq: usize,
+    /// Seed of the generated inputs.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// A GPU execution provider of one ONNX Runtime release (`inspect --target`).
+#[derive(Clone, Copy, ValueEnum)]
+enum TargetArg {
+    /// CUDAExecutionProvider of onnxruntime-gpu 1.31.1.
+    Cuda,
+    /// ROCMExecutionProvider of onnxruntime-rocm 1.22.2 (ORT removed the ROCm EP in 1.23).
+    Rocm,
+    /// MIGraphXExecutionProvider of onnxruntime-migraphx 1.27.1.
+    Migraphx,
+    /// CUDAExecutionProvider of onnxruntime-training 1.19.2.
+    #[value(name = "cuda-1.19")]
+    Cuda119,
+    /// ROCMExecutionProvider of onnxruntime-training 1.19.2.
+    #[value(name = "rocm-1.19")]
+    Rocm119,
+}
+
+impl TargetArg {
+    fn target(self) -> ntl_patch::tools::gpu_kernels::Target {
+        use ntl_patch::tools::gpu_kernels::Target;
+        match self {
+            TargetArg::Cuda => Target::Cuda,
+            TargetArg::Rocm => Target::Rocm,
+            TargetArg::Migraphx => Target::Migraphx,
+            TargetArg::Cuda119 => Target::Cuda119,
+            TargetArg::Rocm119 => Target::Rocm119,
+        }
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LossArg {
+    /// NTL-WAS: Σ p_j |v_j − y| (Zausinger et al., "Regress, Don't Guess", ICML 2025).
+    Wasserstein,
+    /// NTL-MSE: (Σ p_j v_j − y)² (same paper).
+    Mse,
+    /// NTL-L1: |Σ p_j v_j − y| (same paper).
+    L1,
+    /// NTL-Huber (δ = 1) on Σ p_j v_j − y (same paper).
+    Huber,
+    /// NTIL: place-weighted digit EMD + whole-number abs/magnitude terms (Fei et al., "Advancing Sequential Numerical Prediction in Autoregressive Models", ACL 2025).
+    Ntil,
+    /// NTIL's token-level EMD alone (the reference's EMD class).
+    Emd,
+    /// ntloss NumberLevelLoss: relative error of whole numbers built from expected digits.
+    NumberLevel,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum CombineArg {
+    /// CE + λ·L.
+    Add,
+    /// CE + stopgrad(CE/(L+1e-10))·λ·L: the NTIL reference's combination (value (1+λ)·CE).
+    Scaled,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum RuntimeArg {
+    /// tract, embedded (pure Rust).
+    Tract,
+    /// ONNX Runtime, loaded at run time: ORT_DYLIB_PATH=.../libonnxruntime.so.<ver>, or
+    /// NTL_PATCH_ORT_SITE=a site-packages folder holding the PyPI onnxruntime wheel.
+    Ort,
+}
+
+fn main() -> ExitCode {
+    ntl_patch::io::temp::install_signal_handlers();
+    usage::guard(run_cli)
+}
+
+fn run_cli() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return usage::clap_error(e),
+    };
+    let result = match cli.command {
+        Some(Command::Inspect {
+            model,
+            json,
+            target,
+        }) => {
+            let targets: Vec<_> = target.iter().map(|t| t.target()).collect();
+            ntl_patch::tools::inspect::inspect_targets(&model, json, &targets)
+        }
+        // validate prints its report itself: on stdout, passed or not (exit 1 when not)
+        Some(Command::Validate(args)) => return run_validate(args),
+        Some(Command::Artifacts(args)) => run_artifacts_cli(args),
+        Some(Command::Step(args)) => run_step_cli(args),
+        None => run_patch_cli(cli.patch),
+    };
+    match result {
+        Ok(text) => {
+            // names from the model are escaped where they are formatted; this catches the rest
+            println!("{}", ntl_patch::text::escape_json(&text));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {}", e.one_line());
+            ExitCode::from(e.exit_code() as u8)
+        }
+    }
+}
+
+/// Checks the loss arguments and turns them into options.
+fn loss_options(args: &LossArgs) -> Result<LossOptions, ntl_patch::Error> {
+    let kind = match args.loss {
+        LossArg::Wasserstein => LossKind::Wasserstein,
+        LossArg::Mse => LossKind::Mse,
+        LossArg::L1 => LossKind::L1,
+        LossArg::Huber => LossKind::Huber,
+        LossArg::Ntil => LossKind::Ntil,
+        LossArg::Emd => LossKind::Emd,
+        LossArg::NumberLevel => LossKind::NumberLevel,
+    };
+    let combine = match (args.combine, kind) {
+        (Some(CombineArg::Add), _) => Combine::Add,
+        (Some(CombineArg::Scaled), _) => Combine::Scaled,
+        (None, LossKind::Ntil | LossKind::Emd) => Combine::Scaled,
+        (None, _) => Combine::Add,
+    };
+    let ntil = NtilOptions {
+        digit_exp: args
+            .digit_exp
+            .unwrap_or(if kind == LossKind::Emd { 1.0 } else { 1.2 }),
+        abs_alpha: args.abs_alpha,
+        mag_alpha: args.mag_alpha,
+        digit_alpha: args.digit_alpha,
+        gumbel_tau: args.gumbel_tau,
+        gumbel_noise: args.gumbel_noise,
+    };
+    if args.float_level && kind != LossKind::NumberLevel {
+        return Err(ntl_patch::Error::Usage(
+            "--float-level applies to --loss number-level only".into(),
+        ));
+    }
+    if args.all_numbers && kind.is_sequence_level() {
+        return Err(ntl_patch::Error::Usage(format!(
+            "--all-numbers does not apply to --loss {}: it works on the digits 0-9",
+            kind.name()
+        )));
+    }
+    let options = LossOptions {
+        kind,
+        weight: args.weight,
+        reweigh: args.reweigh,
+        squash: args.squash,
+        number_set: if args.all_numbers {
+            NumberSet::AllNumbers
+        } else {
+            NumberSet::DigitLevel
+        },
+        combine,
+        ntil,
+        float_level: args.float_level,
+        label_smoothing: args.label_smoothing,
+    };
+    options.check().map_err(ntl_patch::Error::Usage)?;
+    Ok(options)
+}
+
+fn run_patch_cli(args: PatchArgs) -> Result<String, ntl_patch::Error> {
+    let req = PatchRequest {
+        model: args.model.expect("clap requires MODEL"),
+        output: args.output,
+        tokenizer: args.source.tokenizer,
+        vocab_size: args.source.vocab_size,
+        ce_node: args.source.ce_node,
+        add_loss: args.source.add_loss,
+        shift: !args.source.no_shift,
+        copy_external_data: args.copy_external_data,
+        loss: loss_options(&args.loss)?,
+    };
+    let s = run_patch(&req)?;
+    for n in &s.notices {
+        eprintln!("note: {}", escape(n));
+    }
+    Ok(if args.json {
+        serde_json::json!({
+            "output": s.output.display().to_string(),
+            "ce_node": s.ce_node,
+            "pattern": s.pattern,
+            "logits_width": s.logits_width,
+            "number_tokens": s.number_tokens,
+            "tokenizer": s.tokenizer.display().to_string(),
+            "loss": req.loss.kind.name(),
+            "weight": req.loss.weight,
+            "external_data": s.external_data.name(),
+        })
+        .to_string()
+    } else {
+        let external = match s.external_data {
+            ExternalDataAction::Relocated => {
+                "; external data locations rewritten for the output folder"
+            }
+            ExternalDataAction::Copied => "; external data files copied next to the output",
+            _ => "",
+        };
+        format!(
+            "wrote {} ({} on {} [{}], {} number tokens of {} logits, λ = {}){}",
+            escape(&s.output.display().to_string()),
+            req.loss.kind.name(),
+            escape(&s.ce_node),
+            s.pattern,
+            s.number_tokens,
+            s.logits_width,
+            req.loss.weight,
+            external
+        )
+    })
+}
+
+fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
+    let kind = match args.optimizer {
+        OptimizerArg::Adamw => OptimizerKind::AdamW,
+        OptimizerArg::Sgd => OptimizerKind::Sgd,
+    };
+    let req = StepRequest {
+        patch: PatchRequest {
+            model: args.model,
+            output: args.output,
+            tokenizer: args.source.tokenizer,
+            vocab_size: args.source.vocab_size,
+            ce_node: args.source.ce_node,
+            add_loss: args.source.add_loss,
+            shift: !args.source.no_shift,
+            copy_external_data: args.copy_external_data,
+            loss: loss_options(&args.loss)?,
+        },
+        optimizer: OptimizerOptions {
+            kind,
+            lr: args.lr,
+            beta1: args.beta1,
+            beta2: args.beta2,
+            eps: args.eps,
+            weight_decay: args.weight_decay.unwrap_or(match kind {
+                OptimizerKind::AdamW => 0.01,
+                OptimizerKind::Sgd => 0.0,
+            }),
+            momentum: args.momentum,
+            max_grad_norm: args.max_grad_norm,
+        },
+        freeze: args.freeze,
+        split: args.split,
+    };
+    let s = run_step(&req)?;
+    for n in &s.patch.notices {
+        eprintln!("note: {}", escape(n));
+    }
+    for w in &s.warnings {
+        eprintln!("warning: {}", escape(w));
+    }
+    let outputs: Vec<String> = s.outputs.iter().map(|o| o.display().to_string()).collect();
+    Ok(if args.json {
+        serde_json::json!({
+            "outputs": outputs,
+            "ce_node": s.patch.ce_node,
+            "pattern": s.patch.pattern,
+            "loss": req.patch.loss.kind.name(),
+            "weight": req.patch.loss.weight,
+            "number_tokens": s.patch.number_tokens,
+            "optimizer": req.optimizer.to_json(),
+            "parameters": s.parameters,
+            "parameter_elements": s.parameter_elements,
+            "frozen": s.frozen,
+            "buffers": s.buffers,
+            "warnings": s.warnings,
+        })
+        .to_string()
+    } else {
+        let buffers = if s.buffers.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; kept constant (buffers, exporter constants): {}",
+                s.buffers.join(", ")
+            )
+        };
+        let frozen = if s.frozen.is_empty() {
+            String::new()
+        } else {
+            format!("; {} frozen", s.frozen.len())
+        };
+        format!(
+            "wrote {} ({} on {}, {} parameters / {} values trained with {}{}{})",
+            outputs.join(" and "),
+            req.patch.loss.kind.name(),
+            s.patch.ce_node,
+            s.parameters.len(),
+            s.parameter_elements,
+            match kind {
+                OptimizerKind::AdamW => "adamw",
+                OptimizerKind::Sgd => "sgd",
+            },
+            frozen,
+            buffers
+        )
+    })
+}
+
+fn run_artifacts_cli(args: ArtifactsArgs) -> Result<String, ntl_patch::Error> {
+    if args.source.add_loss || args.source.no_shift {
+        return Err(ntl_patch::Error::Usage(
+            "--add-loss and --no-shift apply to exported forward graphs; training artifacts already carry their loss: drop them".into(),
+        ));
+    }
+    let req = ArtifactsRequest {
+        dir: args.dir,
+        output: args.output,
+        tokenizer: args.source.tokenizer,
+        vocab_size: args.source.vocab_size,
+        ce_node: args.source.ce_node,
+        loss: loss_options(&args.loss)?,
+    };
+    let s = run_artifacts(&req)?;
+    Ok(if args.json {
+        serde_json::json!({
+            "output": s.output.display().to_string(),
+            "loss": req.loss.kind.name(),
+            "number_tokens": s.number_tokens,
+            "sparse_gradient_updates": s.sparse_updates,
+            "dense_gradient_updates": s.dense_updates,
+        })
+        .to_string()
+    } else {
+        format!(
+            "wrote {} ({} spliced into the training graph with its analytic backward: {} sparse, {} dense gradient update(s); eval graph patched; optimizer and checkpoint copied)",
+            escape(&s.output.display().to_string()),
+            req.loss.kind.name(),
+            s.sparse_updates,
+            s.dense_updates
+        )
+    })
+}
+
+fn run_validate(args: ValidateArgs) -> ExitCode {
+    let req = ValidateRequest {
+        model: args.model,
+        runtime: match args.runtime {
+            RuntimeArg::Tract => Runtime::Tract,
+            RuntimeArg::Ort => Runtime::Ort,
+        },
+        reference: args.reference,
+        tokenizer: args.tokenizer,
+        rtol: args.rtol,
+        atol: args.atol,
+        batch: args.batch,
+        seq: args.seq,
+        seed: args.seed,
+    };
+    let report = match validate::run(&req) {
+        Ok(report) => report,
+        Err(e) => {
+            eprintln!("error: {}", e.one_line());
+            return ExitCode::from(e.exit_code() as u8);
+        }
+    };
+    let text = if args.json {
+        report.to_json()
+    } else {
+        report.to_text()
+    };
+    println!("{}", ntl_patch::text::escape_json(&text));
+    if report.passed() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}

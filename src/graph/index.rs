@@ -1,0 +1,334 @@
+//! Read-only questions about a graph: who produces and consumes a tensor, which names are
+//! taken, and what static shape a tensor has where the graph says so.
+
+use std::collections::{BTreeSet, HashMap};
+
+use super::elem_types::ElemTypes;
+use super::ranks::{self, Ranks};
+use crate::onnx::{value_info_shape, GraphProto, NodeProto};
+
+pub struct GraphIndex<'g> {
+    pub graph: &'g GraphProto,
+    producer: HashMap<&'g str, usize>,
+    consumers: HashMap<&'g str, Vec<usize>>,
+    /// Ranks inferred through the whole graph, computed on first use.
+    ranks: std::cell::OnceCell<Ranks>,
+    /// Element types followed forward through the whole graph, computed on first use.
+    types: std::cell::OnceCell<ElemTypes>,
+}
+
+impl<'g> GraphIndex<'g> {
+    pub fn new(graph: &'g GraphProto) -> Self {
+        let mut producer = HashMap::new();
+        let mut consumers: HashMap<&str, Vec<usize>> = HashMap::new();
+        for (i, node) in graph.node.iter().enumerate() {
+            for out in node.output.iter().filter(|o| !o.is_empty()) {
+                producer.insert(out.as_str(), i);
+            }
+            for inp in node.input.iter().filter(|i| !i.is_empty()) {
+                consumers.entry(inp.as_str()).or_default().push(i);
+            }
+        }
+        GraphIndex {
+            graph,
+            producer,
+            consumers,
+            ranks: std::cell::OnceCell::new(),
+            types: std::cell::OnceCell::new(),
+        }
+    }
+
+    /// Ranks inferred forward through the graph (`super::ranks`), once per index.
+    pub fn inferred_ranks(&self) -> &Ranks {
+        self.ranks.get_or_init(|| Ranks::infer(self))
+    }
+
+    pub fn producer(&self, tensor: &str) -> Option<(usize, &'g NodeProto)> {
+        self.producer.get(tensor).map(|&i| (i, &self.graph.node[i]))
+    }
+
+    pub fn consumers(&self, tensor: &str) -> &[usize] {
+        self.consumers.get(tensor).map_or(&[], |v| v.as_slice())
+    }
+
+    pub fn is_graph_output(&self, tensor: &str) -> bool {
+        self.graph.output.iter().any(|o| o.name() == tensor)
+    }
+
+    pub fn is_graph_input(&self, tensor: &str) -> bool {
+        self.graph.input.iter().any(|o| o.name() == tensor)
+    }
+
+    /// Every name in use: node names, tensor names (inputs, outputs, initializers, value infos,
+    /// node outputs). New names must avoid all of them.
+    pub fn taken_names(&self) -> BTreeSet<String> {
+        let g = self.graph;
+        let mut names = BTreeSet::new();
+        for n in &g.node {
+            names.insert(n.name().to_string());
+            names.extend(n.output.iter().cloned());
+            names.extend(n.input.iter().cloned());
+        }
+        names.extend(g.input.iter().map(|v| v.name().to_string()));
+        names.extend(g.output.iter().map(|v| v.name().to_string()));
+        names.extend(g.value_info.iter().map(|v| v.name().to_string()));
+        names.extend(g.initializer.iter().map(|t| t.name().to_string()));
+        names.extend(
+            g.sparse_initializer
+                .iter()
+                .flat_map(|s| s.values.iter().chain(s.indices.iter()))
+                .map(|t| t.name().to_string()),
+        );
+        // names inside subgraphs (If/Loop/Scan bodies) too: a new name must not shadow one
+        let mut stack: Vec<&GraphProto> = g
+            .node
+            .iter()
+            .flat_map(|n| n.attribute.iter())
+            .flat_map(|a| a.g.iter().chain(a.graphs.iter()))
+            .collect();
+        while let Some(sub) = stack.pop() {
+            for n in &sub.node {
+                names.insert(n.name().to_string());
+                names.extend(n.output.iter().cloned());
+                for a in &n.attribute {
+                    stack.extend(a.g.iter().chain(a.graphs.iter()));
+                }
+            }
+            names.extend(sub.input.iter().map(|v| v.name().to_string()));
+            names.extend(sub.initializer.iter().map(|t| t.name().to_string()));
+        }
+        names.remove("");
+        names
+    }
+
+    /// Declared element type and dims of a tensor (value_info, inputs, outputs, initializers).
+    pub fn declared_shape(&self, tensor: &str) -> Option<(Option<i32>, Vec<Option<i64>>)> {
+        let g = self.graph;
+        if let Some(init) = g.initializer.iter().find(|t| t.name() == tensor) {
+            return Some((
+                Some(init.data_type()),
+                init.dims.iter().map(|&d| Some(d)).collect(),
+            ));
+        }
+        let vi = g
+            .value_info
+            .iter()
+            .chain(&g.input)
+            .chain(&g.output)
+            .find(|v| v.name() == tensor)?;
+        let (elem, dims) = value_info_shape(vi)?;
+        Some((Some(elem).filter(|&e| e != 0), dims?))
+    }
+
+    /// Element type of a tensor where the graph declares it, or where it follows from the
+    /// producers before it.
+    pub fn elem_type(&self, tensor: &str) -> Option<i32> {
+        self.elem_type_backward(tensor)
+            // an op the walk does not know (Gather of an embedding, LayerNorm...): follow the
+            // types forward from the initializers and inputs
+            .or_else(|| {
+                self.types
+                    .get_or_init(|| ElemTypes::infer(self.graph))
+                    .get(tensor)
+            })
+    }
+
+    /// Back through producers that keep their input's type, to a declared type.
+    fn elem_type_backward(&self, tensor: &str) -> Option<i32> {
+        // iterative, and bounded: a chain of type-keeping nodes can be as long as the graph
+        let mut tensor = tensor;
+        for _ in 0..=self.graph.node.len() {
+            if let Some((Some(t), _)) = self.declared_shape(tensor) {
+                return Some(t);
+            }
+            let (_, node) = self.producer(tensor)?;
+            let keeps_type = matches!(
+                node.op_type(),
+                "Reshape"
+                    | "Transpose"
+                    | "Add"
+                    | "MatMul"
+                    | "Gemm"
+                    | "LogSoftmax"
+                    | "Softmax"
+                    | "Identity"
+                    | "Squeeze"
+                    | "Unsqueeze"
+                    | "Flatten"
+            );
+            if !keeps_type {
+                return None;
+            }
+            tensor = node.input.first().filter(|i| !i.is_empty())?;
+        }
+        None
+    }
+
+    /// The size of the last axis of `tensor`, where the graph fixes it: declared shapes,
+    /// a constant Reshape target, or a weight matrix of the MatMul/Gemm that produced it.
+    pub fn static_last_dim(&self, tensor: &str) -> Option<i64> {
+        self.static_dim(tensor, -1, 0)
+    }
+
+    /// The size of axis `axis` (negative counts from the end) of `tensor`.
+    pub fn static_dim(&self, tensor: &str, axis: i64, depth: usize) -> Option<i64> {
+        if depth > 32 {
+            return None;
+        }
+        if let Some((_, dims)) = self.declared_shape(tensor) {
+            let i = normalize_axis(axis, dims.len())?;
+            // a declared size below 1 (malformed, or -1 for "unknown") tells nothing
+            if let Some(d) = dims[i].filter(|&d| d > 0) {
+                return Some(d);
+            }
+        }
+        let (_, node) = self.producer(tensor)?;
+        let input = |k: usize| {
+            node.input
+                .get(k)
+                .map(String::as_str)
+                .filter(|s| !s.is_empty())
+        };
+        match node.op_type() {
+            "Identity" | "Cast" | "LogSoftmax" | "Softmax" | "Relu" | "Dropout" | "Tanh"
+            | "Sigmoid" | "Gelu" | "Erf" | "Neg" | "Exp" | "Log" | "Abs" | "Sqrt" => {
+                self.static_dim(input(0)?, axis, depth + 1)
+            }
+            "Add" | "Sub" | "Mul" | "Div" if axis == -1 => input(0)
+                .and_then(|a| self.static_dim(a, -1, depth + 1).filter(|&d| d > 1))
+                .or_else(|| input(1).and_then(|b| self.static_dim(b, -1, depth + 1))),
+            "MatMul" if axis == -1 => self.static_dim(input(1)?, -1, depth + 1),
+            "Gemm" if axis == -1 => {
+                let trans_b = crate::onnx::attr_i(node, "transB").unwrap_or(0) != 0;
+                self.static_dim(input(1)?, if trans_b { 0 } else { 1 }, depth + 1)
+            }
+            "Transpose" => {
+                let perm = crate::onnx::attr_ints(node, "perm")?;
+                let i = normalize_axis(axis, perm.len())?;
+                self.static_dim(input(0)?, perm[i], depth + 1)
+            }
+            "Reshape" => match self.constant_i64(input(1)?) {
+                Some(shape) => {
+                    let i = normalize_axis(axis, shape.len())?;
+                    Some(shape[i]).filter(|&d| d > 0)
+                }
+                None if axis == -1 => self.last_shape_entry(input(1)?, depth + 1),
+                None => None,
+            },
+            _ => None,
+        }
+    }
+
+    /// The last entry of a run-time shape vector whose tail is constant: tf2onnx's Dense
+    /// reshapes to `Concat(Gather(Shape(x), free), [V])`, possibly cast.
+    fn last_shape_entry(&self, shape: &str, depth: usize) -> Option<i64> {
+        if depth > 32 {
+            return None;
+        }
+        if let Some(t) = self.constant_tensor(shape) {
+            return last_int(t).filter(|&d| d > 0);
+        }
+        let (_, node) = self.producer(shape)?;
+        let first = node.input.first()?;
+        match node.op_type() {
+            "Cast" | "Identity" => self.last_shape_entry(first, depth + 1),
+            "Concat" => self.last_shape_entry(node.input.last()?, depth + 1),
+            _ => None,
+        }
+    }
+
+    /// The tensor holding a constant: an initializer, or a Constant node's `value` (its
+    /// payload is not read here).
+    pub fn constant_tensor(&self, tensor: &str) -> Option<&'g crate::onnx::TensorProto> {
+        if let Some(t) = self.graph.initializer.iter().find(|t| t.name() == tensor) {
+            return Some(t);
+        }
+        let (_, node) = self.producer(tensor)?;
+        if node.op_type() != "Constant" {
+            return None;
+        }
+        crate::onnx::attr(node, "value")?.t.as_ref()
+    }
+
+    /// The values of a small constant int64 tensor (an initializer or a Constant node), such as
+    /// a Reshape target. Larger tensors are not read: weights are never touched.
+    pub fn constant_i64(&self, tensor: &str) -> Option<Vec<i64>> {
+        let t = self.constant_tensor(tensor)?;
+        let count = t
+            .dims
+            .iter()
+            .try_fold(1i64, |n, &d| (d >= 0).then(|| n.checked_mul(d)).flatten());
+        if t.data_type() != crate::onnx::INT64 || count.is_none_or(|n| n > 16) {
+            return None;
+        }
+        if !t.int64_data.is_empty() {
+            return Some(t.int64_data.clone());
+        }
+        let raw = t.raw_data.as_ref()?;
+        Some(
+            raw.chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect(),
+        )
+    }
+}
+
+/// The last value of a small int64 or int32 constant (tf2onnx builds shapes in int32).
+fn last_int(t: &crate::onnx::TensorProto) -> Option<i64> {
+    let raw = t.raw_data.as_deref().unwrap_or(&[]);
+    match t.data_type() {
+        crate::onnx::INT64 if raw.is_empty() => t.int64_data.last().copied(),
+        crate::onnx::INT64 => raw
+            .rchunks_exact(8)
+            .next()
+            .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))),
+        crate::onnx::INT32 if raw.is_empty() => t.int32_data.last().map(|&v| v as i64),
+        crate::onnx::INT32 => raw
+            .rchunks_exact(4)
+            .next()
+            .map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")) as i64),
+        _ => None,
+    }
+}
+
+impl ranks::Lookup for GraphIndex<'_> {
+    fn graph(&self) -> &GraphProto {
+        self.graph
+    }
+    fn producer(&self, tensor: &str) -> Option<(usize, &NodeProto)> {
+        GraphIndex::producer(self, tensor)
+    }
+    fn constant_i64(&self, tensor: &str) -> Option<Vec<i64>> {
+        GraphIndex::constant_i64(self, tensor)
+    }
+}
+
+pub fn normalize_axis(axis: i64, rank: usize) -> Option<usize> {
+    let r = rank as i64;
+    let a = if axis < 0 { axis + r } else { axis };
+    (0..r).contains(&a).then_some(a as usize)
+}
+
+/// The rank of a tensor where the graph fixes it: declared, or inferred through the graph
+/// (`super::ranks`, which follows reshapes to run-time shapes).
+pub fn static_rank(index: &GraphIndex, tensor: &str) -> Option<usize> {
+    static_rank_at(index, tensor, 0).or_else(|| index.inferred_ranks().get(tensor))
+}
+
+fn static_rank_at(index: &GraphIndex, tensor: &str, depth: usize) -> Option<usize> {
+    if depth > 32 {
+        return None;
+    }
+    if let Some((_, dims)) = index.declared_shape(tensor) {
+        return Some(dims.len());
+    }
+    let (_, node) = index.producer(tensor)?;
+    match node.op_type() {
+        "Reshape" => index.constant_i64(node.input.get(1)?).map(|s| s.len()),
+        "Transpose" => crate::onnx::attr_ints(node, "perm").map(|p| p.len()),
+        "Identity" | "Cast" | "LogSoftmax" | "Softmax" | "Relu" | "Dropout" => {
+            static_rank_at(index, node.input.first()?, depth + 1)
+        }
+        _ => None,
+    }
+}

@@ -1,0 +1,12 @@
+//! Questions about a graph, asked without changing it — producers and consumers, static
+//! shapes, ranks and element types followed through the nodes, the structural checks every
+//! command runs first — and [`patch`], the one place a model changes.
+
+pub mod elem_types;
+pub mod index;
+pub mod patch;
+pub mod ranks;
+pub mod shapes;
+pub mod structure;
+
+pub use index::{normalize_axis, static_rank, GraphIndex};

@@ -1,0 +1,405 @@
+//! `ntl-patch artifacts DIR`: add the number loss to ONNX Runtime training artifacts
+//! (`training_model.onnx`, `eval_model.onnx`, `optimizer_model.onnx`, `checkpoint`) without the
+//! original forward graph.
+//!
+//! The training graph gets the forward nodes and their analytic backward nodes
+//! (`crate::passes::autodiff`); the number loss's gradient is added into the gradient ORT's
+//! `SoftmaxCrossEntropyLossGrad` produced for the scores — sparsely, with ScatterElements, so no
+//! second dense `[N, V]` tensor is built. `eval_model.onnx` gets the forward nodes; the
+//! optimizer model and the checkpoint are copied unchanged.
+
+use std::path::{Path, PathBuf};
+
+use crate::ce::site::CeSite;
+use crate::error::Error;
+use crate::graph::patch::{apply, Patch, METADATA_KEY};
+use crate::graph::GraphIndex;
+use crate::io::model_io::{
+    check_external_data, load_model_file, model_dir, plan_external_data, save_model_from,
+    ModelSource,
+};
+use crate::onnx::{default_opset, int_attr, string_attr, ModelProto};
+use crate::passes::autodiff::{differentiate, LogitsGradient};
+use crate::passes::pipeline::{
+    check_opset, logits_width, number_tokens, refuse_patched, select_site,
+};
+use crate::passes::rewrite::{added_outputs, build_forward, build_patch, metadata};
+use crate::vocab::number_table::Vocab;
+use ntl_ops::names::{CE_OUTPUT, NUMBER_OUTPUT, PREFIX};
+use ntl_ops::options::{Combine, LossOptions};
+use ntl_ops::Builder;
+
+pub const TRAINING: &str = "training_model.onnx";
+pub const EVAL: &str = "eval_model.onnx";
+pub const OPTIMIZER: &str = "optimizer_model.onnx";
+pub const CHECKPOINT: &str = "checkpoint";
+
+pub struct ArtifactsRequest {
+    pub dir: PathBuf,
+    pub output: Option<PathBuf>,
+    pub tokenizer: Option<PathBuf>,
+    pub vocab_size: Option<usize>,
+    pub ce_node: Option<String>,
+    pub loss: LossOptions,
+}
+
+pub struct ArtifactsSummary {
+    pub output: PathBuf,
+    pub number_tokens: usize,
+    pub sparse_updates: usize,
+    pub dense_updates: usize,
+}
+
+/// `./artifacts` → `./artifacts-ntl`.
+pub fn default_output(dir: &Path) -> PathBuf {
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "artifacts".into());
+    dir.with_file_name(format!("{name}-ntl"))
+}
+
+pub fn run_artifacts(req: &ArtifactsRequest) -> Result<ArtifactsSummary, Error> {
+    req.loss.check().map_err(Error::Usage)?;
+    // Opened inside the folder without following symlinks out of it; read from these
+    // descriptors only, so a swapped path cannot bring an outside file into the output.
+    let mut opened = Vec::new();
+    for f in [TRAINING, EVAL, OPTIMIZER, CHECKPOINT] {
+        let file = crate::io::fsio::open_beneath(&req.dir, Path::new(f)).map_err(|source| {
+            if source.kind() == std::io::ErrorKind::NotFound {
+                Error::MissingArtifact {
+                    dir: req.dir.clone(),
+                    file: f.into(),
+                }
+            } else {
+                Error::Read {
+                    path: req.dir.join(f),
+                    source,
+                }
+            }
+        })?;
+        opened.push(file);
+    }
+    let [training_file, eval_file, optimizer, checkpoint]: [std::fs::File; 4] =
+        opened.try_into().expect("four files");
+    let output = req
+        .output
+        .clone()
+        .unwrap_or_else(|| default_output(&req.dir));
+    if output.symlink_metadata().is_ok() {
+        return Err(Error::OutputExists(output));
+    }
+    let tokenizer = req
+        .tokenizer
+        .clone()
+        .unwrap_or_else(|| req.dir.join("tokenizer.json"));
+    if !tokenizer.exists() {
+        return Err(Error::TokenizerMissing(tokenizer));
+    }
+    let vocab = Vocab::from_file(&tokenizer)?;
+
+    let (mut training, training_source) = load_artifact(training_file, &req.dir.join(TRAINING))?;
+    let (mut eval, eval_source) = load_artifact(eval_file, &req.dir.join(EVAL))?;
+
+    let (train_patch, tokens_len, grad) = {
+        let target = Target::locate(&training, req, &vocab)?;
+        let (patch, grad) = training_patch(
+            &target.index,
+            target.opset,
+            &target.site,
+            &target.tokens,
+            &req.loss,
+        )?;
+        (patch, target.tokens.table.len(), grad)
+    };
+    let eval_patch = {
+        let target = Target::locate(&eval, req, &vocab)?;
+        build_patch(
+            &target.index,
+            target.opset,
+            &target.site,
+            &[],
+            &target.tokens,
+            &req.loss,
+        )?
+    };
+    apply(&mut training, train_patch)?;
+    apply(&mut eval, eval_patch)?;
+    write_folder(
+        &req.dir,
+        &output,
+        [
+            (TRAINING, &training, &training_source),
+            (EVAL, &eval, &eval_source),
+        ],
+        [(OPTIMIZER, optimizer), (CHECKPOINT, checkpoint)],
+    )?;
+    Ok(ArtifactsSummary {
+        output,
+        number_tokens: tokens_len,
+        sparse_updates: grad.0,
+        dense_updates: grad.1,
+    })
+}
+
+/// What a patch of one artifact graph needs: its cross-entropy, width, token ids and opset.
+struct Target<'m> {
+    index: GraphIndex<'m>,
+    site: CeSite,
+    tokens: ntl_ops::numbers::NumberTokens,
+    opset: i64,
+}
+
+impl<'m> Target<'m> {
+    fn locate(model: &'m ModelProto, req: &ArtifactsRequest, vocab: &Vocab) -> Result<Self, Error> {
+        let index = GraphIndex::new(model.graph.as_ref().expect("checked on load"));
+        let site = select_site(&index, req.ce_node.as_deref()).map_err(|e| match e {
+            Error::NoCrossEntropy { .. } if has_spelled_out_ce(model) => Error::Usage(
+                "the training graph's cross-entropy is written out of primitive ops, which artifacts mode cannot patch (ONNX Runtime already differentiated them); patch the forward graph (`ntl-patch MODEL`) and generate the artifacts from it, or use `ntl-patch step`".into(),
+            ),
+            e => e,
+        })?;
+        if site.reduction == "none" {
+            // the graph reduces the per-position loss itself, after the CE's gradient node
+            // reads it: the number loss has no place in ORT's backward there
+            return Err(Error::Usage(format!(
+                "cross-entropy '{}' has reduction 'none' and the graph reduces it itself, which artifacts mode cannot patch; patch the forward graph (`ntl-patch MODEL`) and generate the artifacts from it, or use `ntl-patch step`",
+                crate::text::escape(&site.node_name)
+            )));
+        }
+        let width = logits_width(&index, &site, req.vocab_size)?;
+        let tokens = number_tokens(vocab, &req.loss, width)?;
+        let opset = default_opset(model).ok_or(Error::NoOpset)?;
+        Ok(Target {
+            index,
+            site,
+            tokens,
+            opset,
+        })
+    }
+}
+
+/// Whether the forward patch would find a cross-entropy spelled out of primitive ops (checked
+/// on a copy: artifacts mode never rewrites them).
+fn has_spelled_out_ce(model: &ModelProto) -> bool {
+    let mut copy = model.clone();
+    crate::ce::forms::rewrite(&mut copy).is_ok_and(|forms| !forms.is_empty())
+}
+
+/// Loads one artifact graph read-only and checks it can be patched.
+fn load_artifact(file: std::fs::File, path: &Path) -> Result<(ModelProto, ModelSource), Error> {
+    let (model, source) = load_model_file(file, path)?;
+    refuse_patched(&model, path)?;
+    check_opset(&model)?;
+    crate::graph::patch::check_consistency(&model).map_err(Error::MalformedGraph)?;
+    crate::graph::structure::check_model(&model)?;
+    check_external_data(&model, &model_dir(path))?;
+    Ok((model, source))
+}
+
+/// Writes the four artifacts into a temporary folder beside `output`, then renames it. The
+/// graphs' external data files (large models) are copied along, as the folder is new.
+fn write_folder(
+    src: &Path,
+    output: &Path,
+    graphs: [(&str, &ModelProto, &ModelSource); 2],
+    copies: [(&str, std::fs::File); 2],
+) -> Result<(), Error> {
+    let write_err = |source| Error::Write {
+        path: output.to_path_buf(),
+        source,
+    };
+    let parent = crate::io::model_io::model_dir(output);
+    let tmp = crate::io::temp::TempDir::new_in(&parent).map_err(write_err)?;
+    for (name, model, source) in graphs {
+        let out = tmp.path().join(name);
+        let external = plan_external_data(model, &src.join(name), &out, true)?;
+        let mut model = model.clone();
+        external.apply(&mut model);
+        save_model_from(&model, &out, Some(source), Some(&external))?;
+    }
+    for (name, mut file) in copies {
+        let mut dest = std::fs::File::create(tmp.path().join(name)).map_err(write_err)?;
+        std::io::copy(&mut file, &mut dest).map_err(write_err)?;
+        dest.sync_all().map_err(write_err)?;
+    }
+    tmp.persist(output).map_err(write_err)
+}
+
+/// The training-graph patch: forward nodes in place of the loss node, and the number loss's
+/// gradient added to the scores gradient right after `SoftmaxCrossEntropyLossGrad`.
+fn training_patch(
+    index: &GraphIndex,
+    opset: i64,
+    site: &CeSite,
+    tokens: &ntl_ops::numbers::NumberTokens,
+    opts: &LossOptions,
+) -> Result<(Patch, (usize, usize)), Error> {
+    let log_prob = site.log_prob_output.clone().ok_or(Error::NoLossGradient)?;
+    let (grad_index, grad_node) = index
+        .graph
+        .node
+        .iter()
+        .enumerate()
+        .find(|(_, n)| {
+            n.op_type() == "SoftmaxCrossEntropyLossGrad" && n.input.get(1) == Some(&log_prob)
+        })
+        .ok_or(Error::NoLossGradient)?;
+    let (Some(seed), Some(scores_grad)) = (
+        grad_node.input.first().filter(|s| !s.is_empty()).cloned(),
+        grad_node.output.first().filter(|s| !s.is_empty()).cloned(),
+    ) else {
+        return Err(Error::MalformedGraph(format!(
+            "SoftmaxCrossEntropyLossGrad node '{}' has no gradient input or no output",
+            grad_node.name()
+        )));
+    };
+    let rank =
+        crate::graph::static_rank(index, &site.scores).ok_or_else(|| Error::UnknownRank {
+            tensor: site.scores.clone(),
+        })?;
+    if !(2..=3).contains(&rank) {
+        return Err(Error::UnknownRank {
+            tensor: site.scores.clone(),
+        });
+    }
+
+    let mut b = Builder::new(PREFIX, opset, index.taken_names());
+    if opts.label_smoothing > 0.0 {
+        return Err(Error::Usage(
+            "--label-smoothing applies to the cross-entropy ntl-patch writes (patch and step); in artifacts mode ONNX Runtime differentiates the graph's own: set it when exporting the model".into(),
+        ));
+    }
+    let forward = build_forward(&mut b, index, site, tokens, opts, false, false)?;
+
+    // d total / d number_loss: λ (add) or λ·CE/(L + 1e-10) (scaled; the factor is a constant).
+    let weight = b.scalar_f32("grad_weight", opts.weight as f32);
+    let mut coef = b.binary("Mul", &seed, &weight, "grad_number_seed");
+    if opts.combine == Combine::Scaled {
+        let eps = b.scalar_f32("grad_scale_eps", 1e-10);
+        let denom = b.binary("Add", NUMBER_OUTPUT, &eps, "grad_number_eps");
+        let ratio = b.binary("Div", CE_OUTPUT, &denom, "grad_ce_over_number");
+        coef = b.binary("Mul", &coef, &ratio, "grad_number_seed_scaled");
+    }
+    let gradient = differentiate(
+        &mut b,
+        &forward.nodes,
+        NUMBER_OUTPUT,
+        &coef,
+        &forward.flat.logits,
+    )?;
+    let counts = (gradient.sparse.len(), gradient.dense.len());
+
+    let ce_grad = b.fresh("ce_scores_grad");
+    let mut ce_grad_node = grad_node.clone();
+    ce_grad_node.output[0] = ce_grad.clone();
+    let total = add_into_scores_grad(
+        &mut b,
+        site,
+        rank,
+        &ce_grad,
+        &gradient,
+        opset,
+        forward.loss_type,
+    );
+    b.node_to("Identity", &[&total], &[&scores_grad], vec![]);
+
+    let mut backward = vec![ce_grad_node];
+    backward.append(&mut b.nodes);
+    let patch = Patch {
+        replacements: vec![(site.node_index, forward.nodes), (grad_index, backward)],
+        initializers: b.initializers,
+        outputs: added_outputs(forward.loss_type),
+        metadata: vec![(
+            METADATA_KEY.into(),
+            metadata(
+                site,
+                &forward.flat,
+                &forward.number_labels,
+                tokens,
+                opts,
+                &site.loss_output,
+                &[],
+            ),
+        )],
+    };
+    Ok((patch, counts))
+}
+
+/// Adds the `[M, K]` sparse and `[M, V]` dense logits gradients into the scores gradient, in the
+/// scores' layout (`[N, V]`, or `[B, V, T]` for rank 3).
+fn add_into_scores_grad(
+    b: &mut Builder,
+    site: &CeSite,
+    rank: usize,
+    ce_grad: &str,
+    gradient: &LogitsGradient,
+    opset: i64,
+    loss_type: i32,
+) -> String {
+    let mut acc = ce_grad.to_string();
+    let to_layout = |b: &mut Builder, x: &str, hint: &str| -> String {
+        let x = if loss_type == crate::onnx::FLOAT {
+            x.to_string()
+        } else {
+            b.cast(x, loss_type, &format!("{hint}_cast"))
+        };
+        if rank == 2 {
+            return x;
+        }
+        // [B·T, C] → [B, T, C] → [B, C, T]
+        let shape = b.node(
+            "Shape",
+            &[&site.scores],
+            &format!("{hint}_scores_shape"),
+            vec![],
+        );
+        let batch = b.slice(&shape, 0, 1, 0, &format!("{hint}_batch"));
+        let tail = b.const_i64(&format!("{hint}_tail"), &[1], &[-1]);
+        let xs = b.node("Shape", &[&x], &format!("{hint}_x_shape"), vec![]);
+        let c = b.slice(&xs, 1, 2, 0, &format!("{hint}_classes"));
+        let btc = b.concat(&[&batch, &tail, &c], 0, &format!("{hint}_btc"));
+        let x = b.node("Reshape", &[&x, &btc], &format!("{hint}_btc_grad"), vec![]);
+        b.transpose(&x, &[0, 2, 1], &format!("{hint}_bct_grad"))
+    };
+    for (k, (ids, values)) in gradient.sparse.iter().enumerate() {
+        let hint = format!("sparse_grad_{k}");
+        let values = to_layout(b, values, &hint);
+        let ids = if rank == 2 {
+            ids.clone()
+        } else {
+            b.reshape(ids, &[1, -1, 1], &format!("{hint}_ids_col"))
+        };
+        let shape = b.node("Shape", &[&values], &format!("{hint}_shape"), vec![]);
+        let idx = b.node("Expand", &[&ids, &shape], &format!("{hint}_idx"), vec![]);
+        acc = if opset >= 16 {
+            b.node(
+                "ScatterElements",
+                &[&acc, &idx, &values],
+                &format!("{hint}_added"),
+                vec![int_attr("axis", 1), string_attr("reduction", "add")],
+            )
+        } else {
+            // No reduction before opset 16: ids are unique per row, so gather, add, scatter.
+            let old = b.node(
+                "GatherElements",
+                &[&acc, &idx],
+                &format!("{hint}_old"),
+                vec![int_attr("axis", 1)],
+            );
+            let sum = b.binary("Add", &old, &values, &format!("{hint}_sum"));
+            b.node(
+                "ScatterElements",
+                &[&acc, &idx, &sum],
+                &format!("{hint}_added"),
+                vec![int_attr("axis", 1)],
+            )
+        };
+    }
+    for (k, dense) in gradient.dense.iter().enumerate() {
+        let hint = format!("dense_grad_{k}");
+        let dense = to_layout(b, dense, &hint);
+        acc = b.binary("Add", &acc, &dense, &format!("{hint}_added"));
+    }
+    acc
+}

@@ -1,0 +1,396 @@
+//! Whole-graph reverse-mode differentiation in default-domain ONNX ops, for the step graph.
+//!
+//! `differentiate` walks the forward nodes backwards from the loss and emits, for each node
+//! on a path from a trained parameter to the loss, the nodes of its vector-Jacobian product
+//! (`rules/`: one rule per op family, registered by op type in `rules::rule`). Gradients of a
+//! tensor used several times are summed. Shapes stay symbolic: rules read dimensions at run
+//! time (`Shape`), and broadcasting is undone by summing over the axes the forward op
+//! broadcast (`Ctx::unbroadcast`). Which inputs carry a gradient follows ONNX Runtime's
+//! gradient builder (Clip's bounds, Where's condition, integer casts stop it), so graphs that
+//! rely on those stop edges (the `scaled` combination, NTIL's straight-through estimator)
+//! mean the same here.
+
+pub mod canonical;
+pub mod rules;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use crate::error::Error;
+use crate::graph::ranks::Ranks;
+use crate::graph::shapes::Shapes;
+use crate::onnx::{int_attr, NodeProto};
+use ntl_ops::Builder;
+
+/// What a rule emits with: the node builder, ranks, the opset, and small cached constants.
+pub struct Ctx<'a> {
+    pub b: &'a mut Builder,
+    pub ranks: &'a mut Ranks,
+    /// Proven forward shapes: where an operand already has the output's shape, its gradient
+    /// needs no run-time reduction.
+    pub shapes: &'a Shapes,
+    /// Element types through the forward graph (a Cast's gradient casts back to its input's).
+    pub types: &'a crate::graph::elem_types::ElemTypes,
+    pub opset: i64,
+    scalars: HashMap<(u32, &'static str), String>,
+    /// Sparse contributions a rule hands back instead of a dense gradient (see `Scatter`).
+    scatters: Vec<(String, Scatter)>,
+}
+
+/// A gradient that is zero except at a few places along one axis: `updates` belong at
+/// `indices` (same shape) of the tensor's gradient. Added into the dense gradient with one
+/// `ScatterElements(reduction="add")` instead of building zeros, scattering and summing —
+/// the number loss reads K of the V logits columns, so its gradient touches `[N, K]` values.
+pub struct Scatter {
+    pub indices: String,
+    pub updates: String,
+    pub axis: i64,
+}
+
+impl<'a> Ctx<'a> {
+    pub fn new(
+        b: &'a mut Builder,
+        ranks: &'a mut Ranks,
+        shapes: &'a Shapes,
+        types: &'a crate::graph::elem_types::ElemTypes,
+        opset: i64,
+    ) -> Self {
+        Ctx {
+            b,
+            ranks,
+            shapes,
+            types,
+            opset,
+            scalars: HashMap::new(),
+            scatters: Vec::new(),
+        }
+    }
+
+    /// Records a sparse gradient contribution to `tensor` (a rule then returns None for it).
+    pub fn scatter_into(&mut self, tensor: &str, scatter: Scatter) {
+        self.scatters.push((tensor.to_string(), scatter));
+    }
+
+    /// A float32 scalar constant, shared by every rule that asks for the same value.
+    pub fn f32(&mut self, v: f32) -> String {
+        if let Some(n) = self.scalars.get(&(v.to_bits(), "f32")) {
+            return n.clone();
+        }
+        let n = self.b.scalar_f32("grad/c", v);
+        self.ranks.set(&n, 0);
+        self.scalars.insert((v.to_bits(), "f32"), n.clone());
+        n
+    }
+
+    /// A 1-D int64 constant.
+    pub fn i64s(&mut self, v: &[i64]) -> String {
+        let n = self.b.const_i64("grad/c", &[v.len() as i64], v);
+        self.ranks.set(&n, 1);
+        n
+    }
+
+    pub fn op(&mut self, op: &str, inputs: &[&str], hint: &str) -> String {
+        self.b.node(op, inputs, hint, vec![])
+    }
+
+    pub fn shape(&mut self, x: &str) -> String {
+        self.op("Shape", &[x], "grad/shape")
+    }
+
+    /// Zeros of `x`'s shape (float32).
+    pub fn zeros_like(&mut self, x: &str) -> String {
+        let s = self.shape(x);
+        self.zeros(&s)
+    }
+
+    /// Zeros of a run-time shape (float32). Expand of a scalar rather than ConstantOfShape:
+    /// onnxruntime-rocm 1.22 registers no ConstantOfShape for opsets 20 and 21.
+    pub fn zeros(&mut self, shape: &str) -> String {
+        let zero = self.f32(0.0);
+        self.op("Expand", &[&zero, shape], "grad/zeros")
+    }
+
+    /// The gradient `g` of the forward output `y`, summed down to the shape of its operand `x`:
+    /// nothing to do where the shapes provably agree.
+    pub fn unbroadcast_to(&mut self, g: &str, x: &str, y: &str) -> String {
+        if self.shapes.same(x, y) {
+            return g.to_string();
+        }
+        if let Some(axes) = self.shapes.broadcast_axes(x, y) {
+            // The reduced axes are known: one ReduceSum with constant axes, no run-time search.
+            let axes = self.i64s(&axes);
+            let xs = self.shape(x);
+            return self.sum_to(g, &axes, x, &xs);
+        }
+        let rank = self.ranks.get(y);
+        self.unbroadcast(g, x, rank)
+    }
+
+    /// Sums `g` (the gradient of a broadcasting op's output) down to the shape of its input `x`:
+    /// over the leading axes `x` lacks and the axes where `x` has size 1. Computed at run time,
+    /// so symbolic dimensions work.
+    pub fn unbroadcast(&mut self, g: &str, x: &str, out_rank: Option<usize>) -> String {
+        let xr = self.ranks.get(x);
+        // A scalar operand is broadcast everywhere; the sum over all axes is its gradient.
+        if xr == Some(0) {
+            let s = self.b.node(
+                "ReduceSum",
+                &[g],
+                "grad/unbroadcast",
+                vec![int_attr("keepdims", 0)],
+            );
+            self.ranks.set(&s, 0);
+            return s;
+        }
+        let xs = self.shape(x);
+        let gs = self.shape(g);
+        let padded = match (xr, out_rank) {
+            (Some(a), Some(b)) if a == b => xs.clone(),
+            (Some(a), Some(b)) if a < b => {
+                let ones = self.i64s(&vec![1; b - a]);
+                self.b.concat(&[&ones, &xs], 0, "grad/padded_shape")
+            }
+            _ => {
+                // rank(g) − rank(x) ones, then x's shape
+                let gn = self.op("Size", &[&gs], "grad/grank");
+                let xn = self.op("Size", &[&xs], "grad/xrank");
+                let d = self.op("Sub", &[&gn, &xn], "grad/rank_diff");
+                let one = self.i64s(&[1]);
+                let d = self.op("Reshape", &[&d, &one], "grad/rank_diff_1d");
+                let one = self.b.const_i64("grad/c", &[], &[1]);
+                let ones = self.op("Expand", &[&one, &d], "grad/ones");
+                self.b.concat(&[&ones, &xs], 0, "grad/padded_shape")
+            }
+        };
+        // Axes where the padded input is 1 but the gradient is not.
+        let one = self.i64s(&[1]);
+        let is_one = self.b.equal(&padded, &one, "grad/is_one");
+        let g_one = self.b.equal(&gs, &one, "grad/g_is_one");
+        let g_not_one = self.op("Not", &[&g_one], "grad/g_not_one");
+        let reduce = self.op("And", &[&is_one, &g_not_one], "grad/reduced");
+        let axes = self.op("NonZero", &[&reduce], "grad/axes_2d");
+        let flat = self.i64s(&[-1]);
+        let axes = self.op("Reshape", &[&axes, &flat], "grad/axes");
+        self.sum_to(g, &axes, x, &xs)
+    }
+
+    /// `g` summed over `axes` (none: unchanged) and reshaped to `x`'s shape `xs`.
+    fn sum_to(&mut self, g: &str, axes: &str, x: &str, xs: &str) -> String {
+        let summed = self.b.node(
+            "ReduceSum",
+            &[g, axes],
+            "grad/unbroadcast_sum",
+            vec![int_attr("keepdims", 1), int_attr("noop_with_empty_axes", 1)],
+        );
+        let out = self.op("Reshape", &[&summed, xs], "grad/unbroadcast");
+        if let Some(r) = self.ranks.get(x) {
+            self.ranks.set(&out, r);
+        }
+        out
+    }
+
+    /// `x` reshaped to `[-1, last dim]`.
+    pub fn flatten_to_2d(&mut self, x: &str) -> String {
+        let s = self.shape(x);
+        let last = self.b.slice(&s, -1, i64::MAX, 0, "grad/last_dim");
+        let minus_one = self.i64s(&[-1]);
+        let shape = self.b.concat(&[&minus_one, &last], 0, "grad/flat_shape");
+        let out = self.op("Reshape", &[x, &shape], "grad/flat");
+        self.ranks.set(&out, 2);
+        out
+    }
+
+    /// `x` with its last two axes swapped.
+    pub fn swap_last_two(&mut self, x: &str, rank: usize) -> String {
+        let mut perm: Vec<i64> = (0..rank as i64).collect();
+        perm.swap(rank - 2, rank - 1);
+        let out = self.b.transpose(x, &perm, "grad/transposed");
+        self.ranks.set(&out, rank);
+        out
+    }
+
+    pub fn rank(&self, tensor: &str, node: &NodeProto) -> Result<usize, Error> {
+        self.ranks.get(tensor).ok_or_else(|| Error::Usage(format!(
+            "cannot tell the rank of '{tensor}' (input of {} node '{}') from the graph; run onnx shape inference on the model (onnx.shape_inference.infer_shapes) and retry",
+            node.op_type(),
+            node.name()
+        )))
+    }
+}
+
+/// Positions of `node`'s inputs that carry a gradient: the rule's, none for ops known to be
+/// piecewise constant or integer-valued, and `None` for ops with no rule (an error if a
+/// gradient ever reaches them).
+fn gradient_inputs(node: &NodeProto) -> Option<Vec<usize>> {
+    if rules::non_differentiable(node.op_type()) {
+        return Some(vec![]);
+    }
+    rules::rule(node.op_type()).map(|r| (r.inputs)(node))
+}
+
+/// Trained parameters among `candidates`: those the loss depends on through differentiable
+/// edges. Ordered as `candidates`.
+pub fn reaching_loss(nodes: &[NodeProto], loss: &str, candidates: &[String]) -> Vec<String> {
+    let live = live_tensors(nodes, candidates);
+    let needed = needed_tensors(nodes, loss, &live);
+    candidates
+        .iter()
+        .filter(|c| needed.contains(c.as_str()))
+        .cloned()
+        .collect()
+}
+
+/// Tensors that depend on a parameter, with one parameter that reaches each (for errors).
+fn live_tensors(nodes: &[NodeProto], params: &[String]) -> HashMap<String, String> {
+    let mut live: HashMap<String, String> = params.iter().map(|p| (p.clone(), p.clone())).collect();
+    for node in nodes {
+        let positions = gradient_inputs(node).unwrap_or_else(|| (0..node.input.len()).collect());
+        let source = positions
+            .iter()
+            .filter_map(|&i| node.input.get(i))
+            .find_map(|n| live.get(n).cloned());
+        if let Some(p) = source {
+            for o in node.output.iter().filter(|o| !o.is_empty()) {
+                live.insert(o.clone(), p.clone());
+            }
+        }
+    }
+    live
+}
+
+/// Live tensors the loss depends on through differentiable edges.
+fn needed_tensors(
+    nodes: &[NodeProto],
+    loss: &str,
+    live: &HashMap<String, String>,
+) -> BTreeSet<String> {
+    let mut needed = BTreeSet::from([loss.to_string()]);
+    for node in nodes.iter().rev() {
+        if !node.output.iter().any(|o| needed.contains(o)) {
+            continue;
+        }
+        let positions = gradient_inputs(node).unwrap_or_else(|| (0..node.input.len()).collect());
+        for i in positions {
+            if let Some(x) = node.input.get(i).filter(|x| live.contains_key(x.as_str())) {
+                needed.insert(x.clone());
+            }
+        }
+    }
+    needed
+}
+
+/// Emits `d loss / d p` for every parameter in `params`; returns the gradient tensor names in
+/// the same order. `loss` must be a float32 scalar.
+pub fn differentiate(
+    ctx: &mut Ctx,
+    nodes: &[NodeProto],
+    loss: &str,
+    params: &[String],
+) -> Result<Vec<String>, Error> {
+    let live = live_tensors(nodes, params);
+    let needed = needed_tensors(nodes, loss, &live);
+    let mut grads: BTreeMap<String, Parts> = BTreeMap::new();
+    let seed = ctx.f32(1.0);
+    grads.entry(loss.to_string()).or_default().dense.push(seed);
+
+    for node in nodes.iter().rev() {
+        if !node.output.iter().any(|o| grads.contains_key(o)) {
+            continue;
+        }
+        let gy: Vec<Option<String>> = node
+            .output
+            .iter()
+            .map(|o| grads.remove(o).map(|parts| parts.total(ctx, o)))
+            .collect();
+        let wants: Vec<bool> = (0..node.input.len())
+            .map(|i| needed.contains(node.input[i].as_str()) && !node.input[i].is_empty())
+            .collect();
+        let positions = gradient_inputs(node);
+        let Some(rule) = rules::rule(node.op_type()).filter(|_| positions.is_some()) else {
+            let param = node
+                .input
+                .iter()
+                .find_map(|i| live.get(i))
+                .cloned()
+                .unwrap_or_default();
+            return Err(Error::NoGradientRule {
+                op: node.op_type().to_string(),
+                node: node.name().to_string(),
+                param,
+            });
+        };
+        let positions = positions.unwrap_or_default();
+        let wants: Vec<bool> = wants
+            .iter()
+            .enumerate()
+            .map(|(i, w)| *w && positions.contains(&i))
+            .collect();
+        if !wants.iter().any(|w| *w) {
+            continue;
+        }
+        let gx = (rule.vjp)(ctx, node, &gy, &wants)?;
+        for (i, g) in gx.into_iter().enumerate() {
+            if let (Some(g), true) = (g, wants.get(i).copied().unwrap_or(false)) {
+                grads
+                    .entry(node.input[i].clone())
+                    .or_default()
+                    .dense
+                    .push(g);
+            }
+        }
+        for (tensor, scatter) in std::mem::take(&mut ctx.scatters) {
+            grads.entry(tensor).or_default().sparse.push(scatter);
+        }
+    }
+    params
+        .iter()
+        .map(|p| match grads.remove(p) {
+            Some(parts) => Ok(parts.total(ctx, p)),
+            None => Ok(ctx.zeros_like(p)),
+        })
+        .collect()
+}
+
+/// The contributions to one tensor's gradient.
+#[derive(Default)]
+struct Parts {
+    dense: Vec<String>,
+    sparse: Vec<Scatter>,
+}
+
+impl Parts {
+    /// The gradient of `tensor`: the dense parts summed, the sparse ones added in place.
+    fn total(self, ctx: &mut Ctx, tensor: &str) -> String {
+        let mut g = if self.dense.is_empty() {
+            ctx.zeros_like(tensor)
+        } else {
+            sum(ctx, self.dense)
+        };
+        for s in self.sparse {
+            g = ctx.b.node(
+                "ScatterElements",
+                &[&g, &s.indices, &s.updates],
+                "grad/scatter_add",
+                vec![
+                    int_attr("axis", s.axis),
+                    crate::onnx::string_attr("reduction", "add"),
+                ],
+            );
+        }
+        if let Some(r) = ctx.ranks.get(tensor) {
+            ctx.ranks.set(&g, r);
+        }
+        g
+    }
+}
+
+fn sum(ctx: &mut Ctx, mut parts: Vec<String>) -> String {
+    if parts.len() == 1 {
+        return parts.remove(0);
+    }
+    let refs: Vec<&str> = parts.iter().map(|s| s.as_str()).collect();
+    let out = ctx.op("Sum", &refs, "grad/sum");
+    if let Some(r) = parts.iter().filter_map(|p| ctx.ranks.get(p)).max() {
+        ctx.ranks.set(&out, r);
+    }
+    out
+}

@@ -1,0 +1,11 @@
+//! The passes that turn a model into another: the number-loss patch ([`rewrite`], driven by
+//! [`pipeline`]), whole-model differentiation ([`grad`]), the training step ([`step`]) and
+//! ONNX Runtime Training artifacts ([`artifacts`]).
+
+pub mod artifacts;
+pub mod autodiff;
+pub mod grad;
+pub mod loss_inputs;
+pub mod pipeline;
+pub mod rewrite;
+pub mod step;

@@ -1,0 +1,376 @@
+//! The main job, end to end: load → find the cross-entropy → number table → patch → save.
+
+use std::path::{Path, PathBuf};
+
+use crate::ce::site::{describe_sites, find_ce_sites, nested_ce_nodes, CeSite};
+use crate::error::Error;
+use crate::graph::patch::{apply, METADATA_KEY};
+use crate::graph::GraphIndex;
+use crate::io::model_io::{
+    check_external_data, load_model_source, model_dir, plan_external_data, same_file,
+    save_model_from, ExternalDataAction, ExternalDataPlan, ModelSource,
+};
+use crate::onnx::{default_opset, ModelProto};
+use crate::passes::rewrite::build_patch;
+use crate::vocab::number_table::{NumberSet, Vocab};
+use ntl_ops::builder::MIN_OPSET;
+use ntl_ops::names::PREFIX;
+use ntl_ops::numbers::NumberTokens;
+use ntl_ops::options::LossOptions;
+
+pub struct PatchRequest {
+    pub model: PathBuf,
+    pub output: Option<PathBuf>,
+    pub tokenizer: Option<PathBuf>,
+    pub vocab_size: Option<usize>,
+    pub ce_node: Option<String>,
+    pub loss: LossOptions,
+    /// Add a cross-entropy to a logits-only graph (`--add-loss`); it is also added, with a
+    /// notice, when the graph has no cross-entropy and one logits-like output.
+    pub add_loss: bool,
+    /// With an added loss: the causal shift of Hugging Face causal LMs (`--no-shift` turns it off).
+    pub shift: bool,
+    /// Copy external data files next to an output in another folder, even where the output
+    /// folder already holds them.
+    pub copy_external_data: bool,
+}
+
+pub struct PatchSummary {
+    pub output: PathBuf,
+    pub ce_node: String,
+    pub pattern: &'static str,
+    pub logits_width: usize,
+    pub number_tokens: usize,
+    pub tokenizer: PathBuf,
+    /// What became of the model's external data files.
+    pub external_data: ExternalDataAction,
+    /// One-line notices for stderr (e.g. a loss added to a logits-only graph).
+    pub notices: Vec<String>,
+}
+
+/// `model.onnx` → `model.ntl.onnx` beside it.
+pub fn default_output(model: &Path) -> PathBuf {
+    let stem = model
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    model_dir(model).join(format!("{stem}.ntl.onnx"))
+}
+
+/// `tokenizer.json` beside the model.
+pub fn default_tokenizer(model: &Path) -> PathBuf {
+    model_dir(model).join("tokenizer.json")
+}
+
+pub fn run_patch(req: &PatchRequest) -> Result<PatchSummary, Error> {
+    req.loss.check().map_err(Error::Usage)?;
+    let output = req
+        .output
+        .clone()
+        .unwrap_or_else(|| default_output(&req.model));
+    let patched = patch_model(req, &output)?;
+    save_model_from(
+        &patched.model,
+        &output,
+        Some(&patched.source),
+        Some(&patched.external),
+    )?;
+    Ok(patched.summary)
+}
+
+/// A patched model in memory, with what saving it needs.
+pub struct Patched {
+    pub model: ModelProto,
+    /// The input file: initializer payloads are copied from it on save.
+    pub source: ModelSource,
+    pub external: ExternalDataPlan,
+    pub summary: PatchSummary,
+}
+
+/// Loads, checks and patches `req.model` for writing to `output` (not written here).
+pub fn patch_model(req: &PatchRequest, output: &Path) -> Result<Patched, Error> {
+    if same_file(&req.model, output) {
+        return Err(Error::OutputIsInput(output.to_path_buf()));
+    }
+    crate::io::fsio::check_output_path(output).map_err(|source| Error::Write {
+        path: output.to_path_buf(),
+        source,
+    })?;
+    let (mut model, source) = load_model_source(&req.model)?;
+    refuse_patched(&model, &req.model)?;
+    refuse_training_graph(&model)?;
+    check_opset(&model)?;
+    crate::graph::patch::check_consistency(&model).map_err(Error::MalformedGraph)?;
+    crate::graph::structure::check_model(&model)?;
+    check_external_data(&model, &model_dir(&req.model))?;
+    let external = plan_external_data(&model, &req.model, output, req.copy_external_data)?;
+
+    // hand-written and other exporters' cross-entropies become SoftmaxCrossEntropyLoss first
+    crate::ce::forms::rewrite(&mut model)?;
+    let graph = model.graph.as_ref().expect("checked on load");
+    let mut notices = Vec::new();
+    if req.add_loss && !find_ce_sites(&GraphIndex::new(graph)).is_empty() {
+        return Err(Error::Usage(
+            "--add-loss is for logits-only graphs and this one already has a cross-entropy; drop --add-loss".into(),
+        ));
+    }
+    if wants_added_loss(req, graph) {
+        notices.push(crate::ce::add_loss::add_loss(&mut model, req.shift)?);
+    }
+    let graph = model.graph.as_ref().expect("checked on load");
+    let index = GraphIndex::new(graph);
+    let site = select_site(&index, req.ce_node.as_deref())?;
+    let width = logits_width(&index, &site, req.vocab_size)?;
+    let tokenizer = req
+        .tokenizer
+        .clone()
+        .unwrap_or_else(|| default_tokenizer(&req.model));
+    if !tokenizer.exists() {
+        return Err(Error::TokenizerMissing(tokenizer));
+    }
+    let vocab = Vocab::from_file(&tokenizer)?;
+    let tokens = number_tokens(&vocab, &req.loss, width)?;
+
+    let others: Vec<CeSite> = find_ce_sites(&index)
+        .into_iter()
+        .filter(|s| s.node_index != site.node_index)
+        .collect();
+    let opset = default_opset(&model).expect("checked above");
+    let patch = build_patch(&index, opset, &site, &others, &tokens, &req.loss)?;
+    apply(&mut model, patch)?;
+    external.apply(&mut model);
+    let summary = PatchSummary {
+        output: output.to_path_buf(),
+        ce_node: site_label(&site),
+        pattern: site.pattern.describe(),
+        logits_width: width,
+        number_tokens: tokens.table.len(),
+        tokenizer,
+        external_data: external.action,
+        notices,
+    };
+    Ok(Patched {
+        model,
+        source,
+        external,
+        summary,
+    })
+}
+
+/// `--add-loss`, or a graph without any cross-entropy whose outputs include exactly one
+/// logits-like tensor.
+fn wants_added_loss(req: &PatchRequest, graph: &crate::onnx::GraphProto) -> bool {
+    req.add_loss
+        || find_ce_sites(&GraphIndex::new(graph)).is_empty()
+            && nested_ce_nodes(&GraphIndex::new(graph)).is_empty()
+            && crate::ce::add_loss::logits_output(graph).is_ok()
+}
+
+/// Refuses an ONNX Runtime training graph (`training_model.onnx`: the backward is already in
+/// it, so a loss added to its forward would get no gradient).
+pub fn refuse_training_graph(model: &ModelProto) -> Result<(), Error> {
+    let graph = model.graph.as_ref().expect("loaded models have a graph");
+    let grad_node = graph.node.iter().find(|n| {
+        n.domain() == "com.microsoft" && n.op_type().ends_with("Grad")
+            || n.op_type() == "SoftmaxCrossEntropyLossGrad"
+    });
+    match grad_node {
+        Some(n) => Err(Error::TrainingGraph {
+            op: n.op_type().to_string(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The token ids the chosen loss reads. Per-sequence losses work on the digits "0".."9"
+/// (ntloss forces digit level for its number-level loss, NTIL uses exactly those ids).
+pub fn number_tokens(
+    vocab: &Vocab,
+    opts: &LossOptions,
+    width: usize,
+) -> Result<NumberTokens, Error> {
+    if !opts.kind.is_sequence_level() {
+        return Ok(NumberTokens {
+            table: vocab.number_table(opts.number_set, width)?,
+            digits: None,
+            dot: None,
+        });
+    }
+    let digits = vocab.digit_ids(width)?;
+    let dot = if opts.float_level {
+        Some(vocab.id_of(".").ok_or(Error::NoDotToken)?)
+    } else {
+        None
+    };
+    Ok(NumberTokens {
+        table: vocab.number_table(NumberSet::DigitLevel, width)?,
+        digits: Some(digits),
+        dot,
+    })
+}
+
+pub fn site_label(site: &CeSite) -> String {
+    if site.node_name.is_empty() {
+        format!("<unnamed, output '{}'>", site.loss_output)
+    } else {
+        site.node_name.clone()
+    }
+}
+
+/// Refuses a model ntl-patch already patched (its metadata mark or its node names).
+pub fn refuse_patched(model: &ModelProto, path: &Path) -> Result<(), Error> {
+    let evidence = if model.metadata_props.iter().any(|p| p.key() == METADATA_KEY) {
+        Some(format!("metadata '{METADATA_KEY}'"))
+    } else {
+        let prefix = format!("{PREFIX}/");
+        model
+            .graph
+            .iter()
+            .flat_map(|g| g.node.iter())
+            .find(|n| n.name().starts_with(&prefix))
+            .map(|n| format!("node '{}'", n.name()))
+    };
+    match evidence {
+        Some(evidence) => Err(Error::AlreadyPatched {
+            path: path.to_path_buf(),
+            evidence,
+        }),
+        None => Ok(()),
+    }
+}
+
+pub fn check_opset(model: &ModelProto) -> Result<(), Error> {
+    match default_opset(model) {
+        None => Err(Error::NoOpset),
+        Some(v) if v < MIN_OPSET => Err(Error::OpsetTooOld {
+            found: v,
+            min: MIN_OPSET,
+        }),
+        Some(_) => Ok(()),
+    }
+}
+
+/// The one cross-entropy to patch: the only one, or the one `--ce-node` names (by node name
+/// or loss output name).
+pub fn select_site(index: &GraphIndex, wanted: Option<&str>) -> Result<CeSite, Error> {
+    if let Some(why) = crate::ce::site::malformed_ce_node(index) {
+        return Err(Error::MalformedGraph(why));
+    }
+    let mut sites = find_ce_sites(index);
+    if let Some(wanted) = wanted {
+        let found = describe_sites(&sites);
+        return sites
+            .into_iter()
+            .find(|s| s.node_name == wanted || s.loss_output == wanted)
+            .ok_or_else(|| Error::CeNodeNotFound {
+                wanted: wanted.into(),
+                found: if found.is_empty() {
+                    "none".into()
+                } else {
+                    found
+                },
+            });
+    }
+    match sites.len() {
+        0 => {
+            let nested = nested_ce_nodes(index);
+            Err(Error::NoCrossEntropy {
+                nested: if nested.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        "; found only inside subgraphs, which are not patched: {}",
+                        nested.join(", ")
+                    )
+                },
+            })
+        }
+        1 => Ok(sites.remove(0)),
+        n => Err(Error::SeveralCrossEntropies {
+            count: n,
+            found: describe_sites(&sites),
+        }),
+    }
+}
+
+/// The logits width V: from the graph, checked against `--vocab-size`, or `--vocab-size` alone
+/// where the graph leaves it symbolic.
+pub fn logits_width(
+    index: &GraphIndex,
+    site: &CeSite,
+    given: Option<usize>,
+) -> Result<usize, Error> {
+    check_logits_type(index, site)?;
+    let found = if site.logits_class_last {
+        index.static_last_dim(&site.logits)
+    } else {
+        index.static_dim(&site.scores, 1, 0)
+    };
+    // Reshapes to run-time shapes (`logits.reshape(-1, logits.shape[-1])`): the proven shape.
+    let found = found.or_else(|| {
+        let shapes = crate::graph::shapes::Shapes::infer(index);
+        let (tensor, axis) = if site.logits_class_last {
+            (&site.logits, None)
+        } else {
+            (&site.scores, Some(1))
+        };
+        let dims = shapes.get(tensor)?;
+        let dim = match axis {
+            Some(a) => dims.get(a)?,
+            None => dims.last()?,
+        };
+        match dim {
+            crate::graph::shapes::Dim::Known(v) if *v > 0 => Some(*v),
+            _ => None,
+        }
+    });
+    let found = found
+        .map(|f| {
+            crate::io::limits::check_width(
+                f,
+                "the logits width the graph declares",
+                "re-export the model with its real vocabulary size",
+            )
+        })
+        .transpose()?;
+    let given = given
+        .map(|g| {
+            crate::io::limits::check_width(
+                i64::try_from(g).unwrap_or(i64::MAX),
+                "--vocab-size",
+                "pass the logits width of the model",
+            )
+        })
+        .transpose()?;
+    match (found, given) {
+        (Some(f), Some(g)) if f != g => Err(Error::WidthMismatch { given: g, found: f }),
+        (Some(f), _) => Ok(f),
+        (None, Some(g)) => Ok(g),
+        (None, None) => Err(Error::UnknownWidth {
+            tensor: site.scores.clone(),
+        }),
+    }
+}
+
+/// The number loss reads the logits as probabilities: refuse integer (or other non-float)
+/// logits where the graph declares their type.
+fn check_logits_type(index: &GraphIndex, site: &CeSite) -> Result<(), Error> {
+    use crate::onnx::proto::tensor_proto::DataType;
+    let float = [
+        DataType::Float,
+        DataType::Float16,
+        DataType::Double,
+        DataType::Bfloat16,
+    ];
+    for tensor in [&site.logits, &site.scores] {
+        if let Some(t) = index.elem_type(tensor) {
+            if !float.iter().any(|f| *f as i32 == t) {
+                return Err(Error::NonFloatLogits {
+                    tensor: tensor.clone(),
+                    elem_type: t,
+                });
+            }
+        }
+    }
+    Ok(())
+}

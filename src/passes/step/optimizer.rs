@@ -1,0 +1,174 @@
+//! The optimizer update in ONNX ops, with torch's semantics: `torch.optim.AdamW`,
+//! `torch.optim.SGD`, and `torch.nn.utils.clip_grad_norm_` over all trained parameters.
+
+use crate::onnx::FLOAT;
+use crate::passes::grad::Ctx;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OptimizerKind {
+    AdamW,
+    Sgd,
+}
+
+#[derive(Debug, Clone)]
+pub struct OptimizerOptions {
+    pub kind: OptimizerKind,
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    pub momentum: f64,
+    pub max_grad_norm: Option<f64>,
+}
+
+impl OptimizerOptions {
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "name": match self.kind { OptimizerKind::AdamW => "adamw", OptimizerKind::Sgd => "sgd" },
+            "lr": self.lr, "beta1": self.beta1, "beta2": self.beta2, "eps": self.eps,
+            "weight_decay": self.weight_decay, "momentum": self.momentum,
+            "max_grad_norm": self.max_grad_norm,
+        })
+    }
+
+    /// The per-parameter state tensors, by suffix (`ntl/state/<param>/<suffix>`).
+    pub fn slots(&self) -> &'static [&'static str] {
+        match self.kind {
+            OptimizerKind::AdamW => &["exp_avg", "exp_avg_sq"],
+            OptimizerKind::Sgd if self.momentum != 0.0 => &["momentum_buffer"],
+            OptimizerKind::Sgd => &[],
+        }
+    }
+}
+
+/// One trained parameter as the update sees it: its tensor, its gradient, its state inputs
+/// (in `slots()` order) and the names its next values must be written to.
+pub struct ParamUpdate {
+    pub param: String,
+    pub grad: String,
+    pub slots: Vec<String>,
+    pub next_param: String,
+    pub next_slots: Vec<String>,
+}
+
+/// Emits the update of every parameter; `step` is the int64 step-count input, written
+/// incremented to `next_step`; `lr` the learning-rate input.
+pub fn emit_update(
+    ctx: &mut Ctx,
+    opts: &OptimizerOptions,
+    params: &[ParamUpdate],
+    step: &str,
+    next_step: &str,
+    lr: &str,
+) {
+    let one_i = ctx.b.const_i64("opt/one", &[], &[1]);
+    ctx.b.node_to("Add", &[step, &one_i], &[next_step], vec![]);
+    let grads = clip(ctx, opts, params);
+    match opts.kind {
+        OptimizerKind::AdamW => adamw(ctx, opts, params, &grads, next_step, lr),
+        OptimizerKind::Sgd => sgd(ctx, opts, params, &grads, lr),
+    }
+}
+
+/// `clip_grad_norm_`: every gradient times `min(max_norm / (‖g‖ + 1e-6), 1)`, the norm over
+/// all trained parameters together.
+fn clip(ctx: &mut Ctx, opts: &OptimizerOptions, params: &[ParamUpdate]) -> Vec<String> {
+    let Some(max_norm) = opts.max_grad_norm else {
+        return params.iter().map(|p| p.grad.clone()).collect();
+    };
+    let squares: Vec<String> = params
+        .iter()
+        .map(|p| {
+            let sq = ctx.op("Mul", &[&p.grad, &p.grad], "opt/grad_sq");
+            ctx.b.reduce_sum(&sq, &[], false, "opt/grad_sq_sum")
+        })
+        .collect();
+    let refs: Vec<&str> = squares.iter().map(|s| s.as_str()).collect();
+    let total = ctx.op("Sum", &refs, "opt/grad_norm_sq");
+    let norm = ctx.op("Sqrt", &[&total], "opt/grad_norm");
+    let eps = ctx.f32(1e-6);
+    let denom = ctx.op("Add", &[&norm, &eps], "opt/grad_norm_eps");
+    let max = ctx.f32(max_norm as f32);
+    let coef = ctx.op("Div", &[&max, &denom], "opt/clip_coef");
+    let one = ctx.f32(1.0);
+    let coef = ctx.op("Min", &[&coef, &one], "opt/clip_coef_clamped");
+    params
+        .iter()
+        .map(|p| ctx.op("Mul", &[&p.grad, &coef], "opt/clipped_grad"))
+        .collect()
+}
+
+fn adamw(
+    ctx: &mut Ctx,
+    opts: &OptimizerOptions,
+    params: &[ParamUpdate],
+    grads: &[String],
+    next_step: &str,
+    lr: &str,
+) {
+    let (b1, b2) = (opts.beta1 as f32, opts.beta2 as f32);
+    let t = ctx.b.cast(next_step, FLOAT, "opt/t");
+    let b1c = ctx.f32(b1);
+    let b2c = ctx.f32(b2);
+    let one = ctx.f32(1.0);
+    let p1 = ctx.op("Pow", &[&b1c, &t], "opt/beta1_t");
+    let p2 = ctx.op("Pow", &[&b2c, &t], "opt/beta2_t");
+    let bc1 = ctx.op("Sub", &[&one, &p1], "opt/bias_correction1");
+    let bc2 = ctx.op("Sub", &[&one, &p2], "opt/bias_correction2");
+    let step_size = ctx.op("Div", &[lr, &bc1], "opt/step_size");
+    let bc2_sqrt = ctx.op("Sqrt", &[&bc2], "opt/bias_correction2_sqrt");
+    let wd = ctx.f32(opts.weight_decay as f32);
+    let lr_wd = ctx.op("Mul", &[lr, &wd], "opt/lr_wd");
+    let decay = ctx.op("Sub", &[&one, &lr_wd], "opt/decay");
+    let one_m_b1 = ctx.f32(1.0 - b1);
+    let one_m_b2 = ctx.f32(1.0 - b2);
+    let eps = ctx.f32(opts.eps as f32);
+    for (p, g) in params.iter().zip(grads) {
+        let (m, v) = (&p.slots[0], &p.slots[1]);
+        // m ← β1·m + (1−β1)·g ; v ← β2·v + (1−β2)·g²
+        let m1 = ctx.op("Mul", &[m, &b1c], "opt/m_decay");
+        let gm = ctx.op("Mul", &[g, &one_m_b1], "opt/m_grad");
+        ctx.b
+            .node_to("Add", &[&m1, &gm], &[&p.next_slots[0]], vec![]);
+        let v1 = ctx.op("Mul", &[v, &b2c], "opt/v_decay");
+        let g2 = ctx.op("Mul", &[g, g], "opt/grad_sq");
+        let gv = ctx.op("Mul", &[&g2, &one_m_b2], "opt/v_grad");
+        ctx.b
+            .node_to("Add", &[&v1, &gv], &[&p.next_slots[1]], vec![]);
+        // p ← p·(1 − lr·wd) − lr/bc1 · m / (√v/√bc2 + eps)
+        let decayed = ctx.op("Mul", &[&p.param, &decay], "opt/decayed");
+        let sv = ctx.op("Sqrt", &[&p.next_slots[1]], "opt/v_sqrt");
+        let sv = ctx.op("Div", &[&sv, &bc2_sqrt], "opt/v_hat_sqrt");
+        let denom = ctx.op("Add", &[&sv, &eps], "opt/denom");
+        let ratio = ctx.op("Div", &[&p.next_slots[0], &denom], "opt/ratio");
+        let delta = ctx.op("Mul", &[&ratio, &step_size], "opt/delta");
+        ctx.b
+            .node_to("Sub", &[&decayed, &delta], &[&p.next_param], vec![]);
+    }
+}
+
+fn sgd(ctx: &mut Ctx, opts: &OptimizerOptions, params: &[ParamUpdate], grads: &[String], lr: &str) {
+    let wd = ctx.f32(opts.weight_decay as f32);
+    let mu = ctx.f32(opts.momentum as f32);
+    for (p, g) in params.iter().zip(grads) {
+        // g ← g + wd·p (L2, torch's SGD); buf ← μ·buf + g; p ← p − lr·buf
+        let g = if opts.weight_decay != 0.0 {
+            let d = ctx.op("Mul", &[&p.param, &wd], "opt/l2");
+            ctx.op("Add", &[g, &d], "opt/grad_l2")
+        } else {
+            g.clone()
+        };
+        let dir = if opts.momentum != 0.0 {
+            let kept = ctx.op("Mul", &[&p.slots[0], &mu], "opt/momentum_kept");
+            ctx.b
+                .node_to("Add", &[&kept, &g], &[&p.next_slots[0]], vec![]);
+            p.next_slots[0].clone()
+        } else {
+            g
+        };
+        let delta = ctx.op("Mul", &[&dir, lr], "opt/delta");
+        ctx.b
+            .node_to("Sub", &[&p.param, &delta], &[&p.next_param], vec![]);
+    }
+}

@@ -1,0 +1,131 @@
+//! `ntl-patch inspect`: what the patcher would see in a model.
+
+use std::path::Path;
+
+use crate::ce::site::{find_ce_sites, nested_ce_nodes};
+use crate::error::Error;
+use crate::graph::GraphIndex;
+use crate::io::model_io::{external_locations, load_model};
+use crate::onnx::default_opset;
+use crate::passes::pipeline::{logits_width, site_label};
+use crate::text::escape as esc;
+
+pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
+    let model = load_model(path)?;
+    // the matchers walk producers: a cycle or a tensor produced twice would loop them
+    crate::graph::patch::check_consistency(&model).map_err(Error::MalformedGraph)?;
+    // what the patch sees: spelled-out cross-entropies rewritten first (in memory only)
+    let mut seen = model.clone();
+    let graph = match crate::ce::forms::rewrite(&mut seen) {
+        Ok(forms) if !forms.is_empty() => seen.graph.as_ref(),
+        _ => model.graph.as_ref(),
+    }
+    .expect("checked on load");
+    let index = GraphIndex::new(graph);
+    let sites = find_ce_sites(&index);
+    let external = external_locations(&model);
+    let mut files: Vec<&str> = external.iter().map(|(_, l)| l.as_str()).collect();
+    files.sort();
+    files.dedup();
+    let patched = crate::passes::pipeline::refuse_patched(&model, path).is_err();
+    let ir = model.ir_version();
+    let opset = default_opset(&model);
+
+    let site_rows: Vec<(String, String, String, String, String, Option<usize>)> = sites
+        .iter()
+        .map(|s| {
+            (
+                site_label(s),
+                s.pattern.describe().to_string(),
+                s.scores.clone(),
+                s.labels.clone(),
+                s.reduction.clone(),
+                logits_width(&index, s, None).ok(),
+            )
+        })
+        .collect();
+
+    if json {
+        let sites_json: Vec<serde_json::Value> = site_rows
+            .iter()
+            .map(|(n, p, sc, l, r, w)| {
+                serde_json::json!({"node": n, "pattern": p, "scores": sc, "labels": l, "reduction": r, "vocab_width": w})
+            })
+            .collect();
+        let v = serde_json::json!({
+            "model": path.display().to_string(),
+            "ir_version": ir,
+            "opset": opset,
+            "cross_entropy": sites_json,
+            "nested_cross_entropy": nested_ce_nodes(&index),
+            "external_data_tensors": external.len(),
+            "external_data_files": files,
+            "already_patched": patched,
+        });
+        return Ok(serde_json::to_string_pretty(&v).expect("json"));
+    }
+    let mut out = format!(
+        "model: {}\nIR version: {ir}\ndefault opset: {}\n",
+        esc(&path.display().to_string()),
+        opset.map_or("none".into(), |o| o.to_string())
+    );
+    if site_rows.is_empty() {
+        out.push_str("cross-entropy: none found\n");
+    }
+    for (n, p, sc, l, r, w) in &site_rows {
+        let (n, sc, l, r) = (esc(n), esc(sc), esc(l), esc(r));
+        out.push_str(&format!(
+            "cross-entropy: {n} ({p})\n  scores: {sc}\n  labels: {l}\n  reduction: {r}\n  vocab width: {}\n",
+            w.map_or("symbolic (pass --vocab-size)".into(), |w| w.to_string())
+        ));
+    }
+    for n in nested_ce_nodes(&index) {
+        out.push_str(&format!(
+            "cross-entropy inside a subgraph (not patched): {}\n",
+            esc(&n)
+        ));
+    }
+    out.push_str(&format!(
+        "external data: {} tensor(s) in {} file(s){}\n",
+        external.len(),
+        files.len(),
+        if files.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", esc(&files.join(", ")))
+        }
+    ));
+    out.push_str(&format!(
+        "already patched by ntl-patch: {}\n",
+        if patched { "yes" } else { "no" }
+    ));
+    Ok(out)
+}
+
+/// `inspect` plus, for each GPU target, whether that ONNX Runtime release's provider takes every
+/// node (`crate::tools::gpu_kernels`). JSON: the inspect object with a `gpu` array.
+pub fn inspect_targets(
+    path: &Path,
+    json: bool,
+    targets: &[crate::tools::gpu_kernels::Target],
+) -> Result<String, Error> {
+    let base = inspect(path, json)?;
+    if targets.is_empty() {
+        return Ok(base);
+    }
+    let model = load_model(path)?;
+    let reports: Vec<_> = targets
+        .iter()
+        .map(|&t| crate::tools::gpu_kernels::check_model(&model, t))
+        .collect();
+    if json {
+        let mut v: serde_json::Value = serde_json::from_str(&base).expect("inspect writes JSON");
+        v["gpu"] = reports.iter().map(|r| r.to_json()).collect();
+        return Ok(serde_json::to_string_pretty(&v).expect("json"));
+    }
+    let mut out = base;
+    for r in &reports {
+        out.push_str(&r.to_text());
+    }
+    Ok(out.trim_end().to_string())
+}

@@ -1,0 +1,218 @@
+//! The layering of `src/` (ARCHITECTURE.md): each stage imports only itself and the stages
+//! below it, and no module of a stage imports a module that imports it back (no circles).
+//! Read from the source text: every `crate::stage::module` path and every `super::module`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// The stages of `src/`, lowest first. `text` and `error` are the base every stage uses.
+const STAGES: [&str; 9] = [
+    "text", "error", "io", "graph", "ce", "vocab", "passes", "tools", "cli",
+];
+
+fn stage_rank(stage: &str) -> usize {
+    STAGES
+        .iter()
+        .position(|s| *s == stage)
+        .unwrap_or_else(|| panic!("'{stage}' is no stage of src/: add it to STAGES in order"))
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// `src/graph/ranks.rs` → ["graph", "ranks"]; `src/ce/forms/mod.rs` → ["ce", "forms"].
+fn module_path(file: &Path) -> Vec<String> {
+    let rel = file.strip_prefix("src").unwrap();
+    let mut parts: Vec<String> = rel
+        .iter()
+        .map(|p| p.to_string_lossy().trim_end_matches(".rs").to_string())
+        .collect();
+    if parts.last().is_some_and(|p| p == "mod") {
+        parts.pop();
+    }
+    parts
+}
+
+/// The code of a file without its `#[cfg(test)]` module and comments.
+fn code(text: &str) -> String {
+    let text = match text.find("#[cfg(test)]") {
+        Some(i) => &text[..i],
+        None => text,
+    };
+    text.lines()
+        .map(|l| match l.find("//") {
+            Some(i) => &l[..i],
+            None => l,
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Module paths a file names: `crate::a::b` → [a, b]; `super::x` → the parent's path + x.
+fn imports(me: &[String], text: &str) -> BTreeSet<Vec<String>> {
+    let mut out = BTreeSet::new();
+    let ident = |s: &str| -> Vec<String> {
+        s.split("::")
+            .map(|p| {
+                p.chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_')
+                    .collect::<String>()
+            })
+            .take_while(|p| !p.is_empty() && p.chars().next().unwrap().is_lowercase())
+            .collect()
+    };
+    for (i, _) in text.match_indices("crate::") {
+        let path = ident(&text[i + "crate::".len()..]);
+        if !path.is_empty() {
+            out.insert(path);
+        }
+    }
+    for (i, _) in text.match_indices("super::") {
+        let path = ident(&text[i + "super::".len()..]);
+        let mut full = me[..me.len().saturating_sub(1)].to_vec();
+        full.extend(path);
+        if !full.is_empty() {
+            out.insert(full);
+        }
+    }
+    out
+}
+
+struct Module {
+    path: Vec<String>,
+    imports: BTreeSet<Vec<String>>,
+}
+
+fn modules() -> Vec<Module> {
+    let mut files = Vec::new();
+    rust_files(Path::new("src"), &mut files);
+    files.sort();
+    files
+        .iter()
+        .filter(|f| !f.ends_with("lib.rs"))
+        .map(|f| {
+            let path = module_path(f);
+            let text = code(&std::fs::read_to_string(f).unwrap());
+            let imports = imports(&path, &text);
+            Module { path, imports }
+        })
+        .collect()
+}
+
+#[test]
+fn no_stage_imports_a_higher_one() {
+    let mut wrong = Vec::new();
+    for m in modules() {
+        let mine = stage_rank(&m.path[0]);
+        for imp in &m.imports {
+            if STAGES.contains(&imp[0].as_str()) && stage_rank(&imp[0]) > mine {
+                wrong.push(format!("{} imports {}", m.path.join("::"), imp.join("::")));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "arrows back up:\n{}", wrong.join("\n"));
+}
+
+/// The module (file) an import path lands in: its longest prefix that is a module.
+fn owner<'a>(imp: &[String], known: &'a BTreeSet<Vec<String>>) -> Option<&'a Vec<String>> {
+    (1..=imp.len()).rev().find_map(|n| known.get(&imp[..n]))
+}
+
+#[test]
+fn no_import_circles() {
+    let mods = modules();
+    let known: BTreeSet<Vec<String>> = mods.iter().map(|m| m.path.clone()).collect();
+    // edges between modules, leaving out a module's own submodules and its parents (a mod.rs
+    // declares its children and they may use what it defines)
+    let mut edges: BTreeMap<Vec<String>, BTreeSet<Vec<String>>> = BTreeMap::new();
+    for m in &mods {
+        for imp in &m.imports {
+            let Some(to) = owner(imp, &known) else {
+                continue;
+            };
+            let related = to.starts_with(&m.path) || m.path.starts_with(to);
+            if !related {
+                edges.entry(m.path.clone()).or_default().insert(to.clone());
+            }
+        }
+    }
+    // depth-first search for a back edge
+    fn visit(
+        n: &Vec<String>,
+        edges: &BTreeMap<Vec<String>, BTreeSet<Vec<String>>>,
+        state: &mut BTreeMap<Vec<String>, u8>,
+        stack: &mut Vec<Vec<String>>,
+    ) -> Option<Vec<String>> {
+        match state.get(n) {
+            Some(2) => return None,
+            Some(1) => {
+                let start = stack.iter().position(|s| s == n).unwrap();
+                let mut cycle: Vec<String> = stack[start..].iter().map(|p| p.join("::")).collect();
+                cycle.push(n.join("::"));
+                return Some(cycle);
+            }
+            _ => {}
+        }
+        state.insert(n.clone(), 1);
+        stack.push(n.clone());
+        for next in edges.get(n).into_iter().flatten() {
+            if let Some(c) = visit(next, edges, state, stack) {
+                return Some(c);
+            }
+        }
+        stack.pop();
+        state.insert(n.clone(), 2);
+        None
+    }
+    let mut state = BTreeMap::new();
+    for m in &mods {
+        let mut stack = Vec::new();
+        if let Some(cycle) = visit(&m.path, &edges, &mut state, &mut stack) {
+            panic!("import circle: {}", cycle.join(" → "));
+        }
+    }
+}
+
+#[test]
+fn the_op_library_knows_nothing_of_the_compiler() {
+    let mut files = Vec::new();
+    rust_files(Path::new("ops/src"), &mut files);
+    assert!(!files.is_empty());
+    for f in files {
+        let text = code(&std::fs::read_to_string(&f).unwrap());
+        for word in [
+            "ntl_patch",
+            "std::fs",
+            "std::path",
+            "std::env",
+            "std::process",
+        ] {
+            assert!(
+                !text.contains(word),
+                "{} names {word}: the op library reads no files and knows no compiler stage",
+                f.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn the_detector_sees_an_arrow_back_up_and_a_circle() {
+    // the checks above must be able to fail: a graph module naming a pass is caught
+    let me = vec!["graph".to_string(), "index".to_string()];
+    let imps = imports(
+        &me,
+        "use crate::passes::rewrite::X; use super::ranks::Ranks;",
+    );
+    assert!(imps.contains(&vec!["passes".to_string(), "rewrite".to_string()]));
+    assert!(imps.contains(&vec!["graph".to_string(), "ranks".to_string()]));
+    assert!(stage_rank("passes") > stage_rank("graph"));
+}
