@@ -2,32 +2,36 @@
 //! (`training_model.onnx`, `eval_model.onnx`, `optimizer_model.onnx`, `checkpoint`) without the
 //! original forward graph.
 //!
-//! The training graph gets the forward nodes and their analytic backward nodes
-//! (`crate::passes::autodiff`); the number loss's gradient is added into the gradient ORT's
-//! `SoftmaxCrossEntropyLossGrad` produced for the scores — sparsely, with ScatterElements, so no
-//! second dense `[N, V]` tensor is built. `eval_model.onnx` gets the forward nodes; the
+//! The training graph gets the forward nodes and their backward nodes, written by the same
+//! engine as the step graph's (`crate::passes::grad`); the number loss's gradient is added into
+//! the gradient ORT's `SoftmaxCrossEntropyLossGrad` produced for the scores — sparsely, with
+//! ScatterElements, so no second dense `[N, V]` tensor is built. `eval_model.onnx` gets the forward nodes; the
 //! optimizer model and the checkpoint are copied unchanged.
 
 use std::path::{Path, PathBuf};
 
+use ntl_ops::names::{CE_OUTPUT, NUMBER_OUTPUT, PREFIX};
+use ntl_ops::options::{Combine, LossOptions};
+use ntl_ops::Builder;
+
 use crate::ce::site::CeSite;
 use crate::error::Error;
+use crate::graph::elem_types::ElemTypes;
 use crate::graph::patch::{apply, Patch, METADATA_KEY};
+use crate::graph::ranks::Ranks;
+use crate::graph::shapes::Shapes;
 use crate::graph::GraphIndex;
 use crate::io::model_io::{
     check_external_data, load_model_file, model_dir, plan_external_data, save_model_from,
     ModelSource,
 };
 use crate::onnx::{default_opset, int_attr, string_attr, ModelProto};
-use crate::passes::autodiff::{differentiate, LogitsGradient};
+use crate::passes::grad;
 use crate::passes::pipeline::{
     check_opset, logits_width, number_tokens, refuse_patched, select_site,
 };
-use crate::passes::rewrite::{added_outputs, build_forward, build_patch, metadata};
+use crate::passes::rewrite::{added_outputs, build_forward, build_patch, metadata, Forward};
 use crate::vocab::number_table::Vocab;
-use ntl_ops::names::{CE_OUTPUT, NUMBER_OUTPUT, PREFIX};
-use ntl_ops::options::{Combine, LossOptions};
-use ntl_ops::Builder;
 
 pub const TRAINING: &str = "training_model.onnx";
 pub const EVAL: &str = "eval_model.onnx";
@@ -281,27 +285,13 @@ fn training_patch(
         let ratio = b.binary("Div", CE_OUTPUT, &denom, "grad_ce_over_number");
         coef = b.binary("Mul", &coef, &ratio, "grad_number_seed_scaled");
     }
-    let gradient = differentiate(
-        &mut b,
-        &forward.nodes,
-        NUMBER_OUTPUT,
-        &coef,
-        &forward.flat.logits,
-    )?;
+    let gradient = number_loss_gradient(&mut b, index, opset, &forward, &coef)?;
     let counts = (gradient.sparse.len(), gradient.dense.len());
 
     let ce_grad = b.fresh("ce_scores_grad");
     let mut ce_grad_node = grad_node.clone();
     ce_grad_node.output[0] = ce_grad.clone();
-    let total = add_into_scores_grad(
-        &mut b,
-        site,
-        rank,
-        &ce_grad,
-        &gradient,
-        opset,
-        forward.loss_type,
-    );
+    let total = add_into_scores_grad(&mut b, site, rank, &ce_grad, &gradient, forward.loss_type);
     b.node_to("Identity", &[&total], &[&scores_grad], vec![]);
 
     let mut backward = vec![ce_grad_node];
@@ -326,26 +316,55 @@ fn training_patch(
     Ok((patch, counts))
 }
 
-/// Adds the `[M, K]` sparse and `[M, V]` dense logits gradients into the scores gradient, in the
-/// scores' layout (`[N, V]`, or `[B, V, T]` for rank 3).
+/// `d number_loss / d logits · coef` for the flat `[M, V]` logits the number loss reads, by the
+/// whole-model engine (`grad`) over the loss's forward nodes: the gathered columns come back as
+/// sparse `[M, K]` scatters, a loss that reads whole rows (`--reweigh`) as a dense part.
+fn number_loss_gradient(
+    b: &mut Builder,
+    index: &GraphIndex,
+    opset: i64,
+    forward: &Forward,
+    coef: &str,
+) -> Result<grad::Parts, Error> {
+    // ranks, shapes and types of the loss's tensors: the training graph with its nodes after it
+    let mut graph = index.graph.clone();
+    graph.node.extend(forward.nodes.iter().cloned());
+    graph.initializer.extend(b.initializers.iter().cloned());
+    let scratch = GraphIndex::new(&graph);
+    let mut ranks = Ranks::infer(&scratch);
+    let shapes = Shapes::infer(&scratch);
+    let types = ElemTypes::infer(&graph);
+    let mut ctx = grad::Ctx::new(b, &mut ranks, &shapes, &types, opset);
+    grad::gradient_parts(
+        &mut ctx,
+        &forward.nodes,
+        NUMBER_OUTPUT,
+        coef,
+        &forward.flat.logits,
+    )
+}
+
+/// Adds the sparse `[M, K]` and dense `[M, V]` logits gradients into the scores gradient, in
+/// the scores' layout (`[N, V]`, or `[B, V, T]` for rank 3).
 fn add_into_scores_grad(
     b: &mut Builder,
     site: &CeSite,
     rank: usize,
     ce_grad: &str,
-    gradient: &LogitsGradient,
-    opset: i64,
+    gradient: &grad::Parts,
     loss_type: i32,
 ) -> String {
     let mut acc = ce_grad.to_string();
-    let to_layout = |b: &mut Builder, x: &str, hint: &str| -> String {
-        let x = if loss_type == crate::onnx::FLOAT {
+    let cast = |b: &mut Builder, x: &str, hint: &str| -> String {
+        if loss_type == crate::onnx::FLOAT {
             x.to_string()
         } else {
             b.cast(x, loss_type, &format!("{hint}_cast"))
-        };
+        }
+    };
+    let to_layout = |b: &mut Builder, x: &str, hint: &str| -> String {
         if rank == 2 {
-            return x;
+            return x.to_string();
         }
         // [B·T, C] → [B, T, C] → [B, C, T]
         let shape = b.node(
@@ -362,43 +381,25 @@ fn add_into_scores_grad(
         let x = b.node("Reshape", &[&x, &btc], &format!("{hint}_btc_grad"), vec![]);
         b.transpose(&x, &[0, 2, 1], &format!("{hint}_bct_grad"))
     };
-    for (k, (ids, values)) in gradient.sparse.iter().enumerate() {
+    for (k, scatter) in gradient.sparse.iter().enumerate() {
         let hint = format!("sparse_grad_{k}");
-        let values = to_layout(b, values, &hint);
-        let ids = if rank == 2 {
-            ids.clone()
-        } else {
-            b.reshape(ids, &[1, -1, 1], &format!("{hint}_ids_col"))
-        };
-        let shape = b.node("Shape", &[&values], &format!("{hint}_shape"), vec![]);
-        let idx = b.node("Expand", &[&ids, &shape], &format!("{hint}_idx"), vec![]);
-        acc = if opset >= 16 {
-            b.node(
-                "ScatterElements",
-                &[&acc, &idx, &values],
-                &format!("{hint}_added"),
-                vec![int_attr("axis", 1), string_attr("reduction", "add")],
-            )
-        } else {
-            // No reduction before opset 16: ids are unique per row, so gather, add, scatter.
-            let old = b.node(
-                "GatherElements",
-                &[&acc, &idx],
-                &format!("{hint}_old"),
-                vec![int_attr("axis", 1)],
-            );
-            let sum = b.binary("Add", &old, &values, &format!("{hint}_sum"));
-            b.node(
-                "ScatterElements",
-                &[&acc, &idx, &sum],
-                &format!("{hint}_added"),
-                vec![int_attr("axis", 1)],
-            )
-        };
+        let values = cast(b, &scatter.updates, &hint);
+        let values = to_layout(b, &values, &hint);
+        let indices = to_layout(b, &scatter.indices, &format!("{hint}_indices"));
+        acc = b.node(
+            "ScatterElements",
+            &[&acc, &indices, &values],
+            &format!("{hint}_added"),
+            vec![
+                int_attr("axis", scatter.axis),
+                string_attr("reduction", "add"),
+            ],
+        );
     }
     for (k, dense) in gradient.dense.iter().enumerate() {
         let hint = format!("dense_grad_{k}");
-        let dense = to_layout(b, dense, &hint);
+        let dense = cast(b, dense, &hint);
+        let dense = to_layout(b, &dense, &hint);
         acc = b.binary("Add", &acc, &dense, &format!("{hint}_added"));
     }
     acc

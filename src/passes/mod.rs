@@ -3,7 +3,6 @@
 //! ONNX Runtime Training artifacts ([`artifacts`]).
 
 pub mod artifacts;
-pub mod autodiff;
 pub mod grad;
 pub mod loss_inputs;
 pub mod pipeline;

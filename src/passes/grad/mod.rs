@@ -286,23 +286,64 @@ pub fn differentiate(
     loss: &str,
     params: &[String],
 ) -> Result<Vec<String>, Error> {
+    let seed = ctx.f32(1.0);
+    let mut grads = backward(ctx, nodes, loss, seed, params)?;
+    params
+        .iter()
+        .map(|p| match grads.remove(p) {
+            Some(parts) => Ok(parts.total(ctx, p)),
+            None => Ok(ctx.zeros_like(p)),
+        })
+        .collect()
+}
+
+/// The gradient of `loss` (seeded with `seed`, a float32 scalar) at one tensor `wrt`, as the
+/// contributions the rules handed back — dense tensors of `wrt`'s shape and sparse
+/// [`Scatter`]s — not summed: artifacts mode adds each into a gradient ONNX Runtime already
+/// computed, in that gradient's layout, without building another dense tensor.
+pub fn gradient_parts(
+    ctx: &mut Ctx,
+    nodes: &[NodeProto],
+    loss: &str,
+    seed: &str,
+    wrt: &str,
+) -> Result<Parts, Error> {
+    let wrt = [wrt.to_string()];
+    let mut grads = backward(ctx, nodes, loss, seed.to_string(), &wrt)?;
+    Ok(grads.remove(&wrt[0]).unwrap_or_default())
+}
+
+/// The reverse walk: every node on a differentiable path from `params` to `loss`, last first,
+/// gets its rule's vector-Jacobian product. Returns the gradient contributions of the tensors
+/// the walk reached and did not consume — `params` among them.
+fn backward(
+    ctx: &mut Ctx,
+    nodes: &[NodeProto],
+    loss: &str,
+    seed: String,
+    params: &[String],
+) -> Result<BTreeMap<String, Parts>, Error> {
     let live = live_tensors(nodes, params);
     let needed = needed_tensors(nodes, loss, &live);
     let mut grads: BTreeMap<String, Parts> = BTreeMap::new();
-    let seed = ctx.f32(1.0);
     grads.entry(loss.to_string()).or_default().dense.push(seed);
 
     for node in nodes.iter().rev() {
         if !node.output.iter().any(|o| grads.contains_key(o)) {
             continue;
         }
+        let wants: Vec<bool> = (0..node.input.len())
+            .map(|i| needed.contains(node.input[i].as_str()) && !node.input[i].is_empty())
+            .collect();
+        if !wants.iter().any(|w| *w) {
+            // no gradient flows on (the producer of a tensor the walk started from): the
+            // gradient stays with its tensor
+            continue;
+        }
         let gy: Vec<Option<String>> = node
             .output
             .iter()
             .map(|o| grads.remove(o).map(|parts| parts.total(ctx, o)))
-            .collect();
-        let wants: Vec<bool> = (0..node.input.len())
-            .map(|i| needed.contains(node.input[i].as_str()) && !node.input[i].is_empty())
             .collect();
         let positions = gradient_inputs(node);
         let Some(rule) = rules::rule(node.op_type()).filter(|_| positions.is_some()) else {
@@ -341,20 +382,16 @@ pub fn differentiate(
             grads.entry(tensor).or_default().sparse.push(scatter);
         }
     }
-    params
-        .iter()
-        .map(|p| match grads.remove(p) {
-            Some(parts) => Ok(parts.total(ctx, p)),
-            None => Ok(ctx.zeros_like(p)),
-        })
-        .collect()
+    Ok(grads)
 }
 
 /// The contributions to one tensor's gradient.
 #[derive(Default)]
-struct Parts {
-    dense: Vec<String>,
-    sparse: Vec<Scatter>,
+pub struct Parts {
+    /// Tensors of the tensor's shape, to be summed.
+    pub dense: Vec<String>,
+    /// Values to add in place (`ScatterElements` with `reduction="add"`).
+    pub sparse: Vec<Scatter>,
 }
 
 impl Parts {
