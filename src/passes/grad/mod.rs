@@ -13,7 +13,7 @@
 pub mod canonical;
 pub mod rules;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use crate::error::Error;
 use crate::graph::ranks::Ranks;
@@ -240,17 +240,17 @@ pub fn reaching_loss(nodes: &[NodeProto], loss: &str, candidates: &[String]) -> 
 }
 
 /// Tensors that depend on a parameter, with one parameter that reaches each (for errors).
-fn live_tensors(nodes: &[NodeProto], params: &[String]) -> HashMap<String, String> {
-    let mut live: HashMap<String, String> = params.iter().map(|p| (p.clone(), p.clone())).collect();
+fn live_tensors<'a>(nodes: &'a [NodeProto], params: &'a [String]) -> HashMap<&'a str, &'a str> {
+    let mut live: HashMap<&str, &str> = params.iter().map(|p| (p.as_str(), p.as_str())).collect();
     for node in nodes {
         let positions = gradient_inputs(node).unwrap_or_else(|| (0..node.input.len()).collect());
         let source = positions
             .iter()
             .filter_map(|&i| node.input.get(i))
-            .find_map(|n| live.get(n).cloned());
+            .find_map(|n| live.get(n.as_str()).copied());
         if let Some(p) = source {
             for o in node.output.iter().filter(|o| !o.is_empty()) {
-                live.insert(o.clone(), p.clone());
+                live.insert(o.as_str(), p);
             }
         }
     }
@@ -258,20 +258,20 @@ fn live_tensors(nodes: &[NodeProto], params: &[String]) -> HashMap<String, Strin
 }
 
 /// Live tensors the loss depends on through differentiable edges.
-fn needed_tensors(
-    nodes: &[NodeProto],
-    loss: &str,
-    live: &HashMap<String, String>,
-) -> BTreeSet<String> {
-    let mut needed = BTreeSet::from([loss.to_string()]);
+fn needed_tensors<'a>(
+    nodes: &'a [NodeProto],
+    loss: &'a str,
+    live: &HashMap<&str, &str>,
+) -> HashSet<&'a str> {
+    let mut needed = HashSet::from([loss]);
     for node in nodes.iter().rev() {
-        if !node.output.iter().any(|o| needed.contains(o)) {
+        if !node.output.iter().any(|o| needed.contains(o.as_str())) {
             continue;
         }
         let positions = gradient_inputs(node).unwrap_or_else(|| (0..node.input.len()).collect());
         for i in positions {
             if let Some(x) = node.input.get(i).filter(|x| live.contains_key(x.as_str())) {
-                needed.insert(x.clone());
+                needed.insert(x.as_str());
             }
         }
     }
@@ -350,8 +350,8 @@ fn backward(
             let param = node
                 .input
                 .iter()
-                .find_map(|i| live.get(i))
-                .cloned()
+                .find_map(|i| live.get(i.as_str()))
+                .map(|p| p.to_string())
                 .unwrap_or_default();
             return Err(Error::NoGradientRule {
                 op: node.op_type().to_string(),
