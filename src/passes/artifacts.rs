@@ -375,10 +375,10 @@ fn add_into_scores_grad(
         );
         let batch = b.slice(&shape, 0, 1, 0, &format!("{hint}_batch"));
         let tail = b.const_i64(&format!("{hint}_tail"), &[1], &[-1]);
-        let xs = b.node("Shape", &[&x], &format!("{hint}_x_shape"), vec![]);
+        let xs = b.node("Shape", &[x], &format!("{hint}_x_shape"), vec![]);
         let c = b.slice(&xs, 1, 2, 0, &format!("{hint}_classes"));
         let btc = b.concat(&[&batch, &tail, &c], 0, &format!("{hint}_btc"));
-        let x = b.node("Reshape", &[&x, &btc], &format!("{hint}_btc_grad"), vec![]);
+        let x = b.node("Reshape", &[x, &btc], &format!("{hint}_btc_grad"), vec![]);
         b.transpose(&x, &[0, 2, 1], &format!("{hint}_bct_grad"))
     };
     for (k, scatter) in gradient.sparse.iter().enumerate() {
