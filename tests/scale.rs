@@ -1,6 +1,6 @@
 //! Large-model plumbing: the streaming encoder writes exactly what `encode_to_vec` would, and
 //! external data stays valid (or is copied) when the output goes to another folder, while
-//! locations escaping the model folder are refused. Timings live in scripts/bench_scale.sh.
+//! locations escaping the model folder are refused. Timings live in scripts/bench/bench_scale.sh.
 
 mod common;
 
@@ -326,7 +326,7 @@ fn the_patched_copy_validates_with_onnx_runtime() {
     }
 }
 
-/// The ORT library: ORT_DYLIB_PATH, else the copy scripts/setup-ort.sh installs in .venv-ort.
+/// The ORT library: ORT_DYLIB_PATH, else the copy scripts/setup/setup-ort.sh installs in .venv-ort.
 fn ort_library() -> PathBuf {
     if let Some(p) = std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()) {
         return PathBuf::from(p);
@@ -342,7 +342,7 @@ fn ort_library() -> PathBuf {
                     .starts_with("libonnxruntime.so")
             })
         })
-        .expect("ONNX Runtime library not found: set ORT_DYLIB_PATH, or run scripts/setup-ort.sh")
+        .expect("ONNX Runtime library not found: set ORT_DYLIB_PATH, or run scripts/setup/setup-ort.sh")
 }
 
 /// Writes a model whose first initializer lives at `location` (relative to `dir`).

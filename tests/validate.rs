@@ -488,7 +488,7 @@ fn missing_ort_library_says_how_to_install_it() {
 
 // ------------------------------------------------------------------ ONNX Runtime
 
-/// The ORT library: ORT_DYLIB_PATH, else the copy scripts/setup-ort.sh installs in .venv-ort.
+/// The ORT library: ORT_DYLIB_PATH, else the copy scripts/setup/setup-ort.sh installs in .venv-ort.
 /// Missing is a failure, not a skip: the test script always installs it.
 fn ort_library() -> PathBuf {
     if let Some(p) = std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()) {
@@ -507,7 +507,7 @@ fn ort_library() -> PathBuf {
         })
         .unwrap_or_else(|| {
             panic!(
-                "ONNX Runtime library not found: set ORT_DYLIB_PATH, or run scripts/setup-ort.sh \
+                "ONNX Runtime library not found: set ORT_DYLIB_PATH, or run scripts/setup/setup-ort.sh \
                  (python3 -m pip install --target .venv-ort onnxruntime==1.31.1)"
             )
         })

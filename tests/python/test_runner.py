@@ -418,7 +418,7 @@ print(json.dumps({"losses": losses, "ort": onnxruntime.__version__, "steps": run
 
 
 def test_runtime_only_env(step_graph, tmp_path):
-    setup = subprocess.run([str(REPO / "scripts" / "setup-runtime.sh")], capture_output=True,
+    setup = subprocess.run([str(REPO / "scripts" / "setup" / "setup-runtime.sh")], capture_output=True,
                            text=True, timeout=900)
     assert setup.returncode == 0, setup.stderr
     batches = _batches()

@@ -345,7 +345,7 @@ def test_step_graph_in_onnxruntime_1_31_without_torch(weights, tmp_path):
 
     from conftest import REPO
 
-    rt = subprocess.run([str(REPO / "scripts" / "setup-runtime.sh")], capture_output=True, text=True)
+    rt = subprocess.run([str(REPO / "scripts" / "setup" / "setup-runtime.sh")], capture_output=True, text=True)
     assert rt.returncode == 0, rt.stderr
     out = tmp_path / "m.step.onnx"
     _step(MODELS / "lm_flat.onnx", out, "wasserstein", "--lr", "1e-3")

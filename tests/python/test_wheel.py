@@ -10,7 +10,7 @@ python/requirements.txt as in .venv-rt), and used there by wheel_check.py:
   - 20 StepRunner steps on the step graph the wheel's binary wrote give the same losses as on the
     graph the Rust-built binary (NTL_PATCH_BIN, target/debug) wrote, and the two graphs are
     byte-identical.
-The build is `scripts/build-wheel.sh --profile dev --strip`: maturin runs cargo in the same target
+The build is `scripts/setup/build-wheel.sh --profile dev --strip`: maturin runs cargo in the same target
 folder, so it reuses `cargo build`'s compilation and only relinks the binary without symbols.
 """
 
@@ -44,7 +44,7 @@ def _cargo_version() -> str:
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheelhouse")
     t0 = time.monotonic()
-    r = subprocess.run([str(REPO / "scripts" / "build-wheel.sh"), "--profile", "dev", "--strip",
+    r = subprocess.run([str(REPO / "scripts" / "setup" / "build-wheel.sh"), "--profile", "dev", "--strip",
                         "--out", str(out)], capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, f"build-wheel.sh exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     wheels = list(out.glob("*.whl"))

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU check of ntl_patch.DataParallel: 2 processes, one GPU each, NCCL (scripts/gpu-check.sh --dp).
+"""GPU check of ntl_patch.DataParallel: 2 processes, one GPU each, NCCL (scripts/gpu/gpu-check.sh --dp).
 
     gpu_check_dp.py --bin NTL_PATCH --out DIR [--steps 10] [--cpu]
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "python"))
 MODEL = ROOT / "fixtures" / "models" / "lm_flat.onnx"
 TOKENIZER = ROOT / "fixtures" / "tokenizer.json"

@@ -1,26 +1,26 @@
 #!/usr/bin/env bash
 # Scale benchmark (not a test): ntl-patch against `cp` of the same file and Python
-# `onnx.load` + `onnx.save`, on the big models scripts/gen_big_models.py makes, measured in the
+# `onnx.load` + `onnx.save`, on the big models scripts/bench/gen_big_models.py makes, measured in the
 # same run. Prints a Markdown table: median wall time and peak RSS (/usr/bin/time) of RUNS runs.
 #
-#   scripts/bench_scale.sh [WORK_DIR]
+#   scripts/bench/bench_scale.sh [WORK_DIR]
 #
 # WORK_DIR (default: a new folder under /var/tmp) receives ~2 GB of inline models, an 8 GiB
 # sparse external-data file (no disk blocks) and the outputs; it is deleted at the end unless
 # KEEP=1. Env: RUNS (3), NTL_PATCH_BIN (default target/release/ntl-patch, built if missing),
-# EXTERNAL_GB (8), INLINE_GB ("0.5 1.5"). Needs the .venv of scripts/setup-python.sh (onnx 1.17).
+# EXTERNAL_GB (8), INLINE_GB ("0.5 1.5"). Needs the .venv of scripts/setup/setup-python.sh (onnx 1.17).
 # The page cache is warm (the models were just written): the numbers compare the work each tool
 # does, not the disk. ntl-patch fsyncs its output before the rename; cp does not, so the
 # "cp + fsync" column is given too.
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PY="$ROOT/.venv/bin/python"
 BIN="${NTL_PATCH_BIN:-$ROOT/target/release/ntl-patch}"
 RUNS="${RUNS:-3}"
 TOKENIZER="$ROOT/fixtures/tokenizer.json"
 [ -x /usr/bin/time ] || { echo "needs /usr/bin/time (apt-get install time)" >&2; exit 1; }
-[ -x "$PY" ] || { echo "needs $PY: run scripts/setup-python.sh" >&2; exit 1; }
+[ -x "$PY" ] || { echo "needs $PY: run scripts/setup/setup-python.sh" >&2; exit 1; }
 if [ ! -x "$BIN" ]; then
   (cd "$ROOT" && cargo build --release --bin ntl-patch >&2)
 fi
@@ -37,7 +37,7 @@ trap cleanup EXIT
 
 echo "generating models in $WORK ..." >&2
 # shellcheck disable=SC2086
-"$PY" "$ROOT/scripts/gen_big_models.py" "$WORK" \
+"$PY" "$ROOT/scripts/bench/gen_big_models.py" "$WORK" \
   --external-gb "${EXTERNAL_GB:-8}" --inline-gb ${INLINE_GB:-0.5 1.5} > "$WORK/models.txt"
 
 RESULTS="$WORK/results.tsv"

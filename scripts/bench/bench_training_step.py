@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Benchmark one full training step (forward, backward, AdamW update) at a large logits width.
 
-    .venv/bin/python scripts/bench_training_step.py [--batch 4 --seq 512 --vocab 32000 ...]
-    scripts/bench_training_step.sh          # builds target/release/ntl-patch first
+    .venv/bin/python scripts/bench/bench_training_step.py [--batch 4 --seq 512 --vocab 32000 ...]
+    scripts/bench/bench_training_step.sh          # builds target/release/ntl-patch first
 
 Question answered: what does the number loss cost per step, spliced by ntl-patch into ONNX
 Runtime Training artifacts, compared with the cross-entropy alone?
@@ -55,7 +55,7 @@ import time
 import warnings
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 sys.dont_write_bytecode = True  # no __pycache__ in fixtures/

@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
-"""Big models for scripts/bench_scale.sh, built around fixtures/models/lm_flat.onnx (a tiny LM
+"""Big models for scripts/bench/bench_scale.sh, built around fixtures/models/lm_flat.onnx (a tiny LM
 with a SoftmaxCrossEntropyLoss over 48 logits, so fixtures/tokenizer.json patches it).
 
-    .venv/bin/python scripts/gen_big_models.py OUT_DIR [--external-gb 8] [--inline-gb 0.5 1.5]
+    .venv/bin/python scripts/bench/gen_big_models.py OUT_DIR [--external-gb 8] [--inline-gb 0.5 1.5]
 
 Writes into OUT_DIR:
   external/model.onnx + external/weights.bin  the LM plus unused initializers that keep
       --external-gb GiB in weights.bin, a sparse file (no disk blocks; ntl-patch never reads it);
   inline_<size>.onnx  the LM plus unused float32 initializers of 64 MiB each, inline (random
       bytes, really written), for each --inline-gb (each under protobuf's 2 GB limit).
-Needs onnx (the .venv made by scripts/setup-python.sh has onnx 1.17) and numpy.
+Needs onnx (the .venv made by scripts/setup/setup-python.sh has onnx 1.17) and numpy.
 """
 
 import argparse
@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LM = os.path.join(ROOT, "fixtures", "models", "lm_flat.onnx")
 CHUNK = 64 << 20  # bytes per inline initializer
 EXTERNAL_TENSOR = 1 << 30  # bytes per external initializer (1 GiB)

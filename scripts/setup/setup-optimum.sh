@@ -3,7 +3,7 @@
 # (fixtures/generate_optimum.py): Hugging Face optimum's ONNX exporter. Only needed to regenerate
 # that fixture; the tests use the committed graph (.venv only).
 #
-#   scripts/setup-optimum.sh          # .venv-optimum at the repository root (~5.5 GB, torch with CUDA libs)
+#   scripts/setup/setup-optimum.sh          # .venv-optimum at the repository root (~5.5 GB, torch with CUDA libs)
 #
 # Creates .venv-optimum with `python3.11 -m venv` when .venv-optimum/bin/python is missing and
 # installs the pins below when the venv is new or this script changed since the last install
@@ -20,7 +20,7 @@
 # build; it runs on CPU), the same build as .venv's.
 set -euo pipefail
 
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 venv="${OPTIMUM_VENV:-$root/.venv-optimum}"
 stamp="$venv/.setup.sha256"
 log="$venv/setup-optimum.log"

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # GPU check for a machine with an NVIDIA GPU. Three parts, each in its own Python environment:
 #
-#   scripts/gpu-check.sh [gpu_check.py options: --steps N --models lm_flat --losses ntil ...]
-#   scripts/gpu-check.sh --step [gpu_check_step.py options: --models gpt2_ts --losses ntil --self-test ...]
-#   scripts/gpu-check.sh --dp [--cpu] [gpu_check_dp.py options: --steps N --rtol R]
+#   scripts/gpu/gpu-check.sh [gpu_check.py options: --steps N --models lm_flat --losses ntil ...]
+#   scripts/gpu/gpu-check.sh --step [gpu_check_step.py options: --models gpt2_ts --losses ntil --self-test ...]
+#   scripts/gpu/gpu-check.sh --dp [--cpu] [gpu_check_dp.py options: --steps N --rtol R]
 #
-# Default (ORT Training, scripts/gpu_check.py): patch every fixture with every loss, train the
+# Default (ORT Training, scripts/gpu/gpu_check.py): patch every fixture with every loss, train the
 # patched graphs with ONNX Runtime Training on CUDAExecutionProvider and on the CPU, and compare
 # parameter gradients (step 1 within 1e-4, norm-relative; later steps within 1e-3) and losses;
 # compare the ops `ntl-patch inspect --target cuda-1.19` says fall back to CPU with what ORT logs; and
 # run `ntl-patch validate --runtime ort` with the onnxruntime-gpu wheel's libonnxruntime.so.
 #
-# --step (the step graph, scripts/gpu_check_step.py): `ntl-patch step` (AdamW, lr 1e-3) on
+# --step (the step graph, scripts/gpu/gpu_check_step.py): `ntl-patch step` (AdamW, lr 1e-3) on
 # lm_flat, gpt2_ts, gpt2_dynamo, llama_ts and llama_dynamo with wasserstein and ntil (--gumbel-noise 0
 # --combine add); 10 steps with python/ntl_patch StepRunner on plain onnxruntime-gpu 1.31.1 (no
 # ORT Training, no torch, no onnx), on CUDAExecutionProvider (use_tf32=0) and on CPUExecutionProvider
@@ -22,7 +22,7 @@
 # assignment (the session must run on CUDA) against `ntl-patch inspect --target cuda`'s prediction.
 # Report OUT/gpu-check-step.json.
 #
-# --dp (ntl_patch.DataParallel, scripts/gpu_check_dp.py): needs 2 GPUs; with fewer it says so and
+# --dp (ntl_patch.DataParallel, scripts/gpu/gpu_check_dp.py): needs 2 GPUs; with fewer it says so and
 # exits 0 (2 with --require-gpu). `ntl-patch step --split --max-grad-norm 0.5` on lm_flat, then
 # `torchrun --nproc-per-node 2`: one process per GPU, onnxruntime on CUDAExecutionProvider
 # (use_tf32=0), gradients averaged by NCCL all_reduce on torch tensors sharing the OrtValues' GPU
@@ -73,13 +73,13 @@
 # --require-gpu to make that exit 2). Exit 1 when a comparison fails.
 set -euo pipefail
 
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/ntl-patch-gpu-check"
 venv="${GPU_CHECK_VENV:-$cache/venv}"
 ort_dir="${GPU_CHECK_ORT:-$cache/ort}"
 python="${PYTHON:-python3}"
-ort_gpu_version="1.31.1" # the ORT C API the `ort` crate (api-31) needs, as scripts/setup-ort.sh
+ort_gpu_version="1.31.1" # the ORT C API the `ort` crate (api-31) needs, as scripts/setup/setup-ort.sh
 
 say() { echo "gpu-check: $*"; }
 
@@ -163,7 +163,7 @@ if [[ "${1:-}" == "--step" ]]; then
   else
     say "no nvidia-smi on this machine"
   fi
-  exec "$step_venv/bin/python" "$root/scripts/gpu_check_step.py" --bin "$bin" \
+  exec "$step_venv/bin/python" "$root/scripts/gpu/gpu_check_step.py" --bin "$bin" \
     --out "${OUT:-$root/target/gpu-check}" "$@"
 fi
 
@@ -198,7 +198,7 @@ if [[ "${1:-}" == "--dp" ]]; then
   fi
   ensure_venv "$dp_venv" "${dp_pkgs[@]}"
   find_bin
-  exec "$dp_venv/bin/python" "$root/scripts/gpu_check_dp.py" --bin "$bin" \
+  exec "$dp_venv/bin/python" "$root/scripts/gpu/gpu_check_dp.py" --bin "$bin" \
     --out "${OUT:-$root/target/gpu-check}" ${dp_args[@]+"${dp_args[@]}"}
 fi
 
@@ -244,5 +244,5 @@ else
 fi
 
 # -- 5. the check
-exec "$venv/bin/python" "$root/scripts/gpu_check.py" --bin "$bin" --ort-dylib "$dylib" \
+exec "$venv/bin/python" "$root/scripts/gpu/gpu_check.py" --bin "$bin" --ort-dylib "$dylib" \
   --out "${OUT:-$root/target/gpu-check}" "$@"

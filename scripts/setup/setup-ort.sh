@@ -4,7 +4,7 @@
 # apart from .venv, whose onnxruntime-training installs the same Python package name).
 # Prints the library path on stdout. Idempotent.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 version="1.31.1"
 target="$root/.venv-ort"
 lib="$target/onnxruntime/capi/libonnxruntime.so.$version"

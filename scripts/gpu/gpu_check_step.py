@@ -2,7 +2,7 @@
 """GPU check of `ntl-patch step` graphs (docs/STEP_GRAPH.md): train them with plain onnxruntime
 (python/ntl_patch StepRunner) on CUDAExecutionProvider and on CPUExecutionProvider, and compare.
 
-Run through `scripts/gpu-check.sh --step`, which makes the environment (onnxruntime-gpu 1.31.1,
+Run through `scripts/gpu/gpu-check.sh --step`, which makes the environment (onnxruntime-gpu 1.31.1,
 numpy 2.2.6 and the CUDA / cuDNN runtime wheels that build loads; no torch, no onnx). For each
 fixture x loss (default: lm_flat, gpt2_ts, gpt2_dynamo, llama_ts, llama_dynamo x wasserstein,
 ntil; NTIL with --gumbel-noise 0 --combine add, since the Gumbel noise is drawn in the graph and
@@ -58,7 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "fixtures"
 TOKENIZER = FIXTURES / "tokenizer.json"
 STEP_REF = FIXTURES / "reference" / "step"

@@ -6,10 +6,10 @@
 # Env: NTL_PATCH_BIN=path skips the release build and uses that binary.
 # Writes target/bench-step-graph.{md,json}; work files stay in target/bench-step-graph/.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
-[ -x .venv/bin/python ] || scripts/setup-python.sh
-scripts/setup-runtime.sh
+[ -x .venv/bin/python ] || scripts/setup/setup-python.sh
+scripts/setup/setup-runtime.sh
 if [ ! -x .venv-bench/bin/python ]; then
   python3 -m venv .venv-bench
 fi
@@ -20,5 +20,5 @@ if [ -z "${NTL_PATCH_BIN:-}" ]; then
   NTL_PATCH_BIN=target/release/ntl-patch
 fi
 out=target/bench-step-graph
-exec .venv/bin/python scripts/bench_step_graph.py --bin "$NTL_PATCH_BIN" --profile --workdir "$out" \
+exec .venv/bin/python scripts/bench/bench_step_graph.py --bin "$NTL_PATCH_BIN" --profile --workdir "$out" \
   --markdown "$out.md" --json "$out.json" "$@"

@@ -2,16 +2,16 @@
 """Benchmark one training step of the `ntl-patch step` graph against ORT Training, torch eager and
 onnxsim's compile_training_loop (bench/README.md, section "Step graph").
 
-    .venv/bin/python scripts/bench_step_graph.py [--rounds 10] [--models tinylm,gpt2] [--profile]
+    .venv/bin/python scripts/bench/bench_step_graph.py [--rounds 10] [--models tinylm,gpt2] [--profile]
 
 Models (both V = 32000, labels 30 % digit tokens, 2 % -100, NTL-WAS weight 0.3):
   tinylm  fixtures/tiny_lm.py TinyLM ("flat" CE), dim 64, hidden 128, B=4, T=512 (the setting of
-          scripts/bench_training_step.py)
+          scripts/bench/bench_training_step.py)
   gpt2    transformers GPT2LMHeadModel, 4 layers, d=256, 4 heads, B=8, T=256, random init,
           dropout 0, eager attention, exported with its own loss (TorchScript exporter, opset 17,
           training=TRAINING, do_constant_folding=False, dynamic B/T), as fixtures/generate_step.py
 
-Configurations, each in its own process (scripts/bench_step_graph_worker.py):
+Configurations, each in its own process (scripts/bench/bench_step_graph_worker.py):
   step     `ntl-patch step model.onnx --loss wasserstein` (AdamW), onnxruntime (.venv-rt) via
            python/ntl_patch StepRunner (state stays in OrtValues between steps)
   ort      `ntl-patch model.onnx --loss wasserstein` -> generate_artifacts(AdamW), ORT Training (.venv)
@@ -41,8 +41,8 @@ import time
 import warnings
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts" / "bench"))
 sys.path.insert(0, str(REPO / "fixtures"))
 sys.dont_write_bytecode = True
 
@@ -178,7 +178,7 @@ class Proc:
     def __init__(self, kind: str, work: Path, threads: int):
         self.kind = kind
         self.log = open(work / f"worker-{kind}.log", "w")
-        self.p = subprocess.Popen([str(PYTHONS[kind]), str(REPO / "scripts/bench_step_graph_worker.py"), kind,
+        self.p = subprocess.Popen([str(PYTHONS[kind]), str(REPO / "scripts/bench/bench_step_graph_worker.py"), kind,
                                    str(work), "--threads", str(threads)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.ready = None
@@ -266,7 +266,7 @@ def bench_model(name: str, args, work: Path, configs: list[str]) -> dict:
 
 
 def profile(name: str, args, work: Path) -> dict:
-    r = subprocess.run([str(PYTHONS["step"]), str(REPO / "scripts/bench_step_graph_worker.py"), "profile",
+    r = subprocess.run([str(PYTHONS["step"]), str(REPO / "scripts/bench/bench_step_graph_worker.py"), "profile",
                         str(work), "--threads", str(args.threads)], capture_output=True, text=True)
     if r.returncode != 0:
         return {"error": r.stderr[-2000:]}

@@ -3,7 +3,7 @@
 # TensorFlow/Keras + tf2onnx, JAX + optax + jax2onnx, Paddle + paddle2onnx. Only needed to
 # regenerate those fixtures; the tests use the committed graphs and values (.venv only).
 #
-#   scripts/setup-exporters.sh          # .venv-exporters at the repository root (~3 GB)
+#   scripts/setup/setup-exporters.sh          # .venv-exporters at the repository root (~3 GB)
 #
 # Creates .venv-exporters with `python3.11 -m venv` when .venv-exporters/bin/python is missing and
 # installs the pins below (with fixtures/exporters/constraints.txt, the full `pip freeze` of the
@@ -19,7 +19,7 @@
 # default post-pass, which pip-installs onnx_graphsurgeon at run time) is deliberately left out.
 set -euo pipefail
 
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 venv="${EXPORTERS_VENV:-$root/.venv-exporters}"
 constraints="$root/fixtures/exporters/constraints.txt"
 stamp="$venv/.setup.sha256"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""One benchmark configuration of scripts/bench_step_graph.py, in its own process.
+"""One benchmark configuration of scripts/bench/bench_step_graph.py, in its own process.
 
-    PYTHON scripts/bench_step_graph_worker.py KIND WORKDIR --threads 2
+    PYTHON scripts/bench/bench_step_graph_worker.py KIND WORKDIR --threads 2
 
 KIND: `step` (the `ntl-patch step` graph run by plain onnxruntime through
 python/ntl_patch StepRunner; run it with .venv-rt/bin/python), `ort` (ORT Training artifacts of the
@@ -31,7 +31,7 @@ import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WEIGHT = 0.3
 LR = 1e-3
 

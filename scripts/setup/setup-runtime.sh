@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent runtime-only Python environment for the step-graph runner (python/ntl_patch).
 #
-#   scripts/setup-runtime.sh          # .venv-rt at the repository root
+#   scripts/setup/setup-runtime.sh          # .venv-rt at the repository root
 #
 # Creates .venv-rt with `python3 -m venv` when .venv-rt/bin/python is missing, and installs the
 # pinned python/requirements.txt (onnxruntime + numpy only) when the venv is new or the file
@@ -11,8 +11,8 @@
 # Env: PYTHON (default python3) picks the interpreter used to create the venv.
 set -euo pipefail
 
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-source "$root/scripts/lib/pinned-venv.sh"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+source "$root/scripts/setup/lib/pinned-venv.sh"
 
 # this env proves the runner needs neither torch nor onnx
 no_torch_or_onnx() {

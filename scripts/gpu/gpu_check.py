@@ -2,7 +2,7 @@
 """GPU check of graphs patched by ntl-patch: train them with ONNX Runtime Training on the CUDA
 execution provider and on the CPU, and compare.
 
-Run through scripts/gpu-check.sh, which makes the environment (onnxruntime-training 1.19.2, the
+Run through scripts/gpu/gpu-check.sh, which makes the environment (onnxruntime-training 1.19.2, the
 CUDA 11.8 build, and the CUDA 11 / cuDNN 8 libraries it loads). For each fixture x loss:
 
   1. patch the fixture with the ntl-patch binary (NTIL with --gumbel-noise 0: the Gumbel noise is
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "fixtures"
 TOKENIZER = FIXTURES / "tokenizer.json"
 MODELS = ["lm_flat", "lm_bvt", "lm_nll"]

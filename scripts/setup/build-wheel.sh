@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the ntl-patch wheel (pyproject.toml: the binary + python/ntl_patch) with the pinned maturin.
 #
-#   scripts/build-wheel.sh                              # release build into target/wheels/
-#   scripts/build-wheel.sh --profile dev --strip --out DIR    # what tests/python/test_wheel.py runs
+#   scripts/setup/build-wheel.sh                              # release build into target/wheels/
+#   scripts/setup/build-wheel.sh --profile dev --strip --out DIR    # what tests/python/test_wheel.py runs
 #
 # Arguments go to `maturin build --locked`. maturin runs cargo in cargo's own target folder
 # ($CARGO_TARGET_DIR or target/), so a `--profile dev` build reuses what `cargo build` compiled
@@ -11,9 +11,9 @@
 # Env: PYTHON (default python3) creates the venv.
 set -euo pipefail
 
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
 venv="$root/.venv-maturin"
-source "$root/scripts/lib/pinned-venv.sh"
+source "$root/scripts/setup/lib/pinned-venv.sh"
 pinned_venv build-wheel "$venv" "$root/python/requirements-build.txt" >&2
 exec "$venv/bin/maturin" build --locked "$@"
