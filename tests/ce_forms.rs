@@ -102,7 +102,7 @@ fn every_exporter_form_is_recognised_and_validates_in_tract() {
 
 /// The step graph of every exporter form runs whole on the CUDA and ROCm kernel tables and is
 /// taken whole by the MIGraphX model: the masks' position bookkeeping uses no `Size`, `Range` or
-/// computed `ConstantOfShape` (README "GPU execution providers").
+/// computed `ConstantOfShape` (docs/GPU.md, "Step graphs").
 #[test]
 fn every_exporter_step_graph_has_no_gpu_fallback() {
     let dir = tempfile::tempdir().unwrap();

@@ -79,7 +79,7 @@ fn transformers_step_graphs_train_in_tract_like_onnxruntime() {
 /// The Hugging Face step graphs run whole on the GPU kernel tables of onnxruntime-gpu 1.31.1
 /// (CUDA) and onnxruntime-rocm 1.22.2 and are taken whole by the onnxruntime-migraphx 1.27.1
 /// model: their label shift's integer `Pad` runs on float64, `CastLike` becomes `Cast`, and the
-/// Slice/ReduceMean gradients need no `Size`/`Range` (README "GPU execution providers").
+/// Slice/ReduceMean gradients need no `Size`/`Range` (docs/GPU.md, "Step graphs").
 #[test]
 fn transformers_step_graphs_have_no_gpu_fallback() {
     let dir = tempfile::tempdir().unwrap();

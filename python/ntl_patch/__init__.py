@@ -1,4 +1,5 @@
-"""ntl_patch: the `ntl-patch` command from Python, and trainers for its step graphs.
+"""ntl_patch: the `ntl-patch` command from Python, and trainers for its step graphs
+(docs/PYTHON.md).
 
 - ``patch``, ``step``, ``artifacts``, ``validate``, ``inspect``: run the bundled binary with
   ``--json`` and return its summary as a dict; failures raise ``NtlPatchError`` (cli.py).

@@ -214,7 +214,7 @@ def _find_python(version: str) -> str | None:
     return None
 
 
-# the other supported Pythons this machine has (README says which were tested); found once,
+# the other supported Pythons this machine has (docs/PYTHON.md says which were tested); found once,
 # at collection, so a missing interpreter adds no test rather than a skipped one
 OTHER_PYTHONS = {v: p for v in ("3.10", "3.12", "3.13", "3.14") if (p := _find_python(v))}
 
