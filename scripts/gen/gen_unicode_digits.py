@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generate src/unicode_digits.rs: the Unicode tables that Python's float() uses.
+"""Generate src/vocab/unicode_digits.rs: the Unicode tables that Python's float() uses.
 
 CPython's float(str) first rewrites a non-ASCII string to ASCII
 (_PyUnicode_TransformDecimalAndSpaceToASCII): every non-ASCII whitespace
@@ -10,7 +10,7 @@ the Python that runs ntloss. We take them from this interpreter's
 
 Usage (from the repository root, with the system python3):
     python3 scripts/gen/gen_unicode_digits.py
-It overwrites src/unicode_digits.rs. The output is already rustfmt-clean.
+It overwrites src/vocab/unicode_digits.rs. The output is already rustfmt-clean.
 """
 
 import pathlib
@@ -18,7 +18,7 @@ import platform
 import sys
 import unicodedata
 
-OUT = pathlib.Path(__file__).resolve().parents[2] / "src" / "unicode_digits.rs"
+OUT = pathlib.Path(__file__).resolve().parents[2] / "src" / "vocab" / "unicode_digits.rs"
 
 
 def digit_zeros():
