@@ -13,7 +13,7 @@ pub enum Error {
     NotOnnx { path: PathBuf, reason: String },
     #[error("'{path}' has no graph; pass an exported ONNX model")]
     NoGraph { path: PathBuf },
-    #[error("no cross-entropy found (looked for SoftmaxCrossEntropyLoss, LogSoftmax + NegativeLogLikelihoodLoss and the cross-entropies README lists as written out of primitive ops{nested}); export the model with its plain loss (e.g. a module returning F.cross_entropy(...); label smoothing: export without it and pass --label-smoothing), or pass --add-loss for a logits-only export")]
+    #[error("no cross-entropy found (looked for SoftmaxCrossEntropyLoss, LogSoftmax + NegativeLogLikelihoodLoss and the cross-entropies docs/EXPORTERS.md lists as written out of primitive ops{nested}); export the model with its plain loss (e.g. a module returning F.cross_entropy(...); label smoothing: export without it and pass --label-smoothing), or pass --add-loss for a logits-only export")]
     NoCrossEntropy { nested: String },
     #[error("{count} cross-entropy nodes found: {found}; choose one with --ce-node NAME")]
     SeveralCrossEntropies { count: usize, found: String },

@@ -1,6 +1,6 @@
 //! The ONNX operator schemas: the version history, formal inputs/outputs and type parameters of
 //! every ONNX operator up to opset 21 (ONNX 1.16.1, the ONNX that ONNX Runtime 1.19.2 is built
-//! with), from `data/onnx-1.16-schemas.tsv` (written by `scripts/gen/onnx_schemas.py` from the
+//! with), from `data/onnx-1.16-schemas.tsv` (written by `scripts/gen/gen_onnx_schemas.py` from the
 //! onnx wheel; `data/README.md`). Read by the structure check (which inputs an op requires) and
 //! by the GPU kernel tables (which type parameter an argument binds).
 

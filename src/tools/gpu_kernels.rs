@@ -8,12 +8,12 @@
 //! - `data/ort-1.19-kernels.tsv`, `data/ort-1.31.1-cuda-kernels.tsv`,
 //!   `data/ort-1.22.2-rocm-kernels.tsv`: every kernel the providers (and the CPU provider) of
 //!   those releases register (op, domain, version range, type constraints, CPU-memory
-//!   inputs/outputs), extracted from ORT's source by `scripts/gen_kernel_table.py`;
+//!   inputs/outputs), extracted from ORT's source by `scripts/gen/gen_kernel_table.py`;
 //! - `data/ort-1.27.1-migraphx-ops.tsv`: the MIGraphX provider's supported-op list (it registers
 //!   no kernels; its rules are modelled in the [`migraphx`] module);
 //! - `data/onnx-1.16-schemas.tsv`: the version history and type parameters of every ONNX
 //!   operator up to opset 21 (ONNX 1.16.1, the ONNX that ORT 1.19.2 is built with), written by
-//!   `scripts/gen_onnx_schemas.py` from the onnx wheel.
+//!   `scripts/gen/gen_onnx_schemas.py` from the onnx wheel.
 //!
 //! A node is matched the way ORT's kernel registry matches it (`kernel_registry.cc`):
 //! 1. its op version is the latest version of the op at or below the model's opset for its
