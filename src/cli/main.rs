@@ -11,7 +11,8 @@ use ntl_ops::options::{Combine, LossKind, LossOptions, NtilOptions};
 use ntl_patch::io::model_io::ExternalDataAction;
 use ntl_patch::passes::artifacts::{run_artifacts, ArtifactsRequest};
 use ntl_patch::passes::pipeline::{run_patch, PatchRequest};
-use ntl_patch::passes::step::{run_step, OptimizerKind, OptimizerOptions, StepRequest};
+use ntl_patch::passes::step::loss_scale::LossScaleOptions;
+use ntl_patch::passes::step::{run_step, OptimizerKind, OptimizerOptions, Precision, StepRequest};
 use ntl_patch::text::escape;
 use ntl_patch::tools::validate::{self, Runtime, ValidateRequest};
 use ntl_patch::vocab::number_table::NumberSet;
@@ -94,6 +95,22 @@ struct StepArgs {
     /// Write a gradient graph (MODEL.grad.onnx) and an update graph (MODEL.update.onnx).
     #[arg(long)]
     split: bool,
+    /// Compute the forward and backward in float16 or bfloat16 where torch's autocast does
+    /// (float32 master weights and optimizer; fp16 with dynamic loss scaling) [default: fp32].
+    #[arg(long, value_enum)]
+    precision: Option<PrecisionArg>,
+    /// fp16 loss scaling: the initial scale (torch GradScaler's init_scale) [default: 65536].
+    #[arg(long, value_name = "S", allow_negative_numbers = true)]
+    init_scale: Option<f64>,
+    /// fp16 loss scaling: the factor after --growth-interval clean steps [default: 2].
+    #[arg(long, value_name = "F", allow_negative_numbers = true)]
+    growth_factor: Option<f64>,
+    /// fp16 loss scaling: the factor after a skipped (inf/NaN) step [default: 0.5].
+    #[arg(long, value_name = "F", allow_negative_numbers = true)]
+    backoff_factor: Option<f64>,
+    /// fp16 loss scaling: clean steps before the scale grows [default: 2000].
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    growth_interval: Option<i64>,
     /// Output path [default: MODEL.step.onnx beside the model; with --split MODEL.grad.onnx].
     #[arg(short, long)]
     output: Option<PathBuf>,
@@ -103,6 +120,16 @@ struct StepArgs {
     /// Print the summary as JSON.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum PrecisionArg {
+    /// float32 throughout.
+    Fp32,
+    /// float16 where autocast computes in it, dynamic loss scaling (GradScaler).
+    Fp16,
+    /// bfloat16 where autocast computes in it, no loss scaling.
+    Bf16,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -466,11 +493,42 @@ fn run_patch_cli(args: PatchArgs) -> Result<String, ntl_patch::Error> {
     })
 }
 
+/// `--precision` and fp16's loss-scaling options (refused with any other precision).
+fn precision_options(
+    args: &StepArgs,
+) -> Result<(Option<Precision>, LossScaleOptions), ntl_patch::Error> {
+    let precision = args.precision.map(|p| match p {
+        PrecisionArg::Fp32 => Precision::Fp32,
+        PrecisionArg::Fp16 => Precision::Fp16,
+        PrecisionArg::Bf16 => Precision::Bf16,
+    });
+    let given = args.init_scale.is_some()
+        || args.growth_factor.is_some()
+        || args.backoff_factor.is_some()
+        || args.growth_interval.is_some();
+    if given && precision != Some(Precision::Fp16) {
+        return Err(ntl_patch::Error::Usage(
+            "--init-scale, --growth-factor, --backoff-factor and --growth-interval set fp16's loss scaling; add --precision fp16 or drop them".into(),
+        ));
+    }
+    let d = LossScaleOptions::default();
+    Ok((
+        precision,
+        LossScaleOptions {
+            init_scale: args.init_scale.unwrap_or(d.init_scale),
+            growth_factor: args.growth_factor.unwrap_or(d.growth_factor),
+            backoff_factor: args.backoff_factor.unwrap_or(d.backoff_factor),
+            growth_interval: args.growth_interval.unwrap_or(d.growth_interval),
+        },
+    ))
+}
+
 fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
     let kind = match args.optimizer {
         OptimizerArg::Adamw => OptimizerKind::AdamW,
         OptimizerArg::Sgd => OptimizerKind::Sgd,
     };
+    let (precision, loss_scale) = precision_options(&args)?;
     let req = StepRequest {
         patch: PatchRequest {
             model: args.model,
@@ -498,6 +556,8 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
         },
         freeze: args.freeze,
         split: args.split,
+        precision,
+        loss_scale,
     };
     let s = run_step(&req)?;
     for n in &s.patch.notices {
@@ -516,6 +576,7 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
             "weight": req.patch.loss.weight,
             "number_tokens": s.patch.number_tokens,
             "optimizer": req.optimizer.to_json(),
+            "precision": req.precision().name(),
             "parameters": s.parameters,
             "parameter_elements": s.parameter_elements,
             "frozen": s.frozen,

@@ -23,7 +23,15 @@ impl ElemTypes {
                 types.insert(v.name().to_string(), t);
             }
         }
-        for node in &g.node {
+        let mut types = ElemTypes(types);
+        types.follow(&g.node);
+        types
+    }
+
+    /// Follows more nodes (emitted after the graph was inferred: a backward pass) forward.
+    pub fn follow(&mut self, nodes: &[crate::onnx::NodeProto]) {
+        let types = &mut self.0;
+        for node in nodes {
             let first_typed = || {
                 node.input
                     .iter()
@@ -61,7 +69,11 @@ impl ElemTypes {
                 types.entry(o.clone()).or_insert(t);
             }
         }
-        ElemTypes(types)
+    }
+
+    /// Records a tensor's type (a constant emitted after the graph was inferred).
+    pub fn set(&mut self, tensor: &str, elem_type: i32) {
+        self.0.insert(tensor.to_string(), elem_type);
     }
 
     pub fn get(&self, tensor: &str) -> Option<i32> {

@@ -279,14 +279,19 @@ fn needed_tensors<'a>(
 }
 
 /// Emits `d loss / d p` for every parameter in `params`; returns the gradient tensor names in
-/// the same order. `loss` must be a float32 scalar.
+/// the same order. `loss` must be a float32 scalar; `seed` (a float32 scalar, default 1) scales
+/// every gradient (a loss scale).
 pub fn differentiate(
     ctx: &mut Ctx,
     nodes: &[NodeProto],
     loss: &str,
     params: &[String],
+    seed: Option<&str>,
 ) -> Result<Vec<String>, Error> {
-    let seed = ctx.f32(1.0);
+    let seed = match seed {
+        Some(s) => s.to_string(),
+        None => ctx.f32(1.0),
+    };
     let mut grads = backward(ctx, nodes, loss, seed, params)?;
     params
         .iter()

@@ -5,7 +5,10 @@
 //! between the two).
 
 mod copies;
+pub mod loss_scale;
 pub mod optimizer;
+pub mod precision;
+mod upcast;
 mod zero_state;
 
 use std::collections::BTreeSet;
@@ -22,10 +25,12 @@ use crate::onnx::{
 };
 use crate::passes::grad::{self, Ctx};
 use crate::passes::pipeline::{patch_model, PatchRequest, PatchSummary};
+use loss_scale::{LossScaleOptions, ScaleState, SCALE_STATE, SKIP_OUTPUT, TRACKER_STATE};
 use ntl_ops::names::{CE_OUTPUT, NUMBER_OUTPUT, PREFIX};
 use ntl_ops::Builder;
 use optimizer::{emit_update, ParamUpdate};
 pub use optimizer::{OptimizerKind, OptimizerOptions};
+pub use precision::Precision;
 use zero_state::ZeroState;
 
 /// Metadata key of step graphs.
@@ -51,6 +56,16 @@ pub struct StepRequest {
     pub freeze: Vec<String>,
     /// Write a gradient graph and an update graph instead of one step graph.
     pub split: bool,
+    /// `--precision`; None: not given (float32, and half-precision exports are refused).
+    pub precision: Option<Precision>,
+    /// fp16's dynamic loss scaling.
+    pub loss_scale: LossScaleOptions,
+}
+
+impl StepRequest {
+    pub fn precision(&self) -> Precision {
+        self.precision.unwrap_or(Precision::Fp32)
+    }
 }
 
 pub struct StepSummary {
@@ -126,6 +141,7 @@ fn check_options(o: &OptimizerOptions) -> Result<(), Error> {
 
 pub fn run_step(req: &StepRequest) -> Result<StepSummary, Error> {
     check_options(&req.optimizer)?;
+    req.loss_scale.check().map_err(Error::Usage)?;
     let outputs = match &req.patch.output {
         Some(out) if req.split => split_outputs(out),
         Some(out) => vec![out.clone()],
@@ -285,6 +301,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
     let opset = default_opset(model).expect("checked by the patch step");
     let graph = model.graph.as_mut().expect("loaded models have a graph");
     let mut b = Builder::new(PREFIX, opset, GraphIndex::new(graph).taken_names());
+    widen_half_export(graph, req, &mut b)?;
     crate::passes::grad::canonical::canonicalize(graph, &mut b);
     // the rewrites' constants join the graph now, so shapes and ranks see their values
     graph.initializer.append(&mut b.initializers);
@@ -383,12 +400,6 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         .map(|d| d.iter().map(|&x| x as u64).product::<u64>())
         .sum();
 
-    let nodes = graph.node.clone();
-    let grads = {
-        let mut ctx = Ctx::new(&mut b, &mut ranks, &shapes, &types, opset);
-        grad::differentiate(&mut ctx, &nodes, &loss, &params)?
-    };
-
     // State names, claimed exactly.
     let claim = |b: &mut Builder, name: String| -> Result<String, Error> {
         if b.claim(&name) {
@@ -396,6 +407,55 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         } else {
             Err(Error::OutputNameTaken(name))
         }
+    };
+    let precision = req.precision();
+    // fp16: the backward is seeded with the loss scale (a state input)
+    let scale_state = if precision.scales_loss() {
+        Some(ScaleState {
+            scale: claim(&mut b, SCALE_STATE.to_string())?,
+            tracker: claim(&mut b, TRACKER_STATE.to_string())?,
+            next_scale: claim(&mut b, format!("{PREFIX}/next/{SCALE_STATE}"))?,
+            next_tracker: claim(&mut b, format!("{PREFIX}/next/{TRACKER_STATE}"))?,
+            skipped: claim(&mut b, SKIP_OUTPUT.to_string())?,
+        })
+    } else {
+        None
+    };
+    if let Some(s) = &scale_state {
+        ranks.set(&s.scale, 0);
+    }
+
+    let nodes = graph.node.clone();
+    let grads = {
+        let mut ctx = Ctx::new(&mut b, &mut ranks, &shapes, &types, opset);
+        let seed = scale_state.as_ref().map(|s| s.scale.as_str());
+        grad::differentiate(&mut ctx, &nodes, &loss, &params, seed)?
+    };
+    // Mixed precision: forward and backward retyped together; the optimizer stays float32.
+    let mixed = match precision.half_type() {
+        Some(half) => {
+            let mut all = nodes;
+            all.append(&mut b.nodes);
+            let mut sinks: std::collections::HashSet<String> = grads.iter().cloned().collect();
+            sinks.extend([loss.clone(), CE_OUTPUT.into(), NUMBER_OUTPUT.into()]);
+            let mut all_types = crate::graph::elem_types::ElemTypes::infer(graph);
+            for t in &b.initializers {
+                all_types.set(t.name(), t.data_type());
+            }
+            all_types.follow(&all[graph.node.len()..]);
+            let param_set = params.iter().cloned().collect();
+            let inputs = precision::Inputs {
+                graph,
+                new_initializers: &b.initializers.clone(),
+                params: &param_set,
+                ranks: &ranks,
+                types: &all_types,
+                opset,
+                float32_sinks: &sinks,
+            };
+            Some(precision::autocast(&mut b, all, half, &inputs))
+        }
+        None => None,
     };
     let slots = req.optimizer.slots();
     let mut updates = Vec::new();
@@ -429,6 +489,10 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         }
     }
     state.push((step_in.clone(), step_out.clone(), vec![], INT64));
+    if let Some(s) = &scale_state {
+        state.push((s.scale.clone(), s.next_scale.clone(), vec![], FLOAT));
+        state.push((s.tracker.clone(), s.next_tracker.clone(), vec![], INT64));
+    }
 
     let meta = serde_json::json!({
         "version": env!("CARGO_PKG_VERSION"),
@@ -441,6 +505,9 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         "losses": [loss, CE_OUTPUT, NUMBER_OUTPUT],
         "data_inputs": data_inputs(graph),
         "split": req.split,
+        "precision": precision.name(),
+        "loss_scale": scale_state.as_ref().map(|_| req.loss_scale.to_json()),
+        "skip_output": scale_state.as_ref().map(|s| s.skipped.clone()),
     })
     .to_string();
 
@@ -458,22 +525,29 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
             &updates,
             &grad_names,
             &state,
-            &step_in,
-            &step_out,
+            (&step_in, &step_out),
             &lr,
+            scale_state.as_ref(),
             &meta,
             &mut zeros,
         )?;
         let graph = model.graph.as_mut().expect("graph");
-        graph.node.extend(std::mem::take(&mut b.nodes));
-        graph
-            .initializer
-            .extend(std::mem::take(&mut b.initializers));
-        let param_inputs = params
+        set_nodes(graph, mixed, &mut b);
+        let mut param_inputs: Vec<ValueInfoProto> = params
             .iter()
             .zip(&param_dims)
-            .map(|(p, d)| tensor_info(p, FLOAT, d));
-        set_inputs(graph, param_inputs.collect());
+            .map(|(p, d)| tensor_info(p, FLOAT, d))
+            .collect();
+        // fp16: the gradient graph reads the current loss scale (the update graph holds it)
+        if let Some(s) = &scale_state {
+            param_inputs.push(tensor_info(&s.scale, FLOAT, &[]));
+            graph.initializer.push(crate::onnx::f32_tensor(
+                &s.scale,
+                &[],
+                &[req.loss_scale.init_scale as f32],
+            ));
+        }
+        set_inputs(graph, param_inputs);
         let grad_outputs: Vec<ValueInfoProto> = grad_names
             .iter()
             .zip(&param_dims)
@@ -483,13 +557,17 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         Some(update)
     } else {
         let mut ctx = Ctx::new(&mut b, &mut ranks, &shapes, &types, opset);
-        emit_update(&mut ctx, &req.optimizer, &updates, &step_in, &step_out, &lr);
+        emit_optimizer(
+            &mut ctx,
+            req,
+            &updates,
+            (&step_in, &step_out),
+            &lr,
+            scale_state.as_ref(),
+        );
         let graph = model.graph.as_mut().expect("graph");
-        graph.node.extend(std::mem::take(&mut b.nodes));
-        graph
-            .initializer
-            .extend(std::mem::take(&mut b.initializers));
-        add_state_initializers(graph, &state, &mut zeros)?;
+        set_nodes(graph, mixed, &mut b);
+        add_state_initializers(graph, &state, &mut zeros, req)?;
         graph.initializer.push(crate::onnx::f32_tensor(
             &lr,
             &[],
@@ -501,10 +579,11 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
             .collect();
         inputs.push(tensor_info(&lr, FLOAT, &[]));
         set_inputs(graph, inputs);
-        let next: Vec<ValueInfoProto> = state
+        let mut next: Vec<ValueInfoProto> = state
             .iter()
             .map(|(_, o, d, t)| tensor_info(o, *t, d))
             .collect();
+        next.extend(skip_output(scale_state.as_ref()));
         set_outputs(graph, &loss, next);
         None
     };
@@ -522,6 +601,76 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         update,
         zeros,
     })
+}
+
+/// The graph's nodes: the forward and backward (retyped by the precision pass, or as they
+/// are), then what `b` emitted after them; `b`'s constants join the initializers.
+fn set_nodes(graph: &mut GraphProto, mixed: Option<Vec<crate::onnx::NodeProto>>, b: &mut Builder) {
+    if let Some(nodes) = mixed {
+        graph.node = nodes;
+    }
+    graph.node.extend(std::mem::take(&mut b.nodes));
+    graph
+        .initializer
+        .extend(std::mem::take(&mut b.initializers));
+}
+
+/// The optimizer update, behind fp16's loss scaling where there is one.
+fn emit_optimizer(
+    ctx: &mut Ctx,
+    req: &StepRequest,
+    updates: &[ParamUpdate],
+    step: (&str, &str),
+    lr: &str,
+    scale_state: Option<&ScaleState>,
+) {
+    match scale_state {
+        Some(s) => loss_scale::emit_scaled_update(
+            ctx,
+            &req.optimizer,
+            &req.loss_scale,
+            updates,
+            step,
+            lr,
+            s,
+        ),
+        None => emit_update(ctx, &req.optimizer, updates, step.0, step.1, lr),
+    }
+}
+
+/// fp16's `ntl/skipped` output (bool scalar), after the state outputs.
+fn skip_output(scale_state: Option<&ScaleState>) -> Option<ValueInfoProto> {
+    scale_state.map(|s| tensor_info(&s.skipped, loss_scale::SKIP_TYPE, &[]))
+}
+
+/// Half-precision exports: refused without --precision; otherwise widened to float32 master
+/// copies (`upcast.rs`), so the rest of the step sees a float32 model.
+fn widen_half_export(
+    graph: &mut GraphProto,
+    req: &StepRequest,
+    b: &mut Builder,
+) -> Result<(), Error> {
+    let loss = graph.output[0].name().to_string();
+    let half_inits: Vec<String> = graph
+        .initializer
+        .iter()
+        .filter(|t| float_type_name(t.data_type()).is_some_and(|n| n != "float64"))
+        .map(|t| t.name().to_string())
+        .collect();
+    if half_inits.is_empty() {
+        return Ok(());
+    }
+    let reaching = grad::reaching_loss(&graph.node, &loss, &half_inits);
+    let Some((ty, example)) = upcast::weight_type(graph, &reaching) else {
+        return Ok(());
+    };
+    if req.precision.is_none() {
+        return Err(Error::Usage(format!(
+            "the weights are {} (e.g. '{example}'): add --precision fp16 or --precision bf16 (mixed precision) or --precision fp32; step trains float32 master copies either way",
+            upcast::type_name(ty)
+        )));
+    }
+    upcast::to_float32(graph, b)
 }
 
 /// The model's own data inputs: graph inputs that are not initializers.
@@ -563,6 +712,7 @@ fn add_state_initializers(
     graph: &mut GraphProto,
     state: &[(String, String, Vec<i64>, i32)],
     zeros: &mut ZeroState,
+    req: &StepRequest,
 ) -> Result<(), Error> {
     let params: BTreeSet<String> = graph
         .initializer
@@ -573,15 +723,33 @@ fn add_state_initializers(
         if params.contains(name) {
             continue;
         }
-        if *t == INT64 {
-            graph
-                .initializer
-                .push(crate::onnx::i64_tensor(name, &[], &[0]));
-            continue;
-        }
-        graph.initializer.push(zeros.tensor(name, dims)?);
+        graph
+            .initializer
+            .push(initial_state(name, dims, *t, zeros, req)?);
     }
     Ok(())
+}
+
+/// The initial value of a state tensor that is not a parameter: the loss scale's initial
+/// scale, 0 for the counters, zeros for the optimizer moments.
+fn initial_state(
+    name: &str,
+    dims: &[i64],
+    elem_type: i32,
+    zeros: &mut ZeroState,
+    req: &StepRequest,
+) -> Result<TensorProto, Error> {
+    if name == SCALE_STATE {
+        return Ok(crate::onnx::f32_tensor(
+            name,
+            &[],
+            &[req.loss_scale.init_scale as f32],
+        ));
+    }
+    if elem_type == INT64 {
+        return Ok(crate::onnx::i64_tensor(name, &[], &[0]));
+    }
+    zeros.tensor(name, dims)
 }
 
 /// The update graph of `--split`: parameters, optimizer state, gradients and the learning
@@ -593,9 +761,9 @@ fn update_model(
     updates: &[ParamUpdate],
     grad_names: &[String],
     state: &[(String, String, Vec<i64>, i32)],
-    step_in: &str,
-    step_out: &str,
+    step: (&str, &str),
     lr: &str,
+    scale_state: Option<&ScaleState>,
     meta: &str,
     zeros: &mut ZeroState,
 ) -> Result<ModelProto, Error> {
@@ -605,6 +773,7 @@ fn update_model(
         .flat_map(|(i, o, _, _)| [i.clone(), o.clone()])
         .chain(grad_names.iter().cloned())
         .chain([lr.to_string()])
+        .chain(scale_state.map(|s| s.skipped.clone()))
         .collect();
     let mut b = Builder::new(PREFIX, opset, taken);
     let mut ranks = Ranks::default();
@@ -624,7 +793,7 @@ fn update_model(
         .collect();
     {
         let mut ctx = Ctx::new(&mut b, &mut ranks, &shapes, &types, opset);
-        emit_update(&mut ctx, &req.optimizer, &local, step_in, step_out, lr);
+        emit_optimizer(&mut ctx, req, &local, step, lr, scale_state);
     }
     let mut graph = GraphProto {
         name: Some("ntl_update".into()),
@@ -636,11 +805,9 @@ fn update_model(
     for (name, _, dims, t) in state {
         graph.input.push(tensor_info(name, *t, dims));
         if !params.contains(name.as_str()) {
-            graph.initializer.push(if *t == INT64 {
-                crate::onnx::i64_tensor(name, &[], &[0])
-            } else {
-                zeros.tensor(name, dims)?
-            });
+            graph
+                .initializer
+                .push(initial_state(name, dims, *t, zeros, req)?);
         }
     }
     for (g, (_, _, dims, _)) in grad_names
@@ -656,6 +823,7 @@ fn update_model(
     graph.output = state
         .iter()
         .map(|(_, o, d, t)| tensor_info(o, *t, d))
+        .chain(skip_output(scale_state))
         .collect();
     let update = ModelProto {
         ir_version: model.ir_version,
