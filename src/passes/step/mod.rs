@@ -605,9 +605,10 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
 
 /// The graph's nodes: the forward and backward (retyped by the precision pass, or as they
 /// are), then what `b` emitted after them; `b`'s constants join the initializers.
-fn set_nodes(graph: &mut GraphProto, mixed: Option<Vec<crate::onnx::NodeProto>>, b: &mut Builder) {
-    if let Some(nodes) = mixed {
-        graph.node = nodes;
+fn set_nodes(graph: &mut GraphProto, mixed: Option<precision::Mixed>, b: &mut Builder) {
+    if let Some(mixed) = mixed {
+        mixed.retype(&mut graph.value_info);
+        graph.node = mixed.nodes;
     }
     graph.node.extend(std::mem::take(&mut b.nodes));
     graph

@@ -68,12 +68,12 @@ impl Precision {
 }
 
 /// Autocast's lower-precision list, as ONNX ops.
-const HALF_OPS: &[&str] = &["MatMul", "Gemm", "Einsum", "Conv", "ConvTranspose"];
+pub const HALF_OPS: &[&str] = &["MatMul", "Gemm", "Einsum", "Conv", "ConvTranspose"];
 
 /// Autocast's float32 list (CUDA), as ONNX ops: numerically sensitive ops and the reductions
 /// that accumulate. Max/min reductions, ArgMax and Hardmax are exact in any type and follow
 /// their input, as in torch.
-const FLOAT32_OPS: &[&str] = &[
+pub const FLOAT32_OPS: &[&str] = &[
     "Softmax",
     "LogSoftmax",
     "SoftmaxCrossEntropyLoss",
@@ -108,6 +108,12 @@ const FLOAT32_OPS: &[&str] = &[
     "Tan",
 ];
 
+/// Ops that would follow a half input but have no CUDA or ROCm kernel for that half type in
+/// the onnxruntime builds `inspect --target` models (onnxruntime-gpu 1.31.1, onnxruntime-rocm
+/// 1.22.2): they compute in float32 instead, so the whole step stays on the GPU.
+/// `tests/precision.rs` checks this list against the kernel tables for every ONNX op.
+pub const NO_GPU_HALF_KERNEL: &[(&str, i32)] = &[("Pad", BFLOAT16)];
+
 /// How a node's float inputs are typed.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Class {
@@ -117,14 +123,15 @@ enum Class {
     Follow,
 }
 
-fn class(node: &NodeProto) -> Class {
+fn class(node: &NodeProto, half: i32) -> Class {
     let op = node.op_type();
     let foreign = !matches!(node.domain(), "" | "ai.onnx");
     let subgraphs = node
         .attribute
         .iter()
         .any(|a| a.g.is_some() || !a.graphs.is_empty());
-    if foreign || subgraphs || FLOAT32_OPS.contains(&op) {
+    let no_kernel = NO_GPU_HALF_KERNEL.contains(&(op, half));
+    if foreign || subgraphs || no_kernel || FLOAT32_OPS.contains(&op) {
         Class::Float32
     } else if HALF_OPS.contains(&op) {
         Class::Half
@@ -147,15 +154,48 @@ pub struct Inputs<'a> {
     pub float32_sinks: &'a HashSet<String>,
 }
 
+/// The mixed-precision nodes, and the tensors of the float32 graph that are now half (their
+/// declared value types must follow).
+pub struct Mixed {
+    pub nodes: Vec<NodeProto>,
+    pub half: i32,
+    pub half_tensors: HashSet<String>,
+}
+
+impl Mixed {
+    /// Value infos of the float32 graph retyped: a tensor that became half is declared so.
+    pub fn retype(&self, values: &mut [crate::onnx::ValueInfoProto]) {
+        use crate::onnx::proto::type_proto::Value;
+        for v in values {
+            if !self.half_tensors.contains(v.name()) {
+                continue;
+            }
+            if let Some(Value::TensorType(t)) = v.r#type.as_mut().and_then(|t| t.value.as_mut()) {
+                t.elem_type = Some(self.half);
+            }
+        }
+    }
+}
+
 /// Rewrites `nodes` (the float32 forward and backward, in order) into the mixed-precision
 /// graph computing in `half` (float16 or bfloat16). New casts and constants go through `b`
 /// (nodes returned in order, constants left in `b.initializers`).
-pub fn autocast(b: &mut Builder, nodes: Vec<NodeProto>, half: i32, inp: &Inputs) -> Vec<NodeProto> {
+pub fn autocast(b: &mut Builder, nodes: Vec<NodeProto>, half: i32, inp: &Inputs) -> Mixed {
     let mut pass = Pass::new(b, half, inp);
     for node in nodes {
         pass.node(node);
     }
-    pass.out
+    let half_tensors = pass
+        .ty
+        .iter()
+        .filter(|(n, &t)| t == half && inp.types.get(n) == Some(FLOAT))
+        .map(|(n, _)| n.clone())
+        .collect();
+    Mixed {
+        nodes: pass.out,
+        half,
+        half_tensors,
+    }
 }
 
 struct Pass<'a, 'b> {
@@ -250,7 +290,7 @@ impl<'a, 'b> Pass<'a, 'b> {
     fn node(&mut self, mut node: NodeProto) {
         let schema = schemas().schema(node.domain(), node.op_type(), self.inp.opset);
         let class = match schema {
-            Some(_) => class(&node),
+            Some(_) => class(&node, self.half),
             None => Class::Float32,
         };
         // inputs by type parameter (fixed types and non-float inputs aside)
