@@ -287,8 +287,21 @@ def encode_tensor_with_data(buf, t: Tensor, array: np.ndarray) -> bytes:
 
 # --- rewriting ------------------------------------------------------------------------------------
 
+def _to_half(t: Tensor, array: np.ndarray) -> np.ndarray:
+    """A float32 master copy (`step --precision` on a float16/bfloat16 export) rounded to its
+    initializer's half type (bfloat16 as its bits, round to nearest even); others unchanged."""
+    if array.dtype != np.float32 or t.data_type not in (10, 16):
+        return array
+    if t.data_type == 10:
+        return array.astype(np.float16)
+    bits = np.ascontiguousarray(array).view(np.uint32)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    return np.where(np.isnan(array), 0x7FC0, rounded >> 16).astype(np.uint16)
+
+
 def _check(t: Tensor, array: np.ndarray) -> None:
-    want = ONNX_TO_NUMPY.get(t.data_type)
+    # bfloat16 travels as its uint16 bits (numpy has no bfloat16)
+    want = ONNX_TO_NUMPY.get(t.data_type, np.dtype("<u2") if t.data_type == 16 else None)
     if want is None or np.dtype(array.dtype).newbyteorder("<") != want.newbyteorder("<"):
         raise ValueError(f"initializer {t.name!r} is {type_name(t.data_type)}{list(t.shape)}, "
                          f"the trained value is {array.dtype}{list(array.shape)}: type mismatch")
@@ -362,7 +375,7 @@ def _plan(buf, src: Path, dst: Path, values: dict[str, np.ndarray], strict: bool
         t = by_name.get(name)
         if t is None:
             continue
-        array = np.asarray(array)
+        array = _to_half(t, np.asarray(array))
         _check(t, array)
         new_chunks[t.field_start] = tensor_chunks(buf, t, array)
         replaced.append(name)

@@ -22,7 +22,8 @@ _SOURCE = {"tokenizer": VALUE, "vocab_size": VALUE, "ce_node": VALUE, "add_loss"
 _OPTIMIZER = {
     "optimizer": VALUE, "lr": VALUE, "beta1": VALUE, "beta2": VALUE, "eps": VALUE,
     "weight_decay": VALUE, "momentum": VALUE, "max_grad_norm": VALUE, "freeze": MULTI,
-    "split": FLAG,
+    "split": FLAG, "precision": VALUE, "init_scale": VALUE, "growth_factor": VALUE,
+    "backoff_factor": VALUE, "growth_interval": VALUE,
 }
 
 # command -> {python option name: kind}; `out` is the wrappers' name for -o/--output

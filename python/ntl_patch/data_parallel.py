@@ -32,6 +32,7 @@ import onnxruntime as ort
 from . import _dlpack, _onnx_wire, _safetensors
 
 METADATA_KEY = "ntl_step"
+LOSS_SCALE_STATE = "ntl/state/loss_scale"
 CHECKPOINT_FORMAT = "ntl_patch.DataParallel/1"
 _GPU_PROVIDERS = {"CUDAExecutionProvider", "ROCMExecutionProvider", "MIGraphXExecutionProvider"}
 
@@ -115,6 +116,8 @@ class DataParallel:
         self._check_graphs()
         self._state = self._initial_state()
         self._steps = int(np.asarray(self._state_host(self.step_input)))
+        self.skipped_steps = 0
+        self.last_step_skipped = False
 
     # --- setup -------------------------------------------------------------------------------
 
@@ -145,6 +148,13 @@ class DataParallel:
         self.losses: list[str] = list(meta["losses"])
         self.state_names: list[tuple[str, str]] = [(str(i), str(o)) for i, o in meta["state"]]
         self.lr_input: str = meta["lr_input"]
+        # fp16: the update graph's skip output; the gradient graph reads the loss scale (its
+        # gradients are scaled; the update graph unscales the averaged gradient and checks it
+        # for inf/NaN, which an inf on any rank carries into the average: a global check)
+        self.skip_output: str | None = meta.get("skip_output")
+        gin = {i.name for i in (*self.grad_session.get_inputs(),
+                                *self.grad_session.get_overridable_initializers())}
+        self._scale_input = LOSS_SCALE_STATE if LOSS_SCALE_STATE in gin else None
         self.step_input = next((i for i, _ in self.state_names if i == "ntl/state/step"),
                                self.state_names[-1][0])
         outs = [o.name for o in self.grad_session.get_outputs()]
@@ -181,8 +191,16 @@ class DataParallel:
 
     @property
     def steps_taken(self) -> int:
-        """Optimizer steps taken (the state's step count)."""
+        """Optimizer steps taken (the state's step count; fp16 steps skipped for an inf/NaN
+        gradient are not counted)."""
         return self._steps
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16: the current loss scale (the same on every rank); None without one."""
+        if self._scale_input is None:
+            return None
+        return float(np.asarray(self._state_host(LOSS_SCALE_STATE)).reshape(-1)[0])
 
     def step(self, batch, lr: float | None = None) -> tuple[float, float, float]:
         """One optimizer step. batch: this rank's shard, a dict (data input name -> numpy array,
@@ -202,8 +220,11 @@ class DataParallel:
         if self.world_size > 1:
             self._dist.all_reduce(flat, op=self._dist.ReduceOp.SUM, group=self.group)
         flat.div_(self.world_size * self.accumulation_steps)
-        self._update(flat, lr)
-        self._steps += 1
+        self.last_step_skipped = self._update(flat, lr)
+        if self.last_step_skipped:
+            self.skipped_steps += 1
+        else:
+            self._steps += 1
         return tuple(float(x) for x in flat[self._numel:].tolist())  # type: ignore[return-value]
 
     def _bind_data(self, binding, batch: dict, keep: list) -> None:
@@ -236,6 +257,8 @@ class DataParallel:
         self._bind_data(b, batch, keep)
         for p in self.parameter_names:
             b.bind_ortvalue_input(p, self._state[p])
+        if self._scale_input:
+            b.bind_ortvalue_input(self._scale_input, self._state[self._scale_input])
         for name in (*self.losses, *self.grad_names):
             b.bind_output(name, self.device, self.device_id)
         self._sync_torch()
@@ -248,7 +271,8 @@ class DataParallel:
             flat[self._numel + j].add_(_dlpack.to_torch(v).reshape(()).to(flat.dtype))
         del keep
 
-    def _update(self, flat, lr) -> None:
+    def _update(self, flat, lr) -> bool:
+        """Runs the update graph; True when it skipped the step (fp16, an inf/NaN gradient)."""
         b = self.update_session.io_binding()
         grads = [_dlpack.from_torch(flat[off:off + n].view(shape))
                  for (off, n), shape in zip(self._spans, self._shapes)]
@@ -262,6 +286,8 @@ class DataParallel:
             b.bind_ortvalue_input(self.lr_input, ort.OrtValue.ortvalue_from_numpy(np.array(lr, np.float32)))
         for _, out in self.state_names:
             b.bind_output(out, self.device, self.device_id)
+        if self.skip_output:
+            b.bind_output(self.skip_output, "cpu")
         self._sync_torch()
         self.update_session.run_with_iobinding(b)
         b.synchronize_outputs()
@@ -269,6 +295,9 @@ class DataParallel:
         b.clear_binding_inputs()
         self._state = {name: v for (name, _), v in zip(self.state_names, values)}
         del grads
+        if not self.skip_output:
+            return False
+        return bool(np.asarray(values[len(self.state_names)].numpy()).reshape(-1)[0])
 
     # --- state -------------------------------------------------------------------------------
 

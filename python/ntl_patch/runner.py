@@ -15,6 +15,11 @@ OrtValues; each step sends the batch and returns the three loss scalars::
             print(f"step {runner.steps_taken}: {total:.4f} (ce {ce:.4f}, number {number:.4f})")
     np.savez("checkpoint.npz", **runner.state_dict())    # resume: runner.load_state_dict(...)
     runner.save_inference_model("model.onnx", "model.trained.onnx")
+
+fp16 step graphs (`ntl-patch step --precision fp16`) scale the loss dynamically, as
+torch.amp.GradScaler: ``runner.last_step_skipped`` tells whether the last step found an inf/NaN
+gradient and changed nothing, ``runner.loss_scale`` is the current scale, ``runner.skipped_steps``
+counts the skipped steps (``steps_taken`` counts the applied ones, as the optimizer's step count).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import onnxruntime as ort
 from . import _onnx_wire
 
 METADATA_KEY = "ntl_step"
+LOSS_SCALE_STATE = "ntl/state/loss_scale"
 _REQUIRED_KEYS = ("state", "parameters", "lr_input", "losses", "data_inputs")
 
 # execution provider -> IOBinding device type of its memory
@@ -101,13 +107,16 @@ class StepRunner:
         self.data_inputs: list[str] = list(meta["data_inputs"])
         self.losses: list[str] = list(meta["losses"])
         self.lr_input: str | None = meta["lr_input"]
+        # fp16: the bool output telling a skipped step (None for graphs without loss scaling)
+        self.skip_output: str | None = meta.get("skip_output")
 
         # inputs with an initializer (the state, ntl/lr) are "overridable initializers" to ORT
         inputs = {i.name: i for i in (*self.session.get_inputs(),
                                       *self.session.get_overridable_initializers())}
         outputs = {o.name for o in self.session.get_outputs()}
         want_in = self.data_inputs + [i for i, _ in self.state_names]
-        want_out = self.losses + [o for _, o in self.state_names]
+        want_out = self.losses + [o for _, o in self.state_names] + \
+            ([self.skip_output] if self.skip_output else [])
         absent = [n for n in want_in if n not in inputs] + [n for n in want_out if n not in outputs]
         if absent or len(self.losses) != 3:
             raise ValueError(f"{self.path}: graph does not match its '{METADATA_KEY}' metadata "
@@ -126,13 +135,25 @@ class StepRunner:
 
         self._state: dict[str, ort.OrtValue] | None = None  # None: the initializer defaults
         self._steps = 0
+        self.skipped_steps = 0
+        self.last_step_skipped = False
 
     # --- training -----------------------------------------------------------------------------
 
     @property
     def steps_taken(self) -> int:
-        """Steps run by this runner (plus the step count of a state loaded by load_state_dict)."""
+        """Steps applied by this runner (plus the step count of a state loaded by
+        load_state_dict); fp16 steps skipped for an inf/NaN gradient are not counted."""
         return self._steps
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16: the current loss scale (state ``ntl/state/loss_scale``); None without one."""
+        if not any(i == LOSS_SCALE_STATE for i, _ in self.state_names):
+            return None
+        if self._state is None:
+            return float(_onnx_wire.read_initializers(self.path, [LOSS_SCALE_STATE])[LOSS_SCALE_STATE])
+        return float(np.asarray(self._host(LOSS_SCALE_STATE)).reshape(-1)[0])
 
     def step(self, batch: dict, lr: float | None = None) -> tuple[float, float, float]:
         """One training step on batch (data input name -> array); lr overrides the graph's
@@ -161,12 +182,19 @@ class StepRunner:
             b.bind_output(name, "cpu")
         for _, out in self.state_names:
             b.bind_output(out, self.device, self.device_id)
+        if self.skip_output:
+            b.bind_output(self.skip_output, "cpu")
         self.session.run_with_iobinding(b)
         values = b.get_outputs()
         b.clear_binding_inputs()  # release the previous state; the outputs stay with b
         losses = tuple(float(np.asarray(v.numpy()).reshape(-1)[0]) for v in values[:3])
-        self._state = {name: v for (name, _), v in zip(self.state_names, values[3:])}
-        self._steps += 1
+        n = len(self.state_names)
+        self._state = {name: v for (name, _), v in zip(self.state_names, values[3:3 + n])}
+        self.last_step_skipped = bool(self.skip_output) and bool(np.asarray(values[3 + n].numpy()).reshape(-1)[0])
+        if self.last_step_skipped:
+            self.skipped_steps += 1
+        else:
+            self._steps += 1
         del keep
         return losses  # type: ignore[return-value]
 
@@ -243,7 +271,8 @@ class StepRunner:
         the exported training graph or a logits-only model) to out with each trained parameter's
         initializer replaced by its trained value (raw_data); every other byte is kept. Atomic.
         strict=False skips parameters the model does not hold. Parameters stored as external data
-        are written inline; NotImplementedError if that reaches protobuf's 2 GB limit."""
+        are written inline; NotImplementedError if that reaches protobuf's 2 GB limit. The float32
+        master copies of a float16/bfloat16 export (`--precision`) are rounded to its type."""
         _onnx_wire.replace_initializers(original_model, out, self.parameters(), strict=strict)
         return Path(out)
 

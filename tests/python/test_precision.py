@@ -410,6 +410,22 @@ def test_half_export_needs_precision_and_trains_from_float32_masters(elem, tmp_p
     want = ort.InferenceSession(str(ref), so, providers=["CPUExecutionProvider"]).run(
         None, {"input_ids": x, "labels": y, **masters})
     np.testing.assert_allclose(got[:3], want[:3], rtol=1e-6)
+    # the trained float32 masters go back into the half export rounded to its type
+    import sys
+
+    sys.path.insert(0, str(MODELS.parents[1] / "python"))
+    from ntl_patch import StepRunner
+
+    runner = StepRunner(out, providers=["CPUExecutionProvider"])
+    for x, y in _batches("lm_flat")[:2]:
+        runner.step({"input_ids": x, "labels": y})
+    saved = runner.save_inference_model(src, tmp_path / "trained.onnx")
+    trained = {t.name: t for t in onnx.load(str(saved)).graph.initializer}
+    for p, v in runner.parameters().items():
+        assert trained[p].data_type == half[p].data_type
+        want = torch.from_numpy(v).to(torch.float16 if elem == "float16" else torch.bfloat16).float().numpy()
+        np.testing.assert_array_equal(_as_f32(trained[p]), want)
+        assert not np.array_equal(_as_f32(trained[p]), _as_f32(half[p])), p
     if elem == "float16":  # fp16: the float32 export's fp16 graph from the same weights, in tract
         out16, ref16 = tmp_path / "h.step.onnx", tmp_path / "r.step.onnx"
         assert run_patch(["step", src, *base, "--precision", "fp16", "-o", out16]).returncode == 0
@@ -439,3 +455,66 @@ def test_precision_option_errors(tmp_path):
         assert r.returncode in (1, 2) and needle in r.stderr, (extra, r.stderr)
         assert r.stderr.strip().count("\n") == 0, r.stderr
         assert not (tmp_path / "o.onnx").exists()
+
+
+# ---------------------------------------------------------------------------- Python API
+
+
+def test_step_runner_exposes_skips_and_scale(tmp_path):
+    """StepRunner on onnxruntime (CPU): skipped steps change no state, steps_taken counts the
+    applied ones (torch's optimizer step count), loss_scale follows GradScaler's schedule."""
+    import sys
+
+    sys.path.insert(0, str(MODELS.parents[1] / "python"))
+    from ntl_patch import StepRunner
+
+    out = tmp_path / "m.step.onnx"
+    step_graph("lm_flat", out, "fp16", *scaler_args(OVERFLOW))
+    r = StepRunner(out, providers=["CPUExecutionProvider"])
+    assert r.loss_scale == 2.0 ** 40 and r.skip_output == "ntl/skipped"
+    before = r.state_dict()
+    rows = []
+    for x, y in _batches("lm_flat")[:6]:
+        r.step({"input_ids": x, "labels": y})
+        rows.append((r.last_step_skipped, r.loss_scale, r.steps_taken, r.skipped_steps))
+        after = r.state_dict()
+        for name, v in before.items():
+            if r.last_step_skipped and name not in ("ntl/state/loss_scale", "ntl/state/growth_tracker"):
+                assert np.array_equal(after[name], v), name
+        before = after
+    assert [s for s, *_ in rows[:4]] == [True, True, True, False], rows
+    assert [sc for _, sc, *_ in rows[:3]] == [2.0 ** 32, 2.0 ** 24, 2.0 ** 16], rows
+    skipped, applied = rows[-1][3], rows[-1][2]
+    assert skipped + applied == 6 and int(before["ntl/state/step"]) == applied
+    fp32 = tmp_path / "f.step.onnx"
+    step_graph("lm_flat", fp32, "fp32")
+    plain = StepRunner(fp32, providers=["CPUExecutionProvider"])
+    assert plain.loss_scale is None and plain.skip_output is None
+    plain.step({"input_ids": x, "labels": y})
+    assert not plain.last_step_skipped and plain.steps_taken == 1
+
+
+def test_data_parallel_inf_check_is_global(tmp_path):
+    """DataParallel on fp16 --split graphs, 2 ranks (gloo): an inf in one rank's gradient skips
+    the step on every rank (the update graph checks the all-reduced gradient), as DDP +
+    GradScaler; the ranks stay bit-identical."""
+    import os
+    import subprocess
+    import sys
+
+    grad = tmp_path / "lm.grad.onnx"
+    summary = step_graph("lm_flat", grad, "fp16", "--split")
+    assert summary["outputs"][1].endswith("lm.update.onnx")
+    torchrun = Path(sys.executable).parent / "torchrun"
+    p = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2",
+                        str(Path(__file__).parent / "dp_amp_worker.py"), str(grad), str(tmp_path / "r.npz")],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, f"torchrun exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    z = np.load(tmp_path / "r.npz")
+    for rank in ("rank0", "rank1"):
+        rows = z[rank]
+        assert list(rows[:, 1]) == [0, 0, 1, 0, 0, 0], (rank, rows)
+        assert list(rows[:, 2]) == [65536] * 2 + [32768] * 4, (rank, rows)
+        assert list(rows[:, 3]) == [1, 2, 2, 3, 4, 5], (rank, rows)
+        assert np.all(np.isfinite(rows[:, 0]))
+    assert bool(z["same_params"])
