@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# GPU check for a machine with an NVIDIA GPU. Three parts, each in its own Python environment:
+# GPU check for a machine with an NVIDIA GPU. Four parts, each in its own Python environment:
 #
 #   scripts/gpu/gpu-check.sh [gpu_check.py options: --steps N --models lm_flat --losses ntil ...]
 #   scripts/gpu/gpu-check.sh --step [gpu_check_step.py options: --models gpt2_ts --losses ntil --self-test ...]
 #   scripts/gpu/gpu-check.sh --dp [--cpu] [gpu_check_dp.py options: --steps N --rtol R]
+#   scripts/gpu/gpu-check.sh --precision [--cpu] [gpu_check_precision.py options: --models gpt2_ts --steps N]
 #
 # Default (ORT Training, scripts/gpu/gpu_check.py): patch every fixture with every loss, train the
 # patched graphs with ONNX Runtime Training on CUDAExecutionProvider and on the CPU, and compare
@@ -31,7 +32,16 @@
 # (relative; lm_flat's k.bias, whose exact gradient is zero, left out), the resumed run
 # bit-identical. Report OUT/gpu-check-dp.json (+ gpu-check-dp.log). `--dp --cpu`: the same with
 # gloo and the CPU provider, on any machine (a dry run of the script).
-# Run the three parts one after the other for the full check.
+# --precision (mixed-precision step graphs, scripts/gpu/gpu_check_precision.py): `ntl-patch step
+# --precision fp32|fp16|bf16` on gpt2_ts and llama_ts, 20 AdamW steps with StepRunner on
+# CUDAExecutionProvider against torch on the same GPU (autocast + GradScaler for fp16, autocast
+# for bf16, plain float32) and the float64 trajectory: equal skipped steps and scales, losses
+# within 2u, parameters as close to float64 as torch's (the CPU test's criteria); the step time
+# and GPU memory of each precision, graph and torch, in OUT/gpu-check-precision.json. This is
+# where bf16 numerics are checked at all (no CPU runtime here runs bfloat16). `--precision
+# --cpu`: a dry run on the CPU (fp32 and fp16; onnxruntime's CPU provider computes float16
+# nodes in float32).
+# Run the parts one after the other for the full check.
 # NOTE: PyPI's onnxruntime-gpu 1.31.1 is a CUDA 13.0 build (its build_and_package_info says
 # cuda_version 13.0; libonnxruntime_providers_cuda.so needs libcublas.so.13, libcudart.so.13): it
 # needs an NVIDIA driver >= 580 (`nvidia-smi` shows "CUDA Version: 13.0" or newer) and gets the
@@ -66,6 +76,10 @@
 #                    build, so torch's CUDA 12 libraries serve both: onnxruntime.preload_dlls() loads
 #                    them after `import torch`) and numpy==2.2.6; --cpu: onnxruntime==1.31.1 instead
 #   GPU_CHECK_DP_ORT   --dp: the onnxruntime package spec instead of onnxruntime-gpu==1.22.0
+#   GPU_CHECK_PRECISION_VENV  --precision: the environment (default ~/.cache/ntl-patch-gpu-check/
+#                    venv-precision; venv-precision-cpu with --cpu): the --dp packages plus
+#                    transformers==5.24.0, tokenizers==0.23.3 and ntloss==0.3.2 (the reference
+#                    models and losses, tests/python/requirements.txt's pins)
 #   OUT              report folder (default target/gpu-check/): gpu-check.json, gpu-check-step.json,
 #                    gpu-check-dp.json
 # pip reads its usual variables (PIP_INDEX_URL, PIP_FIND_LINKS, PIP_NO_INDEX) for offline
@@ -200,6 +214,32 @@ if [[ "${1:-}" == "--dp" ]]; then
   find_bin
   exec "$dp_venv/bin/python" "$root/scripts/gpu/gpu_check_dp.py" --bin "$bin" \
     --out "${OUT:-$root/target/gpu-check}" ${dp_args[@]+"${dp_args[@]}"}
+fi
+
+# -- mixed-precision step graphs against torch autocast (--precision)
+if [[ "${1:-}" == "--precision" ]]; then
+  shift
+  cpu=""
+  for a in "$@"; do [[ "$a" == "--cpu" ]] && cpu=1; done
+  ref_pkgs=("numpy==2.2.6" "transformers==5.24.0" "tokenizers==0.23.3" "ntloss==0.3.2")
+  if [[ -z "$cpu" ]]; then
+    p_venv="${GPU_CHECK_PRECISION_VENV:-$cache/venv-precision}"
+    p_pkgs=("torch==2.7.1" "onnxruntime-gpu==1.22.0" "${ref_pkgs[@]}")
+  else
+    p_venv="${GPU_CHECK_PRECISION_VENV:-$cache/venv-precision-cpu}"
+    p_pkgs=("torch==2.7.1" "onnxruntime==$ort_gpu_version" "${ref_pkgs[@]}")
+  fi
+  ensure_venv "$p_venv" "${p_pkgs[@]}"
+  find_bin
+  if command -v nvidia-smi >/dev/null; then
+    say "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n 1 || echo 'nvidia-smi failed')"
+  fi
+  # onnxruntime-gpu 1.22 loads the CUDA 12 / cuDNN 9 libraries torch brings (preload_dlls)
+  exec "$p_venv/bin/python" -c 'import torch, onnxruntime as o, runpy, sys
+getattr(o, "preload_dlls", lambda: None)()
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")' "$root/scripts/gpu/gpu_check_precision.py" --bin "$bin" \
+    --out "${OUT:-$root/target/gpu-check}" "$@"
 fi
 
 # -- 1. Python environment
