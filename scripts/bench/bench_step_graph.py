@@ -14,6 +14,7 @@ Models (both V = 32000, labels 30 % digit tokens, 2 % -100, NTL-WAS weight 0.3):
 Configurations, each in its own process (scripts/bench/bench_step_graph_worker.py):
   step     `ntl-patch step model.onnx --loss wasserstein` (AdamW), onnxruntime (.venv-rt) via
            python/ntl_patch StepRunner (state stays in OrtValues between steps)
+  step16   the same with `--precision fp16` (not in the default --configs)
   ort      `ntl-patch model.onnx --loss wasserstein` -> generate_artifacts(AdamW), ORT Training (.venv)
   torch    torch eager, CE + 0.3*ntloss.NTLoss(digit_level=True), torch.optim.AdamW (.venv)
   onnxsim  onnxsim.compile_training_loop(forward patch with static B/T, "adam") (.venv-bench)
@@ -48,10 +49,12 @@ sys.dont_write_bytecode = True
 
 import bench_step_graph_worker as worker  # noqa: E402
 
-PYTHONS = {"step": REPO / ".venv-rt/bin/python", "ort": REPO / ".venv/bin/python",
+PYTHONS = {"step": REPO / ".venv-rt/bin/python", "step16": REPO / ".venv-rt/bin/python",
+           "ort": REPO / ".venv/bin/python",
            "torch": REPO / ".venv/bin/python", "onnxsim": REPO / ".venv-bench/bin/python"}
 LABELS = {
     "step": "`ntl-patch step` graph, onnxruntime 1.31.1 (StepRunner)",
+    "step16": "the same with `--precision fp16` (CPU: float16 nodes run in float32)",
     "ort": "ORT Training 1.19.2: forward patch + generate_artifacts",
     "torch": "torch eager, CE + 0.3·ntloss.NTLoss",
     "onnxsim": "onnxsim 0.8.1 `compile_training_loop`",
@@ -131,6 +134,8 @@ def prepare(name: str, args, work: Path) -> dict:
             )
     t_step = run_cli(args.bin, ["step", work / "model.onnx", "--loss", "wasserstein",
                                 "-o", work / "model.step.onnx", "--json"])
+    run_cli(args.bin, ["step", work / "model.onnx", "--loss", "wasserstein", "--precision", "fp16",
+                       "-o", work / "model.step16.onnx"])
     t_patch = run_cli(args.bin, [work / "model.onnx", "--loss", "wasserstein", "-o", work / "model.ntl.onnx"])
     sm = onnx.load(str(work / "model.step.onnx"), load_external_data=False)
     step_meta = json.loads({q.key: q.value for q in sm.metadata_props}["ntl_step"])
