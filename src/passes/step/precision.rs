@@ -108,11 +108,72 @@ pub const FLOAT32_OPS: &[&str] = &[
     "Tan",
 ];
 
-/// Ops that would follow a half input but have no CUDA or ROCm kernel for that half type in
-/// the onnxruntime builds `inspect --target` models (onnxruntime-gpu 1.31.1, onnxruntime-rocm
-/// 1.22.2): they compute in float32 instead, so the whole step stays on the GPU.
-/// `tests/precision.rs` checks this list against the kernel tables for every ONNX op.
-pub const NO_GPU_HALF_KERNEL: &[(&str, i32)] = &[("Pad", BFLOAT16)];
+/// Ops with no CUDA or ROCm kernel for the half type in the onnxruntime builds `inspect
+/// --target cuda|rocm` models (onnxruntime-gpu 1.31.1, onnxruntime-rocm 1.22.2) at some opset
+/// 13–21: they compute in float32 instead (even a half op such as bf16 Einsum), so the whole
+/// step stays on the GPU. `tests/precision.rs` derives both lists from the kernel tables for
+/// every ONNX operator and checks them equal.
+pub const NO_GPU_FLOAT16: &[&str] = &["EyeLike", "GridSample", "Range", "RoiAlign"];
+pub const NO_GPU_BFLOAT16: &[&str] = &[
+    "Abs",
+    "AveragePool",
+    "Ceil",
+    "Clip",
+    "Conv",
+    "ConvTranspose",
+    "Cos",
+    "DeformConv",
+    "DepthToSpace",
+    "DequantizeLinear",
+    "Einsum",
+    "Elu",
+    "EyeLike",
+    "Floor",
+    "GRU",
+    "Gelu",
+    "GlobalAveragePool",
+    "GlobalMaxPool",
+    "GridSample",
+    "HardSigmoid",
+    "HardSwish",
+    "LRN",
+    "LSTM",
+    "LeakyRelu",
+    "MaxPool",
+    "OneHot",
+    "PRelu",
+    "Pad",
+    "RNN",
+    "RandomNormal",
+    "RandomNormalLike",
+    "RandomUniform",
+    "RandomUniformLike",
+    "Range",
+    "ReduceMax",
+    "ReduceMin",
+    "Resize",
+    "RoiAlign",
+    "Round",
+    "Selu",
+    "Shrink",
+    "Sign",
+    "Sin",
+    "Softsign",
+    "SpaceToDepth",
+    "ThresholdedRelu",
+    "TopK",
+    "Where",
+];
+
+/// Whether `op` has no GPU kernel for `half` (see the lists above).
+pub fn no_gpu_kernel(op: &str, half: i32) -> bool {
+    let list = if half == FLOAT16 {
+        NO_GPU_FLOAT16
+    } else {
+        NO_GPU_BFLOAT16
+    };
+    list.contains(&op)
+}
 
 /// How a node's float inputs are typed.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -130,7 +191,7 @@ fn class(node: &NodeProto, half: i32) -> Class {
         .attribute
         .iter()
         .any(|a| a.g.is_some() || !a.graphs.is_empty());
-    let no_kernel = NO_GPU_HALF_KERNEL.contains(&(op, half));
+    let no_kernel = no_gpu_kernel(op, half);
     if foreign || subgraphs || no_kernel || FLOAT32_OPS.contains(&op) {
         Class::Float32
     } else if HALF_OPS.contains(&op) {
