@@ -56,7 +56,7 @@ OVERFLOW = dict(init_scale=2.0 ** 40, growth_factor=2.0 ** 8, backoff_factor=2.0
 
 def step_graph(model: str, out: Path, precision: str, *extra) -> dict:
     args = [MODELS / f"{model}.onnx", "--tokenizer", TOKENIZER, "--loss", "wasserstein",
-            "--weight", str(WEIGHT), "--lr", str(ADAMW["lr"]), "--precision", precision, "-o", out,
+            "--weight", str(WEIGHT), "--precision", precision, "-o", out,  # --lr: 1e-3, ADAMW's
             "--json", *extra]
     r = run_patch(["step", *map(str, args)])
     assert r.returncode == 0, f"ntl-patch step exited {r.returncode}\n{r.stdout}\n{r.stderr}"
@@ -115,15 +115,24 @@ def _torch_model(model: str, dtype):
     return m, loss
 
 
+SGD_CLIP = dict(lr=1e-2, momentum=0.9, weight_decay=0.01, max_grad_norm=2.0)  # the true norms are 1.4 - 2.8: clipped on some steps only
+
+
 def torch_run(model: str, dtype=torch.float32, amp: bool = False, scaler: dict | None = None,
-              skip: list[bool] | None = None):
+              skip: list[bool] | None = None, sgd_clip: bool = False):
     """losses, final parameters (float64), skipped flags, scales after each step, step count.
     skip (without amp): the steps whose update is left out, as a scaler skipped them."""
     import torch_amp
 
     m, loss_fn = _torch_model(model, dtype)
     params = dict(m.named_parameters())
-    opt = torch.optim.AdamW(params.values(), foreach=False, **ADAMW)
+    if sgd_clip:
+        sgd = {k: v for k, v in SGD_CLIP.items() if k != "max_grad_norm"}
+        opt = torch.optim.SGD(params.values(), foreach=False, **sgd)
+    else:
+        opt = torch.optim.AdamW(params.values(), foreach=False, **ADAMW)
+    clip = (lambda: torch.nn.utils.clip_grad_norm_(params.values(), SGD_CLIP["max_grad_norm"])) \
+        if sgd_clip else (lambda: None)
     gs = torch.amp.GradScaler("cpu", **(scaler or {})) if amp else None
     losses, skipped, scales = [], [], []
     for x, y in _batches(model):
@@ -134,6 +143,8 @@ def torch_run(model: str, dtype=torch.float32, amp: bool = False, scaler: dict |
                 total = loss_fn(m, x, y)
             before = gs.get_scale()
             gs.scale(total).backward()
+            gs.unscale_(opt)  # clipping sees the true gradient
+            clip()
             gs.step(opt)
             gs.update()
             skipped.append(gs.get_scale() < before)
@@ -141,10 +152,11 @@ def torch_run(model: str, dtype=torch.float32, amp: bool = False, scaler: dict |
         else:
             total = loss_fn(m, x, y)
             total.backward()
+            clip()
             if not (skip and skip[len(losses)]):
                 opt.step()
         losses.append(total.item())
-    steps = max((int(s["step"]) for s in opt.state.values()), default=0)
+    steps = max((int(s.get("step", 0)) for s in opt.state.values()), default=0)
     final = {k: p.detach().double().numpy().copy() for k, p in params.items()}
     return np.array(losses), final, skipped, scales, steps
 
@@ -183,6 +195,11 @@ def references():
         if (model, kind) not in cache:
             if kind == "float64":  # the exact trajectory, skipping what torch amp skipped
                 cache[model, kind] = torch_run(model, torch.float64, skip=get(model, "amp")[2])
+            elif kind == "sgd_clip64":
+                cache[model, kind] = torch_run(model, torch.float64, skip=get(model, "sgd_clip")[2],
+                                               sgd_clip=True)
+            elif kind == "sgd_clip":
+                cache[model, kind] = torch_run(model, torch.float32, amp=True, sgd_clip=True)
             elif kind == "amp":
                 cache[model, kind] = torch_run(model, torch.float32, amp=True)
             else:
@@ -191,14 +208,22 @@ def references():
     return get
 
 
-@pytest.mark.parametrize("model", TRACT_MODELS)
-def test_fp16_trains_like_torch_autocast(model, references, tmp_path):
+CASES = [(m, "adamw") for m in TRACT_MODELS] + [("lm_flat", "sgd_clip")]
+
+
+@pytest.mark.parametrize("model,optimizer", CASES, ids=[f"{m}-{o}" for m, o in CASES])
+def test_fp16_trains_like_torch_autocast(model, optimizer, references, tmp_path):
+    """AdamW hides a missing unscale (m/√v does not see a constant factor): SGD with momentum
+    and clip_grad_norm_ (on the unscaled gradient, as GradScaler.unscale_ before clipping) does not."""
     out = tmp_path / "m.step.onnx"
-    step_graph(model, out, "fp16")
+    extra = []
+    if optimizer == "sgd_clip":
+        extra = ["--optimizer", "sgd", *(f"--{k.replace('_', '-')}={v}" for k, v in SGD_CLIP.items())]
+    step_graph(model, out, "fp16", *extra)
     got, got_p, got_skip, got_scale, _, meta = graph_run(out, model, tmp_path)
     assert meta["precision"] == "fp16" and meta["skip_output"] == "ntl/skipped"
-    l64, p64, *_ = references(model, "float64")
-    lam, pam, am_skip, am_scale, am_steps = references(model, "amp")
+    l64, p64, *_ = references(model, "float64" if optimizer == "adamw" else "sgd_clip64")
+    lam, pam, am_skip, am_scale, am_steps = references(model, "amp" if optimizer == "adamw" else "sgd_clip")
     start = _torch_model(model, torch.float64)[0].state_dict()
     start = {k: v.numpy() for k, v in start.items() if k in p64}
     assert got_skip == am_skip and got_scale == am_scale, (got_skip, am_skip)
@@ -206,7 +231,7 @@ def test_fp16_trains_like_torch_autocast(model, references, tmp_path):
     d_graph, d_torch, d_both = _dist(got_p, p64, start), _dist(pam, p64, start), _dist(got_p, pam, start)
     print(f"{model}: losses vs torch amp {loss_err:.2e} (torch amp vs float64 "
           f"{np.max(np.abs(lam - l64) / np.abs(l64)):.2e}); parameters, fraction of the float64 "
-          f"update: graph {d_graph:.3f}, torch amp {d_torch:.3f}, graph vs torch {d_both:.3f}")
+          f"update: graph {d_graph:.3g}, torch amp {d_torch:.3g}, graph vs torch {d_both:.3g}")
     assert loss_err <= 2 * U16
     assert d_graph <= 1.5 * d_torch
     assert d_both <= 2 * d_torch
