@@ -28,7 +28,7 @@ Report: OUT/gpu-check-precision.json (+ a table on stdout). Exit 1 when a compar
 Without a usable CUDA device it says so and exits 0 (--require-gpu: 2); --cpu runs the fp32 and
 fp16 cases on the CPU (onnxruntime's CPU provider, torch CPU autocast with CUDA's float32 list
 from tests/python/torch_amp.py): a dry run of the script, whose fp16 numbers are not float16's
-(onnxruntime's CPU provider computes float16 nodes in float32; README "Mixed precision").
+(onnxruntime's CPU provider computes float16 nodes in float32; docs/STEP_GRAPH.md "Mixed precision").
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ float64 run:
     2x torch's (two independent errors of equal size differ by ~sqrt(2)x; measured 1.4x).
 bf16: no CPU runtime here runs bfloat16 (ORT has no CPU kernels, tract none), so bf16 is checked
 for structure only (casts where autocast puts them, types per the ONNX checker and strict shape
-inference, CUDA/ROCm kernels); its numerics only by scripts/gpu-check.sh --precision.
+inference, CUDA/ROCm kernels); its numerics only by scripts/gpu/gpu-check.sh --precision.
 """
 
 from __future__ import annotations
