@@ -340,6 +340,41 @@ fn validate_trains_a_step_graph_in_tract_like_onnxruntime() {
 }
 
 #[test]
+fn validate_trains_an_fp16_step_graph_and_refuses_bf16() {
+    // tract rounds every float16 result, onnxruntime's CPU provider computes most float16 nodes
+    // in float32: both run, compared within float16's tolerance (with float32's the first step
+    // already differs by 2e-5); bf16 runs on neither, refused in one line
+    let (dir, m) = case(&model("lm_flat"), |_| {});
+    let report = step_and_validate(&m, &["--precision", "fp16"]);
+    let checks = report["checks"].as_array().unwrap();
+    assert_eq!(
+        checks
+            .iter()
+            .filter(|c| c["against"] == "onnxruntime")
+            .count(),
+        3 * 3 + 1,
+        "{report}"
+    );
+    assert!(checks.iter().all(|c| c["passed"] == true), "{report}");
+    assert!(
+        report.to_string().contains("a float16 step graph"),
+        "{report}"
+    );
+    let out = dir.path().join("bf16.step.onnx");
+    bin()
+        .args(["step", m.to_str().unwrap(), "--precision", "bf16", "-o"])
+        .arg(&out)
+        .assert()
+        .success();
+    let r = bin().arg("validate").arg(&out).assert().code(1);
+    let err = String::from_utf8_lossy(&r.get_output().stderr).to_string();
+    assert!(
+        err.contains("runs on GPUs only") && err.trim().lines().count() == 1,
+        "{err}"
+    );
+}
+
+#[test]
 fn tract_trains_a_celu_like_onnxruntime() {
     // tract 0.23's own Celu misses α: validate spells it out, so both runtimes agree
     let (_dir, m) = case(&model("lm_flat"), |m| {

@@ -92,6 +92,11 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
         )));
     }
     let model = load_model(&req.model)?;
+    if steps::half_type(&model) == Some(crate::passes::step::precision::BFLOAT16) {
+        return Err(Error::Usage(
+            "a bf16 step graph (--precision bf16) runs on GPUs only: neither tract nor onnxruntime's CPU provider has bfloat16 kernels; check it with scripts/gpu/gpu-check.sh --precision, or validate the --precision fp16 or fp32 graph".into(),
+        ));
+    }
     crate::graph::structure::check_model(&model)?;
     // the runtimes open external data themselves: only files the checks allow
     crate::io::model_io::check_external_data(&model, &model_dir(&req.model))?;
@@ -147,6 +152,7 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
     let mut checks = Vec::new();
     let mut half_outputs = Vec::new();
     let copy_index = GraphIndex::new(copy.model.graph.as_ref().expect("built"));
+    let step_half = steps::half_type(&model);
     // (report label, runtime output, independent value)
     for (name, output, expected) in [
         (loss_name.as_str(), copy.total.as_str(), ind.total),
@@ -158,7 +164,8 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
         }
         let got = outputs.get(output)?.to_f64();
         let declared = copy_index.elem_type(output);
-        let rtol = match half_precision_rtol(declared) {
+        // a mixed-precision step graph's float32 losses carry its half type's rounding
+        let rtol = match half_precision_rtol(declared).or(half_precision_rtol(step_half)) {
             Some((floor, ty)) if floor > req.rtol => {
                 half_outputs.push(format!("{name} ({ty})"));
                 floor
@@ -542,7 +549,7 @@ fn flat_mismatch(why: String) -> Error {
 
 /// The relative tolerance a half-precision output can meet against the float64 reference:
 /// 4 units in its last place (the graph rounds the loss to that type).
-fn half_precision_rtol(elem_type: Option<i32>) -> Option<(f64, &'static str)> {
+pub(crate) fn half_precision_rtol(elem_type: Option<i32>) -> Option<(f64, &'static str)> {
     use crate::onnx::proto::tensor_proto::DataType;
     match DataType::try_from(elem_type?).ok()? {
         DataType::Float16 => Some((4.0 * 2f64.powi(-10), "float16")),

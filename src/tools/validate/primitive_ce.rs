@@ -56,9 +56,17 @@ pub fn emit(e: &mut Emitter, spec: &CeSpec) {
         vec![],
         Out::Fresh("label_col"),
     );
+    // in the loss's type: a mixed-precision step graph's flat logits may be half while its
+    // cross-entropy computes in float32 (a Cast to the same type is a no-op)
+    let logits = e.node(
+        "Cast",
+        &[spec.flat_logits],
+        vec![int_attr("to", spec.loss_type as i64)],
+        Out::Fresh("ce_logits"),
+    );
     let log_p = e.node(
         "LogSoftmax",
-        &[spec.flat_logits],
+        &[&logits],
         vec![int_attr("axis", 1)],
         Out::Fresh("log_p"),
     );
