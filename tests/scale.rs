@@ -342,7 +342,9 @@ fn ort_library() -> PathBuf {
                     .starts_with("libonnxruntime.so")
             })
         })
-        .expect("ONNX Runtime library not found: set ORT_DYLIB_PATH, or run scripts/setup/setup-ort.sh")
+        .expect(
+            "ONNX Runtime library not found: set ORT_DYLIB_PATH, or run scripts/setup/setup-ort.sh",
+        )
 }
 
 /// Writes a model whose first initializer lives at `location` (relative to `dir`).

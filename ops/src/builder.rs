@@ -50,6 +50,11 @@ impl Builder {
         name
     }
 
+    /// The default-domain opset the nodes are written for.
+    pub fn opset(&self) -> i64 {
+        self.opset
+    }
+
     /// Claims an exact name (a user-visible output such as `ce_loss`); false if it is taken.
     pub fn claim(&mut self, name: &str) -> bool {
         self.taken.insert(name.to_string())

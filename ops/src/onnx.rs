@@ -80,6 +80,15 @@ pub fn string_attr(name: &str, value: &str) -> AttributeProto {
     }
 }
 
+pub fn graph_attr(name: &str, value: GraphProto) -> AttributeProto {
+    AttributeProto {
+        name: Some(name.into()),
+        r#type: Some(AttributeType::Graph as i32),
+        g: Some(value),
+        ..Default::default()
+    }
+}
+
 pub fn tensor_attr(name: &str, value: TensorProto) -> AttributeProto {
     AttributeProto {
         name: Some(name.into()),

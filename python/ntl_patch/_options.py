@@ -23,7 +23,8 @@ _OPTIMIZER = {
     "optimizer": VALUE, "lr": VALUE, "beta1": VALUE, "beta2": VALUE, "eps": VALUE,
     "weight_decay": VALUE, "momentum": VALUE, "max_grad_norm": VALUE, "freeze": MULTI,
     "split": FLAG, "precision": VALUE, "init_scale": VALUE, "growth_factor": VALUE,
-    "backoff_factor": VALUE, "growth_interval": VALUE,
+    "backoff_factor": VALUE, "growth_interval": VALUE, "fused_head": VALUE,
+    "head_chunk_tokens": VALUE,
 }
 
 # command -> {python option name: kind}; `out` is the wrappers' name for -o/--output

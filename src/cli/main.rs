@@ -10,6 +10,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use ntl_ops::options::{Combine, LossKind, LossOptions, NtilOptions};
 use ntl_patch::io::model_io::ExternalDataAction;
 use ntl_patch::passes::artifacts::{run_artifacts, ArtifactsRequest};
+use ntl_patch::passes::fused_head::{FusedHeadOptions, Mode as FusedHeadMode};
 use ntl_patch::passes::pipeline::{run_patch, PatchRequest};
 use ntl_patch::passes::step::loss_scale::LossScaleOptions;
 use ntl_patch::passes::step::{run_step, OptimizerKind, OptimizerOptions, Precision, StepRequest};
@@ -111,6 +112,14 @@ struct StepArgs {
     /// fp16 loss scaling: clean steps before the scale grows [default: 2000].
     #[arg(long, value_name = "N", allow_negative_numbers = true)]
     growth_interval: Option<i64>,
+    /// Compute the LM head, cross-entropy and number loss over chunks of positions, never
+    /// holding the [N, V] logits: auto = for logits at least 16384 wide, where the head allows.
+    #[arg(long, value_enum, default_value_t = FusedHeadArg::Auto)]
+    fused_head: FusedHeadArg,
+    /// Positions per chunk of the fused head [default: as many as keep a chunk's logits within
+    /// 32 Mi values (128 MiB), 16..4096].
+    #[arg(long, value_name = "N")]
+    head_chunk_tokens: Option<i64>,
     /// Output path [default: MODEL.step.onnx beside the model; with --split MODEL.grad.onnx].
     #[arg(short, long)]
     output: Option<PathBuf>,
@@ -130,6 +139,13 @@ enum PrecisionArg {
     Fp16,
     /// bfloat16 where autocast computes in it, no loss scaling.
     Bf16,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum FusedHeadArg {
+    Auto,
+    On,
+    Off,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -558,6 +574,14 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
         split: args.split,
         precision,
         loss_scale,
+        fused_head: FusedHeadOptions {
+            mode: match args.fused_head {
+                FusedHeadArg::Auto => FusedHeadMode::Auto,
+                FusedHeadArg::On => FusedHeadMode::On,
+                FusedHeadArg::Off => FusedHeadMode::Off,
+            },
+            chunk_tokens: args.head_chunk_tokens,
+        },
     };
     let s = run_step(&req)?;
     for n in &s.patch.notices {
@@ -581,6 +605,7 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
             "parameter_elements": s.parameter_elements,
             "frozen": s.frozen,
             "buffers": s.buffers,
+            "fused_head": s.fused_head_chunk_tokens.map(|c| serde_json::json!({"chunk_tokens": c})),
             "warnings": s.warnings,
         })
         .to_string()
@@ -598,8 +623,12 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
         } else {
             format!("; {} frozen", s.frozen.len())
         };
+        let fused = match s.fused_head_chunk_tokens {
+            Some(c) => format!("; LM head fused, {c} positions per chunk"),
+            None => String::new(),
+        };
         format!(
-            "wrote {} ({} on {}, {} parameters / {} values trained with {}{}{})",
+            "wrote {} ({} on {}, {} parameters / {} values trained with {}{}{}{})",
             outputs.join(" and "),
             req.patch.loss.kind.name(),
             s.patch.ce_node,
@@ -610,7 +639,8 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
                 OptimizerKind::Sgd => "sgd",
             },
             frozen,
-            buffers
+            buffers,
+            fused
         )
     })
 }

@@ -368,7 +368,16 @@ pub fn infer_types(
     opsets: &HashMap<String, i64>,
     tables: &Tables,
 ) -> HashMap<String, String> {
-    let mut types: HashMap<String, String> = HashMap::new();
+    infer_types_from(graph, opsets, tables, HashMap::new())
+}
+
+/// As [`infer_types`], starting from `types` (a subgraph sees its enclosing graph's tensors).
+fn infer_types_from(
+    graph: &GraphProto,
+    opsets: &HashMap<String, i64>,
+    tables: &Tables,
+    mut types: HashMap<String, String>,
+) -> HashMap<String, String> {
     for vi in graph
         .input
         .iter()
@@ -1140,30 +1149,44 @@ pub fn fallback_nodes(model: &ModelProto, target: Target) -> Vec<FallbackNode> {
     let empty = GraphProto::default();
     let graph = model.graph.as_ref().unwrap_or(&empty);
     let placed = place_all(model, target, tables);
-    graph
+    let nested = match target {
+        Target::Migraphx => Vec::new(),
+        _ => {
+            let types = infer_types(graph, &model_opsets(model), tables);
+            place_nested(model, target, tables, &types)
+        }
+    };
+    let fallback = |i: usize, node: &NodeProto, version: Option<i64>, p: &Placement| {
+        let (reason, cpu_kernel) = match p {
+            Placement::Fallback { why, cpu } => {
+                (why.describe(target, node.op_type(), version), *cpu)
+            }
+            Placement::Unknown(why) => (format!("not checked: {why}"), true),
+            _ => return None,
+        };
+        Some(FallbackNode {
+            index: i,
+            name: node_label(node, i),
+            domain: canonical_domain(node.domain()).to_string(),
+            op: node.op_type().to_string(),
+            version,
+            reason,
+            cpu_kernel,
+        })
+    };
+    let mut out: Vec<FallbackNode> = graph
         .node
         .iter()
-        .zip(placed)
+        .zip(&placed)
         .enumerate()
-        .filter_map(|(i, (node, (version, _, p)))| {
-            let (reason, cpu_kernel) = match &p {
-                Placement::Fallback { why, cpu } => {
-                    (why.describe(target, node.op_type(), version), *cpu)
-                }
-                Placement::Unknown(why) => (format!("not checked: {why}"), true),
-                _ => return None,
-            };
-            Some(FallbackNode {
-                index: i,
-                name: node_label(node, i),
-                domain: canonical_domain(node.domain()).to_string(),
-                op: node.op_type().to_string(),
-                version,
-                reason,
-                cpu_kernel,
-            })
-        })
-        .collect()
+        .filter_map(|(i, (node, (version, _, p)))| fallback(i, node, *version, p))
+        .collect();
+    out.extend(
+        nested
+            .iter()
+            .filter_map(|n| fallback(n.parent, n.node, n.placed.0, &n.placed.2)),
+    );
+    out
 }
 
 type Placed = (Option<i64>, BTreeMap<String, Option<String>>, Placement);
@@ -1200,6 +1223,93 @@ fn place_all(model: &ModelProto, target: Target, tables: &Tables) -> Vec<Placed>
         .collect()
 }
 
+/// A node inside a subgraph (a `Scan`, `Loop` or `If` body), placed as ONNX Runtime places it:
+/// with the provider that runs its enclosing node (the CUDA and ROCm providers run control-flow
+/// bodies themselves; only the loop bookkeeping stays on the CPU).
+struct NestedPlaced<'m> {
+    /// Index of the top-level node whose body holds it.
+    parent: usize,
+    node: &'m NodeProto,
+    placed: Placed,
+}
+
+/// Every node inside the top-level nodes' subgraphs (recursively), placed with the types of
+/// the enclosing graphs and its own.
+fn place_nested<'m>(
+    model: &'m ModelProto,
+    target: Target,
+    tables: &Tables,
+    types: &HashMap<String, String>,
+) -> Vec<NestedPlaced<'m>> {
+    let Some(graph) = model.graph.as_ref() else {
+        return Vec::new();
+    };
+    let opsets = model_opsets(model);
+    let ctx = Walk {
+        opsets: &opsets,
+        target,
+        tables,
+        functions: &HashSet::new(),
+    };
+    let mut out = Vec::new();
+    for (i, node) in graph.node.iter().enumerate() {
+        for body in node
+            .attribute
+            .iter()
+            .flat_map(|a| a.g.iter().chain(&a.graphs))
+        {
+            ctx.walk(body, i, types, &mut out);
+        }
+    }
+    out
+}
+
+/// What placing a subgraph's nodes needs from its model.
+struct Walk<'a> {
+    opsets: &'a HashMap<String, i64>,
+    target: Target,
+    tables: &'a Tables,
+    functions: &'a HashSet<(String, String)>,
+}
+
+impl Walk<'_> {
+    fn walk<'m>(
+        &self,
+        g: &'m GraphProto,
+        parent: usize,
+        outer: &HashMap<String, String>,
+        out: &mut Vec<NestedPlaced<'m>>,
+    ) {
+        let types = infer_types_from(g, self.opsets, self.tables, outer.clone());
+        for node in &g.node {
+            let placed = if is_constant(node) {
+                (None, BTreeMap::new(), Placement::Folded)
+            } else {
+                place_node(
+                    node,
+                    self.target,
+                    self.opsets,
+                    &types,
+                    self.tables,
+                    self.functions,
+                )
+            };
+            out.push(NestedPlaced {
+                parent,
+                node,
+                placed,
+            });
+            for body in node
+                .attribute
+                .iter()
+                .flat_map(|a| a.g.iter().chain(&a.graphs))
+            {
+                self.walk(body, parent, &types, out);
+            }
+        }
+    }
+}
+
 pub fn check_model_with(model: &ModelProto, target: Target, tables: &Tables) -> GpuReport {
     let empty = GraphProto::default();
     let graph = model.graph.as_ref().unwrap_or(&empty);
@@ -1212,10 +1322,22 @@ pub fn check_model_with(model: &ModelProto, target: Target, tables: &Tables) -> 
     let mut placed: Vec<Placement> = Vec::with_capacity(graph.node.len());
     let mut ntl_total = 0;
     let mut constants = 0;
-    for (i, (node, (version, bound, placement))) in graph.node.iter().zip(all_placed).enumerate() {
+    // the provider runs control-flow bodies itself: their nodes are placed like the others
+    // (MIGraphX takes no Scan/Loop at all, so its bodies stay unchecked)
+    let nested = match target {
+        Target::Migraphx => Vec::new(),
+        _ => place_nested(model, target, tables, &types),
+    };
+    let top = graph.node.iter().enumerate().zip(all_placed);
+    let inner = nested.into_iter().map(|n| ((n.parent, n.node), n.placed));
+    let top_count = graph.node.len();
+    for (k, ((i, node), (version, bound, placement))) in top.chain(inner).enumerate() {
+        let is_top = k < top_count;
         if is_constant(node) {
             constants += 1;
-            placed.push(Placement::Folded);
+            if is_top {
+                placed.push(Placement::Folded);
+            }
             continue;
         }
 
@@ -1245,23 +1367,33 @@ pub fn check_model_with(model: &ModelProto, target: Target, tables: &Tables) -> 
             });
             groups.len() - 1
         });
-        groups[gi].nodes.push(node_label(node, i));
+        let label = if is_top {
+            node_label(node, i)
+        } else {
+            format!("{} (in {})", node.name(), node_label(&graph.node[i], i))
+        };
+        groups[gi].nodes.push(label);
         groups[gi].ntl_nodes += ntl as usize;
-        placed.push(placement);
+        if is_top {
+            placed.push(placement);
+        }
     }
     groups.sort_by(|a, b| (&a.domain, &a.op, a.version).cmp(&(&b.domain, &b.op, b.version)));
     let cpu_preferred = cpu_preferred_nodes(graph, &placed, &types);
-    let nested_nodes = graph
-        .node
-        .iter()
-        .flat_map(|n| n.attribute.iter())
-        .map(|a| {
-            a.g.iter()
-                .chain(a.graphs.iter())
-                .map(count_nodes)
-                .sum::<usize>()
-        })
-        .sum();
+    let nested_nodes = match target {
+        Target::Migraphx => graph
+            .node
+            .iter()
+            .flat_map(|n| n.attribute.iter())
+            .map(|a| {
+                a.g.iter()
+                    .chain(a.graphs.iter())
+                    .map(count_nodes)
+                    .sum::<usize>()
+            })
+            .sum(),
+        _ => 0,
+    };
     let mut notes = Vec::new();
     if let Some(&o) = opsets.get("ai.onnx") {
         if o > MAX_ONNX_OPSET && matches!(target, Target::Cuda119 | Target::Rocm119) {

@@ -54,7 +54,7 @@ ARCHS = {
 CASES = [(a, e) for a in ARCHS for e in ("torchscript", "dynamo") if (a, e) != ("bert_mlm", "dynamo")]
 
 
-def build(arch: str):
+def build(arch: str, vocab: int = VOCAB, tied: bool = False):
     """float32 model, weights N(0, 0.2²) for matrices, 1 + N(0, 0.1²) for norms, N(0, 0.1²)
     for biases (HF's 0.02 init gives near-uniform softmaxes); returns (model, base class)."""
     import transformers
@@ -63,7 +63,7 @@ def build(arch: str):
     cfg_name, cls_name, kwargs, causal = ARCHS[arch]
     base = getattr(transformers, cls_name)
     extra = dict(bos_token_id=2, eos_token_id=3, use_cache=False) if causal else {}
-    cfg = getattr(transformers, cfg_name)(vocab_size=VOCAB, pad_token_id=None, tie_word_embeddings=False,
+    cfg = getattr(transformers, cfg_name)(vocab_size=vocab, pad_token_id=None, tie_word_embeddings=tied,
                                           attn_implementation="eager", **extra, **kwargs)
 
     class WithLoss(base):
@@ -120,14 +120,20 @@ def reference(model, base, causal: bool, ids, labels):
     params = dict(m.named_parameters())
     logits = base.forward(m, input_ids=ids).logits
     y = F.pad(labels, (0, 1), value=-100)[..., 1:] if causal else labels
-    ce = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1), ignore_index=-100)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
     with torch.no_grad():  # HF's loss casts the logits to float32 first
         assert abs(float(m(ids, labels)) - float(ce)) <= 1e-6 * float(ce), "the reference CE is the model's own"
-    ntl = ntl_torch.ntl_value(ntl_torch.ntloss_object("wasserstein"), logits, y)
+    obj = ntl_torch.ntloss_object("wasserstein", vocab_size=logits.shape[-1])
+    ntl = ntl_torch.ntl_value(obj, logits, y)
     total = ce + WEIGHT * ntl
     # parameters the loss does not read (BERT's pooler) get no gradient, and train in neither
     grads = torch.autograd.grad(total, list(params.values()), allow_unused=True)
     return float(total), float(ce), float(ntl), {k: g.numpy() for k, g in zip(params, grads) if g is not None}
+
+
+# the dense step graph, and the fused LM head (passes/fused_head) over 5-position chunks: 16
+# positions make 4 chunks with padding, so chunk borders fall inside every sequence
+VARIANTS = {"dense": ["--fused-head", "off"], "fused": ["--fused-head", "on", "--head-chunk-tokens", "5"]}
 
 
 @pytest.mark.parametrize("arch,exporter", CASES, ids=[f"{a}-{e}" for a, e in CASES])
@@ -135,24 +141,55 @@ def test_architecture_gradients_match_torch(arch, exporter, tmp_path):
     model, base = build(arch)
     src = tmp_path / "m.onnx"
     export(model, exporter, src)
-    out = tmp_path / "m.grad.onnx"
-    r = run_patch(["step", src, "--tokenizer", TOKENIZER, "--weight", str(WEIGHT), "--split", "-o", out,
-                   "--json"])
-    assert r.returncode == 0, r.stderr
-    summary = json.loads(r.stdout)
-    params = summary["parameters"]
     ids, labels = batch()
-    sess = _quiet_ort().InferenceSession(str(out), providers=["CPUExecutionProvider"])
-    outs = sess.run(None, {"input_ids": ids.numpy(), "labels": labels.numpy()})
     total, ce, ntl, want = reference(model, base, ARCHS[arch][3], ids, labels)
-    for got, ref in zip(outs[:3], (total, ce, ntl)):
-        assert abs(float(got) - ref) <= 1e-5 * abs(ref), (outs[:3], (total, ce, ntl))
-    # every parameter torch trains, under its own name (BERT's decoder bias is also
-    # `cls.predictions.bias`: one tensor, two names) — and nothing else
-    assert set(params) <= set(want), set(params) - set(want)
-    untrained = set(want) - set(params)
-    assert untrained <= {"cls.predictions.bias"}, untrained
-    floor = 1e-3 * float(np.linalg.norm(np.concatenate([want[p].ravel() for p in params])))
-    errs = {p: _norm_rel(g.astype(np.float64), want[p], floor) for p, g in zip(params, outs[3:])}
-    worst = max(errs, key=errs.get)
-    assert errs[worst] <= GRAD_RTOL, (worst, errs[worst])
+    for variant, flags in VARIANTS.items():
+        out = tmp_path / f"m.{variant}.grad.onnx"
+        r = run_patch(["step", src, "--tokenizer", TOKENIZER, "--weight", str(WEIGHT), "--split", "-o", out,
+                       "--json", *flags])
+        assert r.returncode == 0, (variant, r.stderr)
+        summary = json.loads(r.stdout)
+        assert (summary["fused_head"] is not None) == (variant == "fused"), summary
+        params = summary["parameters"]
+        sess = _quiet_ort().InferenceSession(str(out), providers=["CPUExecutionProvider"])
+        outs = sess.run(None, {"input_ids": ids.numpy(), "labels": labels.numpy()})
+        for got, ref in zip(outs[:3], (total, ce, ntl)):
+            assert abs(float(got) - ref) <= 1e-5 * abs(ref), (variant, outs[:3], (total, ce, ntl))
+        # every parameter torch trains, under its own name (BERT's decoder bias is also
+        # `cls.predictions.bias`: one tensor, two names) — and nothing else
+        assert set(params) <= set(want), set(params) - set(want)
+        untrained = set(want) - set(params)
+        assert untrained <= {"cls.predictions.bias"}, untrained
+        floor = 1e-3 * float(np.linalg.norm(np.concatenate([want[p].ravel() for p in params])))
+        errs = {p: _norm_rel(g.astype(np.float64), want[p], floor) for p, g in zip(params, outs[3:])}
+        worst = max(errs, key=errs.get)
+        assert errs[worst] <= GRAD_RTOL, (variant, worst, errs[worst])
+
+
+def test_wide_vocabulary_fuses_the_head_by_default(tmp_path):
+    """Qwen2 with its real vocabulary (151 936) and tied embeddings, 2 small layers: `step`
+    with no flags fuses the LM head (the logits are wide), reads the tied embedding without a
+    transposed copy, and its gradients equal torch's; the dense graph's equal them too."""
+    model, base = build("qwen2", vocab=151936, tied=True)
+    src = tmp_path / "m.onnx"
+    export(model, "torchscript", src)
+    ids, labels = batch()
+    total, ce, ntl, want = reference(model, base, True, ids, labels)
+    for variant, flags in {"auto": [], "dense": ["--fused-head", "off"]}.items():
+        out = tmp_path / f"m.{variant}.grad.onnx"
+        r = run_patch(["step", src, "--tokenizer", TOKENIZER, "--weight", str(WEIGHT), "--split", "-o", out,
+                       "--json", *flags])
+        assert r.returncode == 0, r.stderr
+        summary = json.loads(r.stdout)
+        if variant == "auto":
+            assert summary["fused_head"] == {"chunk_tokens": 128}, summary
+        params = summary["parameters"]
+        sess = _quiet_ort().InferenceSession(str(out), providers=["CPUExecutionProvider"])
+        outs = sess.run(None, {"input_ids": ids.numpy(), "labels": labels.numpy()})
+        for got, ref in zip(outs[:3], (total, ce, ntl)):
+            assert abs(float(got) - ref) <= 1e-5 * abs(ref), (variant, outs[:3], (total, ce, ntl))
+        assert set(params) == set(want), set(params) ^ set(want)
+        floor = 1e-3 * float(np.linalg.norm(np.concatenate([want[p].ravel() for p in params])))
+        errs = {p: _norm_rel(g.astype(np.float64), want[p], floor) for p, g in zip(params, outs[3:])}
+        worst = max(errs, key=errs.get)
+        assert errs[worst] <= GRAD_RTOL, (variant, worst, errs[worst])

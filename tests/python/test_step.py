@@ -32,6 +32,9 @@ STEPS = 20
 
 GRAD_CASES = [(m, l) for m in ("lm_flat", "lm_bvt", "lm_nll") for l in ("wasserstein", "mse", "ntil")]
 NTIL_ARGS = ["--gumbel-noise", "0", "--combine", "add"]
+# the dense LM head, and the fused one (passes/fused_head) over chunks of 3 positions: chunk
+# borders fall inside sequences and the last chunk is padded
+HEADS = {"dense": ["--fused-head", "off"], "fused": ["--fused-head", "on", "--head-chunk-tokens", "3"]}
 
 
 def _step(model: Path, out: Path, loss: str, *extra) -> dict:
@@ -60,10 +63,12 @@ def _reference(loss: str, weights, input_ids, labels):
                                      weight=WEIGHT)
 
 
+@pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("model,loss", GRAD_CASES, ids=[f"{m}-{l}" for m, l in GRAD_CASES])
-def test_gradient_graph_matches_torch(model, loss, weights, tmp_path):
+def test_gradient_graph_matches_torch(model, loss, head, weights, tmp_path):
     out = tmp_path / "m.grad.onnx"
-    summary = _step(MODELS / f"{model}.onnx", out, loss, "--split")
+    summary = _step(MODELS / f"{model}.onnx", out, loss, "--split", *HEADS[head])
+    assert (summary["fused_head"] is not None) == (head == "fused")
     g = onnx.load(str(out))
     assert {n.domain for n in g.graph.node} <= {"", "ai.onnx"}, "non-default domain in the gradient graph"
     params = summary["parameters"]
@@ -137,10 +142,11 @@ def _run_step_graph(path: Path, batches):
     return losses, {p: state[p] for p in meta["parameters"]}, meta
 
 
+@pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_step_graph_trains_like_torch(optimizer, weights, tmp_path):
+def test_step_graph_trains_like_torch(optimizer, head, weights, tmp_path):
     out = tmp_path / "m.step.onnx"
-    extra = ["--optimizer", optimizer]
+    extra = ["--optimizer", optimizer, *HEADS[head]]
     extra += ["--lr", "1e-3"] if optimizer == "adamw" else ["--lr", "1e-2", "--momentum", "0.9", "--weight-decay", "0.01"]
     _step(MODELS / "lm_flat.onnx", out, "wasserstein", *extra)
     batches = _batches(STEPS)
@@ -270,11 +276,12 @@ def _hf_reference(model: str):
     return np.load(STEP_REF / f"{model.split('_')[0]}.npz")
 
 
+@pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("model,loss", HF_CASES, ids=[f"{m}-{l}" for m, l in HF_CASES])
-def test_transformers_gradients_match_torch(model, loss, tmp_path):
+def test_transformers_gradients_match_torch(model, loss, head, tmp_path):
     ref = _hf_reference(model)
     out = tmp_path / "m.grad.onnx"
-    summary = _step(MODELS / f"{model}.onnx", out, loss, "--split")
+    summary = _step(MODELS / f"{model}.onnx", out, loss, "--split", *HEADS[head])
     params = summary["parameters"]
     want = {p: ref[f"grad/{loss}/float64/{p}"] for p in params}
     assert len(params) == len([k for k in ref.files if k.startswith(f"grad/{loss}/float64/")]), \
@@ -292,12 +299,13 @@ def test_transformers_gradients_match_torch(model, loss, tmp_path):
     assert errs[worst] <= GRAD_RTOL, errs
 
 
+@pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("model", HF_MODELS)
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_transformers_train_like_torch(model, optimizer, tmp_path):
+def test_transformers_train_like_torch(model, optimizer, head, tmp_path):
     ref = _hf_reference(model)
     out = tmp_path / "m.step.onnx"
-    extra = ["--optimizer", optimizer]
+    extra = ["--optimizer", optimizer, *HEADS[head]]
     extra += ["--lr", "1e-3"] if optimizer == "adamw" else ["--lr", "1e-2", "--momentum", "0.9", "--weight-decay", "0.01"]
     _step(MODELS / f"{model}.onnx", out, "wasserstein", *extra)
     batches = [(ref[f"traj/batch/{k:02d}/input_ids"], ref[f"traj/batch/{k:02d}/labels"]) for k in range(STEPS)]

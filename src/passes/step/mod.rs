@@ -23,6 +23,7 @@ use crate::onnx::{
     default_opset, proto, GraphProto, ModelProto, StringStringEntryProto, TensorProto, TypeProto,
     ValueInfoProto, FLOAT, INT64,
 };
+use crate::passes::fused_head::{self, FusedHeadOptions, Outcome};
 use crate::passes::grad::{self, Ctx};
 use crate::passes::pipeline::{patch_model, PatchRequest, PatchSummary};
 use loss_scale::{LossScaleOptions, ScaleState, SCALE_STATE, SKIP_OUTPUT, TRACKER_STATE};
@@ -60,6 +61,7 @@ pub struct StepRequest {
     pub precision: Option<Precision>,
     /// fp16's dynamic loss scaling.
     pub loss_scale: LossScaleOptions,
+    pub fused_head: FusedHeadOptions,
 }
 
 impl StepRequest {
@@ -76,6 +78,8 @@ pub struct StepSummary {
     pub frozen: Vec<String>,
     pub buffers: Vec<String>,
     pub warnings: Vec<String>,
+    /// Positions per chunk where the LM head is fused.
+    pub fused_head_chunk_tokens: Option<i64>,
 }
 
 /// `model.onnx` → `model.step.onnx` (or `model.grad.onnx` + `model.update.onnx`).
@@ -180,6 +184,7 @@ pub fn run_step(req: &StepRequest) -> Result<StepSummary, Error> {
         frozen: built.frozen,
         buffers: built.buffers,
         warnings: built.warnings,
+        fused_head_chunk_tokens: built.fused_head_chunk_tokens,
     };
     // Everything but the main graph first, removed again if a later write fails: an error
     // leaves no output at all.
@@ -219,6 +224,7 @@ struct Built {
     update: Option<ModelProto>,
     /// Where the optimizer state's zeros went (the step graph, or the update graph).
     zeros: ZeroState,
+    fused_head_chunk_tokens: Option<i64>,
 }
 
 fn is_buffer_name(name: &str) -> bool {
@@ -299,6 +305,17 @@ fn float_type_name(dt: i32) -> Option<&'static str> {
 /// update graph as a separate model).
 fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Result<Built, Error> {
     let opset = default_opset(model).expect("checked by the patch step");
+    let mut warnings = Vec::new();
+    let fused = match fused_head::fuse(model, &req.fused_head)? {
+        Outcome::Fused(view) => Some(view),
+        Outcome::Dense(Some(why)) => {
+            warnings.push(format!(
+                "the LM head is not fused, so the step graph holds the [N, V] logits: {why}"
+            ));
+            None
+        }
+        Outcome::Dense(None) => None,
+    };
     let graph = model.graph.as_mut().expect("loaded models have a graph");
     let mut b = Builder::new(PREFIX, opset, GraphIndex::new(graph).taken_names());
     widen_half_export(graph, req, &mut b)?;
@@ -340,7 +357,6 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
     if params.is_empty() {
         return Err(Error::Usage(no_parameters_message(graph, &loss)));
     }
-    let mut warnings = Vec::new();
     let generated: Vec<&String> = params
         .iter()
         .filter(|p| p.starts_with("onnx::") || p.starts_with("val_") || p.starts_with("_val_"))
@@ -494,7 +510,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         state.push((s.tracker.clone(), s.next_tracker.clone(), vec![], INT64));
     }
 
-    let meta = serde_json::json!({
+    let mut meta = serde_json::json!({
         "version": env!("CARGO_PKG_VERSION"),
         "state": state.iter().map(|(i, o, _, _)| [i, o]).collect::<Vec<_>>(),
         "parameters": params,
@@ -508,8 +524,11 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         "precision": precision.name(),
         "loss_scale": scale_state.as_ref().map(|_| req.loss_scale.to_json()),
         "skip_output": scale_state.as_ref().map(|s| s.skipped.clone()),
-    })
-    .to_string();
+    });
+    if let Some(view) = &fused {
+        meta["fused_head"] = view.to_json();
+    }
+    let meta = meta.to_string();
 
     let update = if req.split {
         let grad_names: Vec<String> = params
@@ -587,6 +606,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         set_outputs(graph, &loss, next);
         None
     };
+    fused_head::lower::lower(model);
     model.metadata_props.push(StringStringEntryProto {
         key: Some(STEP_METADATA_KEY.into()),
         value: Some(meta),
@@ -600,6 +620,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         warnings,
         update,
         zeros,
+        fused_head_chunk_tokens: fused.map(|v| v.chunk_tokens),
     })
 }
 

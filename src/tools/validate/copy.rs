@@ -13,6 +13,8 @@ use crate::onnx::{
     attr_i, i64_tensor, value_info_shape, GraphProto, ModelProto, NodeProto, ValueInfoProto, FLOAT,
     INT64,
 };
+use crate::passes::fused_head::FusedView;
+use crate::passes::step::STEP_METADATA_KEY;
 use crate::tools::validate::emit::{Emitter, Out};
 use crate::tools::validate::meta::PatchMeta;
 use crate::tools::validate::noise::{self, Removed};
@@ -74,11 +76,19 @@ pub fn build(
     total: &str,
     primitive_ce: bool,
 ) -> Result<ValidationCopy, Error> {
-    let (ce_index, ce_node) = find_ce_node(model, meta)?;
+    // a step graph with a fused LM head holds no logits and no cross-entropy node: the copy
+    // computes the logits from what the fused head reads
+    let fused = fused_view(model);
+    let ce = match fused {
+        Some(_) => None,
+        None => Some(find_ce_node(model, meta)?),
+    };
     let graph = model.graph.as_ref().expect("checked on load");
     let index = GraphIndex::new(graph);
-    for t in [&meta.flat_logits, &meta.flat_labels]
+    let flat_logits_source = (fused.is_none()).then_some(&meta.flat_logits);
+    for t in flat_logits_source
         .into_iter()
+        .chain([&meta.flat_labels])
         .chain(meta.number_labels.as_ref())
     {
         if index.producer(t).is_none() && !index.is_graph_input(t) {
@@ -94,18 +104,30 @@ pub fn build(
     let export = |e: &mut Emitter, tensor: &str, hint: &str| {
         e.node("Identity", &[tensor], vec![], Out::Fresh(hint))
     };
-    let flat_logits = export(&mut e, &meta.flat_logits, "flat_logits");
+    let flat_logits = match &fused {
+        Some(f) => {
+            let mut inputs = vec![f.hidden.as_str(), f.weight.as_str()];
+            if !f.bias.is_empty() {
+                inputs.push(&f.bias);
+            }
+            let attrs = vec![crate::onnx::int_attr("transB", f.trans_weight as i64)];
+            e.node("Gemm", &inputs, attrs, Out::Fresh("flat_logits"))
+        }
+        None => export(&mut e, &meta.flat_logits, "flat_logits"),
+    };
     let flat_labels = export(&mut e, &meta.flat_labels, "flat_labels");
     let number_labels = meta
         .number_labels
         .as_ref()
         .map(|n| export(&mut e, n, "number_labels"));
     let total_out = export(&mut e, total, "total_loss");
-    let class_weights = ce_node
-        .input
-        .get(2)
-        .filter(|w| !w.is_empty())
-        .map(|w| export(&mut e, w, "class_weights"));
+    let class_weights = match (&ce, &fused) {
+        (Some((_, node)), _) => node.input.get(2).filter(|w| !w.is_empty()).cloned(),
+        (None, Some(f)) => f.class_weights.clone(),
+        (None, None) => None,
+    }
+    .map(|w| export(&mut e, &w, "class_weights"));
+    let ce_index = ce.map(|(i, _)| i);
 
     let mut replaced = Vec::new();
     if primitive_ce {
@@ -115,7 +137,7 @@ pub fn build(
             .enumerate()
             .filter(|(_, n)| n.op_type() == SCE)
         {
-            let (logits, labels, loss_type) = if i == ce_index {
+            let (logits, labels, loss_type) = if Some(i) == ce_index {
                 // the patched CE: the flat tensors the number loss reads hold its inputs
                 (
                     meta.flat_logits.clone(),
@@ -144,7 +166,11 @@ pub fn build(
             replaced.push(i);
         }
     }
-    let ce_labels = ce_node.input.get(1).cloned().unwrap_or_default();
+    let ce_labels = match (&ce, &fused) {
+        (Some((_, node)), _) => node.input.get(1).cloned().unwrap_or_default(),
+        (None, Some(f)) => f.labels.clone(),
+        (None, None) => String::new(),
+    };
     let int64_like = primitive_ce.then(|| e.fresh("int64_like"));
 
     let mut model = model.clone();
@@ -197,6 +223,16 @@ pub fn build(
         ce_labels,
         noise_removed,
     })
+}
+
+/// The fused LM head a step graph's metadata records, if any.
+fn fused_view(model: &ModelProto) -> Option<FusedView> {
+    let text = model
+        .metadata_props
+        .iter()
+        .find(|p| p.key() == STEP_METADATA_KEY)?
+        .value();
+    FusedView::from_step_metadata(&serde_json::from_str(text).ok()?)
 }
 
 /// tract reads ONNX `Cast(to=INT64)` as a cast to its symbolic dimension type `TDim`, which

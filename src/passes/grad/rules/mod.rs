@@ -3,6 +3,7 @@
 
 mod activations;
 mod elementwise;
+mod fused;
 mod linalg;
 mod nn;
 mod reduce;
@@ -93,6 +94,7 @@ pub fn rule(op: &str) -> Option<Rule> {
         "Gather" | "GatherElements" => r(first, shape::gather),
         "GatherND" => r(first, shape::gather_nd),
         "Pad" => r(first, shape::pad),
+        crate::passes::fused_head::node::FORWARD => r(fused::inputs, fused::fused_head),
         _ => None,
     }
 }
