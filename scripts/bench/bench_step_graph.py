@@ -13,7 +13,9 @@ Models (both V = 32000, labels 30 % digit tokens, 2 % -100, NTL-WAS weight 0.3):
 
 Configurations, each in its own process (scripts/bench/bench_step_graph_worker.py):
   step     `ntl-patch step model.onnx --loss wasserstein` (AdamW), onnxruntime (.venv-rt) via
-           python/ntl_patch StepRunner (state stays in OrtValues between steps)
+           python/ntl_patch StepRunner (state stays in OrtValues between steps); at V = 32000 the
+           LM head is fused (chunked) by default
+  dense    the same with `--fused-head off` (the [N, V] logits held)
   step16   the same with `--precision fp16` (not in the default --configs)
   ort      `ntl-patch model.onnx --loss wasserstein` -> generate_artifacts(AdamW), ORT Training (.venv)
   torch    torch eager, CE + 0.3*ntloss.NTLoss(digit_level=True), torch.optim.AdamW (.venv)
@@ -50,11 +52,13 @@ sys.dont_write_bytecode = True
 import bench_step_graph_worker as worker  # noqa: E402
 
 PYTHONS = {"step": REPO / ".venv-rt/bin/python", "step16": REPO / ".venv-rt/bin/python",
+           "dense": REPO / ".venv-rt/bin/python",
            "ort": REPO / ".venv/bin/python",
            "torch": REPO / ".venv/bin/python", "onnxsim": REPO / ".venv-bench/bin/python"}
 LABELS = {
     "step": "`ntl-patch step` graph, onnxruntime 1.31.1 (StepRunner)",
     "step16": "the same with `--precision fp16` (CPU: float16 nodes run in float32)",
+    "dense": "`ntl-patch step --fused-head off` graph (the dense LM head), onnxruntime 1.31.1",
     "ort": "ORT Training 1.19.2: forward patch + generate_artifacts",
     "torch": "torch eager, CE + 0.3·ntloss.NTLoss",
     "onnxsim": "onnxsim 0.8.1 `compile_training_loop`",
@@ -68,7 +72,7 @@ MODELS = {
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="tinylm,gpt2")
-    p.add_argument("--configs", default="step,ort,torch,onnxsim")
+    p.add_argument("--configs", default="step,dense,ort,torch,onnxsim")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=10)
@@ -136,6 +140,8 @@ def prepare(name: str, args, work: Path) -> dict:
                                 "-o", work / "model.step.onnx", "--json"])
     run_cli(args.bin, ["step", work / "model.onnx", "--loss", "wasserstein", "--precision", "fp16",
                        "-o", work / "model.step16.onnx"])
+    run_cli(args.bin, ["step", work / "model.onnx", "--loss", "wasserstein", "--fused-head", "off",
+                       "-o", work / "model.dense.step.onnx"])
     t_patch = run_cli(args.bin, [work / "model.onnx", "--loss", "wasserstein", "-o", work / "model.ntl.onnx"])
     sm = onnx.load(str(work / "model.step.onnx"), load_external_data=False)
     step_meta = json.loads({q.key: q.value for q in sm.metadata_props}["ntl_step"])

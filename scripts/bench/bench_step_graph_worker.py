@@ -322,7 +322,8 @@ def make_step16(work: Path, threads: int):
 
 
 MAKERS = {"step": make_step, "step16": make_step16, "ort": make_ort, "torch": make_torch,
-          "onnxsim": make_onnxsim}
+          "onnxsim": make_onnxsim,
+          "dense": lambda work, threads: make_step(work, threads, "model.dense.step.onnx")}
 
 
 def main():
