@@ -121,10 +121,10 @@ fn fused_step_graphs_have_gpu_kernels_at_opsets_13_to_20() {
                 .iter()
                 .filter(|n| n.op_type() == "Scan")
                 .count();
-            assert_eq!(
-                scans, 2,
-                "opset {opset} {args:?}: a forward and a backward Scan"
-            );
+            // one Scan where the gradient's dense part is known before the forward (lower.rs),
+            // a forward and a backward one with --reweigh (the number loss reads the lse)
+            let want = if args.contains(&"--reweigh") { 2 } else { 1 };
+            assert_eq!(scans, want, "opset {opset} {args:?}");
             for target in [Target::Cuda, Target::Rocm] {
                 let f = fallback_nodes(&m, target);
                 assert!(

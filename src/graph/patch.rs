@@ -2,10 +2,12 @@
 //! replaces. Applying it is the only place the model is changed, and every application ends
 //! with a consistency check of the whole graph.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 
 use crate::error::Error;
-use crate::onnx::{ModelProto, NodeProto, StringStringEntryProto, TensorProto, ValueInfoProto};
+use crate::onnx::{
+    GraphProto, ModelProto, NodeProto, StringStringEntryProto, TensorProto, ValueInfoProto,
+};
 
 /// Metadata key that marks a model as patched (and records the options).
 pub const METADATA_KEY: &str = "ntl_patch";
@@ -91,4 +93,74 @@ pub fn check_consistency(model: &ModelProto) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Stable topological order: nodes keep their relative order unless an input is not yet
+/// defined, in which case they wait for it (one pass for an already sorted graph).
+pub fn topological_sort(graph: &mut GraphProto) {
+    let mut defined: HashSet<String> = graph
+        .input
+        .iter()
+        .map(|v| v.name().to_string())
+        .chain(graph.initializer.iter().map(|t| t.name().to_string()))
+        .collect();
+    let mut pending = std::mem::take(&mut graph.node);
+    loop {
+        let before = pending.len();
+        let mut waiting = Vec::new();
+        for node in pending {
+            let ready = node
+                .input
+                .iter()
+                .all(|i| i.is_empty() || defined.contains(i))
+                && outer_references(&node).iter().all(|i| defined.contains(*i));
+            if ready {
+                defined.extend(node.output.iter().cloned());
+                graph.node.push(node);
+            } else {
+                waiting.push(node);
+            }
+        }
+        pending = waiting;
+        if pending.is_empty() || pending.len() == before {
+            // a cycle or an undefined input: keep the rest as is, the consistency check reports it
+            graph.node.append(&mut pending);
+            return;
+        }
+    }
+}
+
+/// The enclosing graph's tensors a node's subgraphs (`Scan`, `Loop`, `If` bodies) read: names
+/// their nodes use that the bodies do not define themselves.
+pub fn outer_references(node: &NodeProto) -> Vec<&str> {
+    fn walk<'g>(g: &'g GraphProto, outer: &mut Vec<&'g str>) {
+        let own: HashSet<&str> = g
+            .input
+            .iter()
+            .map(|v| v.name())
+            .chain(g.initializer.iter().map(|t| t.name()))
+            .chain(
+                g.node
+                    .iter()
+                    .flat_map(|n| n.output.iter().map(String::as_str)),
+            )
+            .collect();
+        for n in &g.node {
+            let mut inner = Vec::new();
+            for sub in n.attribute.iter().flat_map(|a| a.g.iter().chain(&a.graphs)) {
+                walk(sub, &mut inner);
+            }
+            let used = n.input.iter().map(String::as_str).chain(inner);
+            outer.extend(used.filter(|i| !i.is_empty() && !own.contains(i)));
+        }
+    }
+    let mut outer = Vec::new();
+    for sub in node
+        .attribute
+        .iter()
+        .flat_map(|a| a.g.iter().chain(&a.graphs))
+    {
+        walk(sub, &mut outer);
+    }
+    outer
 }

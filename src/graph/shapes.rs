@@ -18,7 +18,7 @@ use crate::onnx::{attr, attr_i, attr_ints, NodeProto};
 /// some `2^63 − 2`).
 pub const SLICE_TO_THE_END: i64 = 1 << 62;
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Dim {
     Known(i64),
     Sym(String),
@@ -38,6 +38,15 @@ pub struct Shapes {
     shape: HashMap<String, Shape>,
     /// Values of small 1-D / scalar int64 tensors, element by element (shape vectors).
     value: HashMap<String, Vec<Dim>>,
+    /// For shapes ntl-patch declares with its own symbols (`ntl/...`, the fused head's
+    /// positions): the first tensor declared with that shape, whose `Shape` the backward reads
+    /// instead of a later tensor's of the same shape.
+    source: HashMap<Shape, String>,
+}
+
+/// A symbolic dim ntl-patch declared itself.
+fn is_own_symbol(d: &Dim) -> bool {
+    matches!(d, Dim::Sym(s) if s.starts_with("ntl/"))
 }
 
 impl Shapes {
@@ -72,6 +81,17 @@ impl Shapes {
 
     pub fn get(&self, t: &str) -> Option<&Shape> {
         self.shape.get(t)
+    }
+
+    /// The tensor whose `Shape` stands for `t`'s: the first tensor ntl-patch declared with the
+    /// same shape, where there is one, else `t`. The fused head declares its labels that way, so
+    /// the gradient of a per-position loss reads the labels' shape, not the loss's, and does
+    /// not wait for the forward.
+    pub fn shape_source<'a>(&'a self, t: &'a str) -> &'a str {
+        self.shape
+            .get(t)
+            .and_then(|s| self.source.get(s))
+            .map_or(t, String::as_str)
     }
 
     /// The value of a small int64 vector (a shape vector, a Slice's starts), where followed.
@@ -225,7 +245,7 @@ impl Shapes {
                 continue;
             };
             let Some(shape) = &t.shape else { continue };
-            let dims = shape
+            let dims: Shape = shape
                 .dim
                 .iter()
                 .map(|d| match &d.value {
@@ -234,6 +254,11 @@ impl Shapes {
                     _ => Dim::Unknown,
                 })
                 .collect();
+            if dims.iter().any(is_own_symbol) && !dims.contains(&Dim::Unknown) {
+                s.source
+                    .entry(dims.clone())
+                    .or_insert_with(|| v.name().into());
+            }
             s.shape.insert(v.name().into(), dims);
         }
         for node in &g.node {
@@ -602,8 +627,16 @@ impl Shapes {
             }
             _ => None,
         };
-        if let Some(r) = result {
+        if let Some(mut r) = result {
             if !out.is_empty() {
+                // a dim the walk cannot tell keeps ntl-patch's own declaration of it
+                if let Some(declared) = self.shape.get(&out).filter(|d| d.len() == r.len()) {
+                    for (dim, known) in r.iter_mut().zip(declared) {
+                        if *dim == Dim::Unknown && is_own_symbol(known) {
+                            *dim = known.clone();
+                        }
+                    }
+                }
                 self.shape.insert(out, r);
             }
         }

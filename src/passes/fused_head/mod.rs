@@ -163,7 +163,10 @@ pub fn fuse(model: &mut ModelProto, opts: &FusedHeadOptions) -> Result<Outcome, 
     let graph = model.graph.as_mut().expect("graph");
     // graph outputs of the logits (a model's `logits` output): the step graph drops them
     graph.output.retain(|o| !dropped.contains(o.name()));
-    graph.value_info.retain(|v| !dropped.contains(v.name()));
+    let declared: BTreeSet<&str> = infos.iter().map(|v| v.name()).collect();
+    graph
+        .value_info
+        .retain(|v| !dropped.contains(v.name()) && !declared.contains(v.name()));
     graph.value_info.extend(infos);
     apply(model, patch)?;
     Ok(Outcome::Fused(view))
@@ -670,22 +673,51 @@ fn replacement(
     let name = b.fresh(node::FORWARD);
     b.nodes.push(head.forward_node(&name, outputs));
     let positions = "ntl/fused_positions";
+    // the labels first: the backward then sees every per-position tensor as equally long and
+    // reads their shape from the labels (`Shapes::shape_source`), not from the forward's
+    // outputs, which would make the gradient wait for the forward (lower.rs computes both in
+    // one pass where it need not)
     let mut infos = vec![
-        vector_info(&lse, positions, None),
-        vector_info(&label_logit, positions, None),
+        vector_info(&labels, INT64, positions, None),
+        vector_info(&lse, FLOAT, positions, None),
+        vector_info(&label_logit, FLOAT, positions, None),
     ];
+    if static_rank(index, &ce.input[1]) == Some(1) {
+        // the cross-entropy's own flat labels are as long (label smoothing's mask reads them)
+        let t = index.elem_type(&ce.input[1]).unwrap_or(INT64);
+        infos.push(vector_info(&ce.input[1], t, positions, None));
+    }
     for (c, i) in columns.iter().zip(&ids) {
         let k = index.constant_i64(i).map_or(0, |v| v.len() as i64);
-        infos.push(vector_info(c, positions, Some(k)));
+        infos.push(vector_info(c, FLOAT, positions, Some(k)));
     }
-    infos.extend(mean.iter().map(|m| vector_info(m, positions, None)));
+    infos.extend(mean.iter().map(|m| vector_info(m, FLOAT, positions, None)));
 
-    cross_entropy(b, ce, &labels, ignore_index, &lse, &label_logit);
+    // the per-position values' shape: the labels' — read from the flat labels where they are
+    // flat, whose declared length the backward then sees (it need not wait for the forward)
+    let per_position_shape = match static_rank(index, &ce.input[1]) {
+        Some(1) => labels.clone(),
+        _ => ce.input[1].clone(),
+    };
+    cross_entropy(
+        b,
+        ce,
+        &labels,
+        &per_position_shape,
+        ignore_index,
+        &lse,
+        &label_logit,
+    );
     replacements.insert(r.ce, std::mem::take(&mut b.nodes));
     for &m in &r.log_prob_means {
         let mean = mean.as_deref().expect("a mean output with smoothing");
         let lp = b.binary("Sub", mean, &lse, "fused/mean_log_prob");
-        let labels_shape = b.node("Shape", &[&ce.input[1]], "fused/labels_shape", vec![]);
+        let labels_shape = b.node(
+            "Shape",
+            &[&per_position_shape],
+            "fused/labels_shape",
+            vec![],
+        );
         b.node_to(
             "Reshape",
             &[&lp, &labels_shape],
@@ -752,11 +784,13 @@ fn replay_on_hidden(b: &mut Builder, node: &NodeProto, h: &str) -> String {
 }
 
 /// The cross-entropy node `ce` as `lse − z[label]` per position, masked and reduced as the
-/// node's attributes say, written to its loss output.
+/// node's attributes say, written to its loss output (`per_position_shape`: a tensor of the
+/// labels' shape, for reduction `none`).
 fn cross_entropy(
     b: &mut Builder,
     ce: &NodeProto,
     labels: &str,
+    per_position_shape: &str,
     ignore_index: Option<i64>,
     lse: &str,
     label_logit: &str,
@@ -797,7 +831,7 @@ fn cross_entropy(
     let reduction = crate::onnx::attr_s(ce, "reduction").unwrap_or_else(|| "mean".into());
     match reduction.as_str() {
         "none" => {
-            let shape = b.node("Shape", &[&ce.input[1]], "fused/labels_shape", vec![]);
+            let shape = b.node("Shape", &[per_position_shape], "fused/labels_shape", vec![]);
             b.node_to("Reshape", &[&per_position, &shape], &[out], vec![]);
         }
         "sum" => {
@@ -818,9 +852,9 @@ fn cross_entropy(
     }
 }
 
-/// A float32 `[N]` (or `[N, k]`) value info, N the symbolic dim `positions`: the backward's
-/// shapes see the outputs as equally long.
-fn vector_info(name: &str, positions: &str, k: Option<i64>) -> ValueInfoProto {
+/// An `[N]` (or `[N, k]`) value info, N the symbolic dim `positions`: the backward's shapes see
+/// the tensors as equally long.
+fn vector_info(name: &str, elem: i32, positions: &str, k: Option<i64>) -> ValueInfoProto {
     let mut dim = vec![Dimension {
         value: Some(dimension::Value::DimParam(positions.into())),
         ..Default::default()
@@ -835,7 +869,7 @@ fn vector_info(name: &str, positions: &str, k: Option<i64>) -> ValueInfoProto {
         name: Some(name.into()),
         r#type: Some(TypeProto {
             value: Some(type_proto::Value::TensorType(type_proto::Tensor {
-                elem_type: Some(FLOAT),
+                elem_type: Some(elem),
                 shape: Some(TensorShapeProto { dim }),
             })),
             ..Default::default()

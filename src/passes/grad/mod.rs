@@ -92,8 +92,11 @@ impl<'a> Ctx<'a> {
         self.b.node(op, inputs, hint, vec![])
     }
 
+    /// `Shape(x)`, read from an earlier tensor of the same proven shape where ntl-patch
+    /// declared one (`Shapes::shape_source`).
     pub fn shape(&mut self, x: &str) -> String {
-        self.op("Shape", &[x], "grad/shape")
+        let source = self.shapes.shape_source(x).to_string();
+        self.op("Shape", &[&source], "grad/shape")
     }
 
     /// Zeros of `x`'s shape (float32).

@@ -187,7 +187,7 @@ pub fn build(
     graph.initializer.append(&mut e.initializers);
     // The replacement reads the flat tensors, which the patch computes after the CE node, so
     // it cannot simply take the node's place: restore a topological order instead.
-    topological_sort(graph);
+    crate::graph::patch::topological_sort(graph);
     if primitive_ce {
         let opset = crate::onnx::default_opset(&model).unwrap_or(ntl_ops::builder::MIN_OPSET);
         let graph = model.graph.as_mut().expect("checked on load");
@@ -308,40 +308,6 @@ fn bypass_identities(graph: &mut GraphProto) {
             if let Some(root) = source.get(i.as_str()) {
                 *i = root.clone();
             }
-        }
-    }
-}
-
-/// Stable topological order: nodes keep their relative order unless an input is not yet
-/// defined, in which case they wait for it (one pass for an already sorted graph).
-fn topological_sort(graph: &mut GraphProto) {
-    let mut defined: HashSet<String> = graph
-        .input
-        .iter()
-        .map(|v| v.name().to_string())
-        .chain(graph.initializer.iter().map(|t| t.name().to_string()))
-        .collect();
-    let mut pending = std::mem::take(&mut graph.node);
-    loop {
-        let before = pending.len();
-        let mut waiting = Vec::new();
-        for node in pending {
-            if node
-                .input
-                .iter()
-                .all(|i| i.is_empty() || defined.contains(i))
-            {
-                defined.extend(node.output.iter().cloned());
-                graph.node.push(node);
-            } else {
-                waiting.push(node);
-            }
-        }
-        pending = waiting;
-        if pending.is_empty() || pending.len() == before {
-            // a cycle or an undefined input: keep the rest as is, the consistency check reports it
-            graph.node.append(&mut pending);
-            return;
         }
     }
 }

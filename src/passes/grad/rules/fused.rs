@@ -28,17 +28,23 @@ pub fn fused_head(
     let head = Head::of(node);
     // the forward's lse, then one upstream gradient per output (zeros where none arrived)
     let mut grads = vec![node.output[0].clone()];
+    // Each upstream gradient in its output's shape — [N] or [N, K], N read from the labels, not
+    // from the output (so the gradients need not wait for the forward: `lower` may then compute
+    // both in one pass). A gradient summed by a run-time unbroadcast has no static shape, which
+    // a Scan input needs (tract refuses the body otherwise).
+    let positions = ctx.shape(&head.labels);
+    let cols: Vec<String> = head.id_counts.iter().map(|&k| ctx.i64s(&[k])).collect();
     for (k, g) in gy.iter().enumerate() {
-        let out = &node.output[k];
+        let shape = match k.checked_sub(2).and_then(|j| cols.get(j)) {
+            Some(c) => ctx.b.concat(&[&positions, c], 0, "grad/fused_cols_shape"),
+            None => positions.clone(),
+        };
         grads.push(match g {
-            // in the output's own shape: a gradient summed by a run-time unbroadcast has no
-            // static shape, which a Scan input needs (tract refuses the body otherwise)
             Some(g) => {
-                let shape = ctx.shape(out);
                 let g = ctx.op("Reshape", &[g, &shape], "grad/fused_upstream");
                 ctx.b.cast(&g, crate::onnx::FLOAT, "grad/fused_upstream_f")
             }
-            None => ctx.zeros_like(out),
+            None => ctx.zeros(&shape),
         });
     }
     let mut outputs = Vec::new();
