@@ -138,6 +138,39 @@ fn fused_step_graphs_have_gpu_kernels_at_opsets_13_to_20() {
     }
 }
 
+/// With `--precision fp16|bf16` the fused head stays fused (its projection in float32, the
+/// master weight read directly) and every node keeps a CUDA and ROCm kernel.
+#[test]
+fn fused_heads_under_mixed_precision_have_gpu_kernels() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = write(tmp.path(), "m.onnx", &head_model(48, 17, None));
+    for precision in ["fp16", "bf16"] {
+        let out = tmp.path().join(format!("{precision}.onnx"));
+        let o = step(
+            &src,
+            &out,
+            &["--fused-head", "on", "--precision", precision, "--json"],
+        );
+        assert!(
+            o.status.success(),
+            "{precision}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert!(v["fused_head"].is_object(), "{precision}: {v}");
+        let m = read_model(&out);
+        for target in [Target::Cuda, Target::Rocm] {
+            let f = fallback_nodes(&m, target);
+            assert!(
+                f.is_empty(),
+                "{precision} on {}: {:?}",
+                target.name(),
+                f.iter().map(|n| (&n.op, &n.reason)).collect::<Vec<_>>()
+            );
+        }
+    }
+}
+
 /// The kernel check looks inside the `Scan` bodies: a body op without a kernel is a fallback
 /// (this check must be able to fail).
 #[test]
