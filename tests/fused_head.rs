@@ -71,6 +71,15 @@ fn write(dir: &std::path::Path, name: &str, m: &ntl_patch::onnx::ModelProto) -> 
     p
 }
 
+/// Every node, `Scan` bodies included, has a CUDA and a ROCm kernel.
+fn assert_no_gpu_fallback(m: &ntl_patch::onnx::ModelProto, what: &str) {
+    for target in [Target::Cuda, Target::Rocm] {
+        let f = fallback_nodes(m, target);
+        let ops: Vec<_> = f.iter().map(|n| (&n.op, &n.reason)).collect();
+        assert!(f.is_empty(), "{what} on {}: {ops:?}", target.name());
+    }
+}
+
 fn step(src: &std::path::Path, out: &std::path::Path, args: &[&str]) -> std::process::Output {
     bin()
         .arg("step")
@@ -125,15 +134,7 @@ fn fused_step_graphs_have_gpu_kernels_at_opsets_13_to_20() {
             // a forward and a backward one with --reweigh (the number loss reads the lse)
             let want = if args.contains(&"--reweigh") { 2 } else { 1 };
             assert_eq!(scans, want, "opset {opset} {args:?}");
-            for target in [Target::Cuda, Target::Rocm] {
-                let f = fallback_nodes(&m, target);
-                assert!(
-                    f.is_empty(),
-                    "opset {opset} {args:?} on {}: {:?}",
-                    target.name(),
-                    f.iter().map(|n| (&n.op, &n.reason)).collect::<Vec<_>>()
-                );
-            }
+            assert_no_gpu_fallback(&m, &format!("opset {opset} {args:?}"));
         }
     }
 }
@@ -159,15 +160,7 @@ fn fused_heads_under_mixed_precision_have_gpu_kernels() {
         let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         assert!(v["fused_head"].is_object(), "{precision}: {v}");
         let m = read_model(&out);
-        for target in [Target::Cuda, Target::Rocm] {
-            let f = fallback_nodes(&m, target);
-            assert!(
-                f.is_empty(),
-                "{precision} on {}: {:?}",
-                target.name(),
-                f.iter().map(|n| (&n.op, &n.reason)).collect::<Vec<_>>()
-            );
-        }
+        assert_no_gpu_fallback(&m, precision);
     }
 }
 

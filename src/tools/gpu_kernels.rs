@@ -1380,18 +1380,9 @@ pub fn check_model_with(model: &ModelProto, target: Target, tables: &Tables) -> 
     }
     groups.sort_by(|a, b| (&a.domain, &a.op, a.version).cmp(&(&b.domain, &b.op, b.version)));
     let cpu_preferred = cpu_preferred_nodes(graph, &placed, &types);
+    // (the nodes inside subgraphs; the CUDA and ROCm placement above covers them)
     let nested_nodes = match target {
-        Target::Migraphx => graph
-            .node
-            .iter()
-            .flat_map(|n| n.attribute.iter())
-            .map(|a| {
-                a.g.iter()
-                    .chain(a.graphs.iter())
-                    .map(count_nodes)
-                    .sum::<usize>()
-            })
-            .sum(),
+        Target::Migraphx => count_nodes(graph) - graph.node.len(),
         _ => 0,
     };
     let mut notes = Vec::new();

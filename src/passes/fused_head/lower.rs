@@ -14,11 +14,9 @@ use ntl_ops::Builder;
 
 use super::node::{Head, BACKWARD, DOMAIN, FORWARD};
 use crate::graph::GraphIndex;
-use crate::onnx::proto::tensor_shape_proto::{dimension, Dimension};
-use crate::onnx::proto::{type_proto, TensorShapeProto};
 use crate::onnx::{
-    default_opset, graph_attr, int_attr, string_attr, GraphProto, ModelProto, NodeProto, TypeProto,
-    ValueInfoProto, FLOAT, INT64,
+    default_opset, graph_attr, int_attr, string_attr, GraphProto, ModelProto, NodeProto, FLOAT,
+    INT64,
 };
 
 /// Replaces every fused node of the model's graph by its `Scan` expansion: one `Scan` for the
@@ -120,154 +118,64 @@ fn one_pass(graph: &GraphProto) -> std::collections::HashSet<String> {
 /// into the weight's columns, `g_cols·W[:, ids]ᵀ` into the hidden states'.
 fn forward_and_backward(b: &mut Builder, fwd: &NodeProto, node: &NodeProto) {
     let head = Head::of(node);
-    let n_out = head.forward_outputs();
-    let at = 4 + head.ids.len() + 1;
-    let g: Vec<String> = node.input[at..at + n_out].to_vec();
-    let (out_h, out_w, out_b) = (&node.output[0], &node.output[1], &node.output[2]);
-
+    let grads = Grads::of(&head, node);
     let ch = chunks(b, &head.hidden, head.chunk_tokens);
     let mut scan_in = vec![
         to_chunks(b, &head.hidden, FLOAT, &ch),
         to_chunks(b, &head.labels, INT64, &ch),
-        to_chunks(b, &g[0], FLOAT, &ch),
-        to_chunks(b, &g[1], FLOAT, &ch),
+        to_chunks(b, &grads.lse_grad, FLOAT, &ch),
+        to_chunks(b, &grads.label_grad, FLOAT, &ch),
     ];
-    if head.mean_logit {
-        scan_in.push(to_chunks(b, &g[n_out - 1], FLOAT, &ch));
-    }
-    let zero = b.scalar_f32("fused/zero", 0.0);
-    let mut state_in = Vec::new();
-    for (want, t) in [(out_w, &head.weight), (out_b, &head.bias)] {
-        if !want.is_empty() {
-            let s = b.node("Shape", &[t], "fused/acc_shape", vec![]);
-            state_in.push(b.node("Expand", &[&zero, &s], "fused/acc_zeros", vec![]));
-        }
-    }
+    scan_in.extend(grads.mean_grad.iter().map(|g| to_chunks(b, g, FLOAT, &ch)));
+    let state_in = accumulator_zeros(b, &head, &grads);
     let outer = std::mem::take(&mut b.nodes);
 
-    let acc_w = (!out_w.is_empty()).then(|| b.fresh("fused/acc_w"));
-    let acc_b = (!out_b.is_empty()).then(|| b.fresh("fused/acc_b"));
+    let acc = Accumulators::fresh(b, &grads);
     let slices: Vec<String> = scan_in.iter().map(|_| b.fresh("fused/slice")).collect();
     let (h, y) = (&slices[0], &slices[1]);
-    let (z, y_safe) = chunk_logits(b, &head, h, y);
-    let (max, _) = b.top1(&z, "fused/row_max");
-    let shifted = b.binary("Sub", &z, &max, "fused/shifted");
-    let e = b.unary("Exp", &shifted, "fused/exp");
-    let sum = b.reduce_sum(&e, &[1], true, "fused/exp_sum");
-    let log = b.unary("Log", &sum, "fused/log_sum");
-    let lse = b.binary("Add", &log, &max, "fused/lse_col");
-    let lse_c = b.squeeze(&lse, &[1], "fused/lse_c");
-    let y_col = b.unsqueeze(&y_safe, &[1], "fused/label_col");
-    let picked = b.node(
-        "GatherElements",
-        &[&z, &y_col],
-        "fused/picked",
-        vec![int_attr("axis", 1)],
-    );
-    let picked = b.squeeze(&picked, &[1], "fused/label_logit_c");
-    let row = vec![None];
-    let mut fwd_outs: Vec<Typed> = vec![(lse_c, FLOAT, row.clone()), (picked, FLOAT, row.clone())];
-    for (ids, k) in head.ids.iter().zip(&head.id_counts) {
-        let cols = b.gather(&z, ids, 1, "fused/columns_c");
-        fwd_outs.push((cols, FLOAT, vec![None, Some(*k)]));
-    }
-    if head.mean_logit {
-        let mean = b.reduce("ReduceMean", &z, &[1], false, "fused/mean_c");
-        fwd_outs.push((mean, FLOAT, row.clone()));
-    }
-    // dz = softmax·g_lse (+ g_mean/V) + onehot(label)·g_label
-    let p = b.binary("Div", &e, &sum, "fused/p");
-    let g_lse = b.unsqueeze(&slices[2], &[1], "fused/g_lse_col");
-    let mut dz = b.binary("Mul", &p, &g_lse, "fused/dz");
-    if head.mean_logit {
-        let width = b.scalar_f32("fused/width", head.width as f32);
-        let per_class = b.binary("Div", &slices[4], &width, "fused/g_mean_per_class");
-        let col = b.unsqueeze(&per_class, &[1], "fused/g_mean_col");
-        dz = b.binary("Add", &dz, &col, "fused/dz");
-    }
-    let g_label = b.unsqueeze(&slices[3], &[1], "fused/g_label_col");
-    dz = scatter_add(b, &dz, &y_col, &g_label);
-    let mut grad_outs: Vec<Typed> = Vec::new();
-    if let Some(acc) = &acc_w {
-        let (a, bb) = if head.trans_weight {
-            (&dz, h)
-        } else {
-            (h, &dz)
-        };
-        let next = b.node(
-            "Gemm",
-            &[a, bb, acc],
-            "fused/acc_w_next",
-            vec![int_attr("transA", 1)],
-        );
-        grad_outs.push((next, FLOAT, vec![None, None]));
-    }
-    if let Some(acc) = &acc_b {
-        let col_sum = b.reduce_sum(&dz, &[0], false, "fused/db_c");
-        let next = b.binary("Add", acc, &col_sum, "fused/acc_b_next");
-        grad_outs.push((next, FLOAT, vec![None]));
-    }
-    let dh = (!out_h.is_empty()).then(|| {
-        b.node(
-            "Gemm",
-            &[&dz, &head.weight],
-            "fused/dh_c",
-            vec![int_attr("transB", (!head.trans_weight) as i64)],
-        )
-    });
-    let mut ins: Vec<Typed> = Vec::new();
-    ins.extend(acc_w.iter().map(|a| (a.clone(), FLOAT, vec![None, None])));
-    ins.extend(acc_b.iter().map(|a| (a.clone(), FLOAT, vec![None])));
-    for (k, s) in slices.iter().enumerate() {
-        let (elem, dims) = match k {
-            0 => (FLOAT, vec![None, None]),
-            1 => (INT64, vec![None]),
-            _ => (FLOAT, vec![None]),
-        };
-        ins.push((s.clone(), elem, dims));
-    }
+    let f = chunk_forward(b, &head, h, y);
+    let p = b.binary("Div", &f.exp, &f.exp_sum, "fused/p");
+    let g_mean = head.mean_logit.then(|| slices[4].as_str());
+    let dz = dense_dz(b, &head, &p, &slices[2], &slices[3], g_mean, &f.label_col);
+    let (mut outs, dh) = accumulate(b, &head, h, &dz, &acc, grads.want_hidden());
+    let mut ins = acc.typed();
+    ins.extend(typed_slices(&slices, &[]));
     // Scan outputs: the state first, then the stacked per-chunk values
-    let mut outs = grad_outs;
-    outs.extend(fwd_outs);
+    outs.extend(f.outs);
     outs.extend(dh.iter().map(|d| (d.clone(), FLOAT, vec![None, None])));
     let body_graph = body(b, &ins, &outs, "fused_head_forward_backward");
 
     b.nodes = outer;
-    let mut inputs: Vec<&str> = state_in.iter().map(String::as_str).collect();
-    inputs.extend(scan_in.iter().map(String::as_str));
-    let w_dense = (!out_w.is_empty()).then(|| b.fresh("fused/w_grad_dense"));
-    let b_dense = (!out_b.is_empty()).then(|| b.fresh("fused/b_grad_dense"));
-    let mut outputs: Vec<String> = w_dense.iter().chain(&b_dense).cloned().collect();
-    let stacked: Vec<String> = (0..n_out).map(|_| b.fresh("fused/stacked")).collect();
-    outputs.extend(stacked.iter().cloned());
+    let dense = |b: &mut Builder, want: &str, hint: &str| (!want.is_empty()).then(|| b.fresh(hint));
+    let mut w_total = dense(b, &grads.weight, "fused/w_grad_dense");
+    let mut b_total = dense(b, &grads.bias, "fused/b_grad_dense");
+    let stacked: Vec<String> = fwd
+        .output
+        .iter()
+        .map(|_| b.fresh("fused/stacked"))
+        .collect();
     let dh_stacked = dh.as_ref().map(|_| b.fresh("fused/dh_stacked"));
-    outputs.extend(dh_stacked.iter().cloned());
-    let refs: Vec<&str> = outputs.iter().map(String::as_str).collect();
-    b.node_to(
-        "Scan",
-        &inputs,
-        &refs,
-        vec![
-            graph_attr("body", body_graph),
-            int_attr("num_scan_inputs", scan_in.len() as i64),
-        ],
-    );
+    let outputs: Vec<&str> = w_total
+        .iter()
+        .chain(&b_total)
+        .chain(&stacked)
+        .chain(&dh_stacked)
+        .map(String::as_str)
+        .collect();
+    scan(b, &state_in, &scan_in, &outputs, body_graph);
     for (s, out) in stacked.iter().zip(&fwd.output) {
         from_chunks(b, s, &ch, out);
     }
 
     // the columns' gradients, after the forward's readers computed them
-    let g_cols = &g[2..2 + head.ids.len()];
     let mut dh_total = dh_stacked.map(|s| {
         let d = b.fresh("fused/dh_dense");
         from_chunks(b, &s, &ch, &d);
         d
     });
-    let mut w_total = w_dense;
-    let mut b_total = b_dense;
-    for (ids, gc) in head.ids.iter().zip(g_cols) {
-        // the weight's columns (rows of a [V, d] weight) the ids pick
-        let axis = if head.trans_weight { 0 } else { 1 };
+    // the weight's columns (rows of a [V, d] weight) the ids pick
+    let axis = if head.trans_weight { 0 } else { 1 };
+    for (ids, gc) in head.ids.iter().zip(&grads.column_grads) {
         if let Some(w) = &w_total {
             // hᵀ·g_cols [d, K], or g_colsᵀ·h [K, d] for a [V, d] weight
             let (a, bb) = if head.trans_weight {
@@ -281,12 +189,12 @@ fn forward_and_backward(b: &mut Builder, fwd: &NodeProto, node: &NodeProto) {
                 "fused/w_grad_cols",
                 vec![int_attr("transA", 1)],
             );
-            let idx = column_indices(b, ids, &upd, axis);
-            w_total = Some(scatter_add_axis(b, w, &idx, &upd, axis));
+            let idx = ids_along(b, ids, &upd, axis);
+            w_total = Some(scatter_add(b, w, &idx, &upd, axis));
         }
         if let Some(bias) = &b_total {
             let upd = b.reduce_sum(gc, &[0], false, "fused/b_grad_cols");
-            b_total = Some(scatter_add_axis(b, bias, ids, &upd, 0));
+            b_total = Some(scatter_add(b, bias, ids, &upd, 0));
         }
         if let Some(dh) = &dh_total {
             let w_cols = b.gather(&head.weight, ids, axis, "fused/w_cols");
@@ -299,42 +207,215 @@ fn forward_and_backward(b: &mut Builder, fwd: &NodeProto, node: &NodeProto) {
             dh_total = Some(b.binary("Add", dh, &extra, "fused/dh"));
         }
     }
-    for (total, out) in [(w_total, out_w), (b_total, out_b), (dh_total, out_h)] {
+    let named = [
+        (w_total, &grads.weight),
+        (b_total, &grads.bias),
+        (dh_total, &grads.hidden),
+    ];
+    for (total, out) in named {
         if let Some(t) = total {
             b.node_to("Identity", &[&t], &[out], vec![]);
         }
     }
 }
 
+/// The tensors of a `FusedHeadLossGrad` node: the forward's lse, the upstream gradients of the
+/// forward's outputs, and which gradients it writes (empty names: not wanted).
+struct Grads {
+    lse: String,
+    lse_grad: String,
+    label_grad: String,
+    column_grads: Vec<String>,
+    mean_grad: Option<String>,
+    hidden: String,
+    weight: String,
+    bias: String,
+}
+
+impl Grads {
+    fn of(head: &Head, node: &NodeProto) -> Grads {
+        let at = 4 + head.ids.len();
+        let g = &node.input[at + 1..at + 1 + head.forward_outputs()];
+        Grads {
+            lse: node.input[at].clone(),
+            lse_grad: g[0].clone(),
+            label_grad: g[1].clone(),
+            column_grads: g[2..2 + head.ids.len()].to_vec(),
+            mean_grad: head.mean_logit.then(|| g[g.len() - 1].clone()),
+            hidden: node.output[0].clone(),
+            weight: node.output[1].clone(),
+            bias: node.output[2].clone(),
+        }
+    }
+
+    fn want_hidden(&self) -> bool {
+        !self.hidden.is_empty()
+    }
+}
+
+/// The Scan state that accumulates the weight's and bias's gradients (where wanted).
+struct Accumulators {
+    weight: Option<String>,
+    bias: Option<String>,
+}
+
+impl Accumulators {
+    fn fresh(b: &mut Builder, grads: &Grads) -> Accumulators {
+        Accumulators {
+            weight: (!grads.weight.is_empty()).then(|| b.fresh("fused/acc_w")),
+            bias: (!grads.bias.is_empty()).then(|| b.fresh("fused/acc_b")),
+        }
+    }
+
+    /// As typed body inputs.
+    fn typed(&self) -> Vec<Typed> {
+        let w = self
+            .weight
+            .iter()
+            .map(|a| (a.clone(), FLOAT, vec![None, None]));
+        let b = self.bias.iter().map(|a| (a.clone(), FLOAT, vec![None]));
+        w.chain(b).collect()
+    }
+}
+
+/// Zeros of the weight's and bias's shapes, the accumulators' initial state.
+fn accumulator_zeros(b: &mut Builder, head: &Head, grads: &Grads) -> Vec<String> {
+    let zero = b.scalar_f32("fused/zero", 0.0);
+    let mut zeros = Vec::new();
+    for (want, t) in [(&grads.weight, &head.weight), (&grads.bias, &head.bias)] {
+        if !want.is_empty() {
+            let s = b.node("Shape", &[t], "fused/acc_shape", vec![]);
+            zeros.push(b.node("Expand", &[&zero, &s], "fused/acc_zeros", vec![]));
+        }
+    }
+    zeros
+}
+
+/// The body's scan-input slices typed: the hidden chunk `[C, d]`, the labels `[C]` (int64),
+/// then `[C]` gradients, and `[C, k]` for each count in `columns` (their position from 5 on).
+fn typed_slices(slices: &[String], columns: &[i64]) -> Vec<Typed> {
+    slices
+        .iter()
+        .enumerate()
+        .map(|(k, s)| {
+            let (elem, dims) = match k {
+                0 => (FLOAT, vec![None, None]),
+                1 => (INT64, vec![None]),
+                _ => match k.checked_sub(5).and_then(|j| columns.get(j)) {
+                    Some(&c) => (FLOAT, vec![None, Some(c)]),
+                    None => (FLOAT, vec![None]),
+                },
+            };
+            (s.clone(), elem, dims)
+        })
+        .collect()
+}
+
+/// `dz = p·g_lse (+ g_mean/V) + onehot(label)·g_label`, the gradient of a chunk's logits from
+/// its softmax `p` and the upstream gradients of its positions.
+fn dense_dz(
+    b: &mut Builder,
+    head: &Head,
+    p: &str,
+    g_lse: &str,
+    g_label: &str,
+    g_mean: Option<&str>,
+    label_col: &str,
+) -> String {
+    let g_lse = b.unsqueeze(g_lse, &[1], "fused/g_lse_col");
+    let mut dz = b.binary("Mul", p, &g_lse, "fused/dz");
+    if let Some(g_mean) = g_mean {
+        let width = b.scalar_f32("fused/width", head.width as f32);
+        let per_class = b.binary("Div", g_mean, &width, "fused/g_mean_per_class");
+        let col = b.unsqueeze(&per_class, &[1], "fused/g_mean_col");
+        dz = b.binary("Add", &dz, &col, "fused/dz");
+    }
+    let g_label = b.unsqueeze(g_label, &[1], "fused/g_label_col");
+    scatter_add(b, &dz, label_col, &g_label, 1)
+}
+
+/// The weight's and bias's next accumulators from a chunk's `dz` (typed body outputs: `dW +=
+/// hᵀ·dz`, or `dzᵀ·h` for a weight stored `[V, d]`, in one `Gemm` with the accumulator as `C`;
+/// `db += Σ dz`), and the chunk's hidden-state gradient `dz·Wᵀ` where wanted.
+fn accumulate(
+    b: &mut Builder,
+    head: &Head,
+    h: &str,
+    dz: &str,
+    acc: &Accumulators,
+    want_hidden: bool,
+) -> (Vec<Typed>, Option<String>) {
+    let mut outs = Vec::new();
+    if let Some(acc) = &acc.weight {
+        let (a, bb) = if head.trans_weight { (dz, h) } else { (h, dz) };
+        let next = b.node(
+            "Gemm",
+            &[a, bb, acc],
+            "fused/acc_w_next",
+            vec![int_attr("transA", 1)],
+        );
+        outs.push((next, FLOAT, vec![None, None]));
+    }
+    if let Some(acc) = &acc.bias {
+        let col_sum = b.reduce_sum(dz, &[0], false, "fused/db_c");
+        let next = b.binary("Add", acc, &col_sum, "fused/acc_b_next");
+        outs.push((next, FLOAT, vec![None]));
+    }
+    let dh = want_hidden.then(|| {
+        b.node(
+            "Gemm",
+            &[dz, &head.weight],
+            "fused/dh_c",
+            vec![int_attr("transB", (!head.trans_weight) as i64)],
+        )
+    });
+    (outs, dh)
+}
+
+/// The `Scan` node: `state` initial values, then the scan inputs.
+fn scan(b: &mut Builder, state: &[String], inputs: &[String], outputs: &[&str], body: GraphProto) {
+    let all: Vec<&str> = state.iter().chain(inputs).map(String::as_str).collect();
+    b.node_to(
+        "Scan",
+        &all,
+        outputs,
+        vec![
+            graph_attr("body", body),
+            int_attr("num_scan_inputs", inputs.len() as i64),
+        ],
+    );
+}
+
 /// Indices for adding `upd` (`[d, K]` along axis 1, or `[K, d]` along axis 0) into a weight at
 /// the columns (rows) `ids`.
-fn column_indices(b: &mut Builder, ids: &str, upd: &str, axis: i64) -> String {
+fn ids_along(b: &mut Builder, ids: &str, upd: &str, axis: i64) -> String {
     let laid = b.unsqueeze(ids, &[1 - axis], "fused/ids_laid");
     let shape = b.node("Shape", &[upd], "fused/upd_shape", vec![]);
     b.node("Expand", &[&laid, &shape], "fused/ids_at", vec![])
 }
 
-/// `d += u` at `indices` along `axis` (indices distinct along it).
-fn scatter_add_axis(b: &mut Builder, d: &str, indices: &str, u: &str, axis: i64) -> String {
+/// `d += u` at `indices` along `axis` (indices distinct along it): ScatterElements with reduction
+/// from opset 16, else gather, add and scatter.
+fn scatter_add(b: &mut Builder, d: &str, indices: &str, u: &str, axis: i64) -> String {
     if b.opset() >= 16 {
         return b.node(
             "ScatterElements",
             &[d, indices, u],
-            "fused/grad_cols_added",
+            "fused/added",
             vec![int_attr("axis", axis), string_attr("reduction", "add")],
         );
     }
     let old = b.node(
         "GatherElements",
         &[d, indices],
-        "fused/grad_old",
+        "fused/old",
         vec![int_attr("axis", axis)],
     );
-    let sum = b.binary("Add", &old, u, "fused/grad_new");
+    let sum = b.binary("Add", &old, u, "fused/new");
     b.node(
         "ScatterElements",
         &[d, indices, &sum],
-        "fused/grad_cols_added",
+        "fused/added",
         vec![int_attr("axis", axis)],
     )
 }
@@ -396,36 +477,15 @@ fn from_chunks(b: &mut Builder, stacked: &str, ch: &Chunks, out: &str) {
     b.node_to("Slice", &[&rows, &zero, &ch.n, &axis], &[out], vec![]);
 }
 
-/// A typed body input or output: rank `dims.len()`, each dim known (`Some`) or unnamed.
-fn value(name: &str, elem: i32, dims: &[Option<i64>]) -> ValueInfoProto {
-    let dim = dims
-        .iter()
-        .map(|d| Dimension {
-            value: d.map(dimension::Value::DimValue),
-            ..Default::default()
-        })
-        .collect();
-    ValueInfoProto {
-        name: Some(name.into()),
-        r#type: Some(TypeProto {
-            value: Some(type_proto::Value::TensorType(type_proto::Tensor {
-                elem_type: Some(elem),
-                shape: Some(TensorShapeProto { dim }),
-            })),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
 /// A Scan body of the nodes `b` holds (the caller set the outer graph's nodes aside), with
 /// typed inputs and outputs.
 fn body(b: &mut Builder, inputs: &[Typed], outputs: &[Typed], name: &str) -> GraphProto {
+    let value = |(n, t, d): &Typed| super::node::tensor_info(n, *t, d);
     GraphProto {
         name: Some(name.into()),
         node: std::mem::take(&mut b.nodes),
-        input: inputs.iter().map(|(n, t, d)| value(n, *t, d)).collect(),
-        output: outputs.iter().map(|(n, t, d)| value(n, *t, d)).collect(),
+        input: inputs.iter().map(value).collect(),
+        output: outputs.iter().map(value).collect(),
         ..Default::default()
     }
 }
@@ -457,29 +517,32 @@ fn chunk_logits(b: &mut Builder, head: &Head, h: &str, y: &str) -> (String, Stri
     (z, y)
 }
 
-/// `FusedHeadLoss` → chunking + `Scan` computing lse, the label logit, the column sets and the
-/// row mean per chunk.
-fn forward(b: &mut Builder, node: &NodeProto) {
-    let head = Head::of(node);
-    let ch = chunks(b, &head.hidden, head.chunk_tokens);
-    let h_chunks = to_chunks(b, &head.hidden, FLOAT, &ch);
-    let y_chunks = to_chunks(b, &head.labels, INT64, &ch);
-    let outer = std::mem::take(&mut b.nodes);
+/// What a chunk's forward computes inside a body.
+struct ChunkForward {
+    /// `exp(z − max)` and its row sums: the softmax without another pass over the logits.
+    exp: String,
+    exp_sum: String,
+    /// The labels as `[C, 1]` indices (the ignore index as 0).
+    label_col: String,
+    /// The forward's outputs: lse, the label's logit, the column sets, the row mean.
+    outs: Vec<Typed>,
+}
 
-    let (h, y) = (b.fresh("fused/h_c"), b.fresh("fused/y_c"));
-    let (z, y_safe) = chunk_logits(b, &head, &h, &y);
-    // the row maximum by TopK: onnxruntime-rocm 1.22 has no ReduceMax for opset 20
+/// A chunk's logits, their log-sum-exp (max-shifted; the row maximum by TopK: onnxruntime-rocm
+/// 1.22 has no ReduceMax for opset 20), the label's logit, the column sets and the row mean.
+fn chunk_forward(b: &mut Builder, head: &Head, h: &str, y: &str) -> ChunkForward {
+    let (z, y_safe) = chunk_logits(b, head, h, y);
     let (max, _) = b.top1(&z, "fused/row_max");
     let shifted = b.binary("Sub", &z, &max, "fused/shifted");
-    let e = b.unary("Exp", &shifted, "fused/exp");
-    let sum = b.reduce_sum(&e, &[1], true, "fused/exp_sum");
-    let log = b.unary("Log", &sum, "fused/log_sum");
+    let exp = b.unary("Exp", &shifted, "fused/exp");
+    let exp_sum = b.reduce_sum(&exp, &[1], true, "fused/exp_sum");
+    let log = b.unary("Log", &exp_sum, "fused/log_sum");
     let lse = b.binary("Add", &log, &max, "fused/lse_col");
     let lse = b.squeeze(&lse, &[1], "fused/lse_c");
-    let y_col = b.unsqueeze(&y_safe, &[1], "fused/label_col");
+    let label_col = b.unsqueeze(&y_safe, &[1], "fused/label_col");
     let picked = b.node(
         "GatherElements",
-        &[&z, &y_col],
+        &[&z, &label_col],
         "fused/picked",
         vec![int_attr("axis", 1)],
     );
@@ -492,179 +555,95 @@ fn forward(b: &mut Builder, node: &NodeProto) {
     }
     if head.mean_logit {
         let mean = b.reduce("ReduceMean", &z, &[1], false, "fused/mean_c");
-        outs.push((mean, FLOAT, row.clone()));
+        outs.push((mean, FLOAT, row));
     }
-    let ins = [(h, FLOAT, vec![None, None]), (y, INT64, row)];
-    let g = body(b, &ins, &outs, "fused_head_forward");
+    ChunkForward {
+        exp,
+        exp_sum,
+        label_col,
+        outs,
+    }
+}
 
+/// `FusedHeadLoss` alone → chunking + `Scan` computing lse, the label logit, the column sets
+/// and the row mean per chunk.
+fn forward(b: &mut Builder, node: &NodeProto) {
+    let head = Head::of(node);
+    let ch = chunks(b, &head.hidden, head.chunk_tokens);
+    let scan_in = [
+        to_chunks(b, &head.hidden, FLOAT, &ch),
+        to_chunks(b, &head.labels, INT64, &ch),
+    ];
+    let outer = std::mem::take(&mut b.nodes);
+    let (h, y) = (b.fresh("fused/h_c"), b.fresh("fused/y_c"));
+    let f = chunk_forward(b, &head, &h, &y);
+    let ins = typed_slices(&[h, y], &[]);
+    let g = body(b, &ins, &f.outs, "fused_head_forward");
     b.nodes = outer;
-    let stacked: Vec<String> = outs.iter().map(|_| b.fresh("fused/stacked")).collect();
+    let stacked: Vec<String> = f.outs.iter().map(|_| b.fresh("fused/stacked")).collect();
     let refs: Vec<&str> = stacked.iter().map(String::as_str).collect();
-    b.node_to(
-        "Scan",
-        &[&h_chunks, &y_chunks],
-        &refs,
-        vec![graph_attr("body", g), int_attr("num_scan_inputs", 2)],
-    );
+    scan(b, &[], &scan_in, &refs, g);
     for (s, out) in stacked.iter().zip(&node.output) {
         from_chunks(b, s, &ch, out);
     }
 }
 
-/// `d += u` at `indices` (`[C, k]`) along axis 1: ScatterElements with reduction from opset
-/// 16, else gather, add and scatter (the indices of one call are distinct within a row).
-fn scatter_add(b: &mut Builder, d: &str, indices: &str, u: &str) -> String {
-    let axis = int_attr("axis", 1);
-    if b.opset() >= 16 {
-        return b.node(
-            "ScatterElements",
-            &[d, indices, u],
-            "fused/dz",
-            vec![axis, string_attr("reduction", "add")],
-        );
-    }
-    let old = b.node(
-        "GatherElements",
-        &[d, indices],
-        "fused/dz_old",
-        vec![axis.clone()],
-    );
-    let sum = b.binary("Add", &old, u, "fused/dz_new");
-    b.node(
-        "ScatterElements",
-        &[d, indices, &sum],
-        "fused/dz",
-        vec![axis],
-    )
-}
-
-/// `FusedHeadLossGrad` → chunking + `Scan` recomputing each chunk's logits: `dz = p·g_lse +
-/// g_mean/V + scatter(g_label, label) + scatter(g_cols, ids)`, `dh = dz·Wᵀ`, and `W`'s and
-/// `b`'s gradients summed in the Scan's state.
+/// `FusedHeadLossGrad` after a separate forward → chunking + `Scan` recomputing each chunk's
+/// logits: `dz = p·g_lse + g_mean/V + scatter(g_label, label) + scatter(g_cols, ids)`, `dh =
+/// dz·Wᵀ`, and `W`'s and `b`'s gradients summed in the Scan's state.
 fn backward(b: &mut Builder, node: &NodeProto) {
     let head = Head::of(node);
-    let fwd = head.forward_outputs();
-    let grads_at = 4 + head.ids.len();
-    let lse = node.input[grads_at].clone();
-    let g: Vec<String> = node.input[grads_at + 1..grads_at + 1 + fwd].to_vec();
-    let (out_h, out_w, out_b) = (&node.output[0], &node.output[1], &node.output[2]);
-
+    let grads = Grads::of(&head, node);
     let ch = chunks(b, &head.hidden, head.chunk_tokens);
+    let upstream = [&grads.lse_grad, &grads.label_grad]
+        .into_iter()
+        .chain(&grads.column_grads)
+        .chain(&grads.mean_grad);
     let mut scan_in = vec![
         to_chunks(b, &head.hidden, FLOAT, &ch),
         to_chunks(b, &head.labels, INT64, &ch),
-        to_chunks(b, &lse, FLOAT, &ch),
+        to_chunks(b, &grads.lse, FLOAT, &ch),
     ];
-    for t in &g {
+    for t in upstream.collect::<Vec<_>>() {
         scan_in.push(to_chunks(b, t, FLOAT, &ch));
     }
-    let mut state_in = Vec::new();
-    let zero = b.scalar_f32("fused/zero", 0.0);
-    for (want, t) in [(out_w, &head.weight), (out_b, &head.bias)] {
-        if !want.is_empty() {
-            let s = b.node("Shape", &[t], "fused/acc_shape", vec![]);
-            state_in.push(b.node("Expand", &[&zero, &s], "fused/acc_zeros", vec![]));
-        }
-    }
+    let state_in = accumulator_zeros(b, &head, &grads);
     let outer = std::mem::take(&mut b.nodes);
 
-    // the body: state (dW, db), then one slice of every scan input
-    let acc_w = (!out_w.is_empty()).then(|| b.fresh("fused/acc_w"));
-    let acc_b = (!out_b.is_empty()).then(|| b.fresh("fused/acc_b"));
+    // the body: state (dW, db), then one slice of every scan input: h, labels, lse, g_lse,
+    // g_label, the columns' gradients, g_mean
+    let acc = Accumulators::fresh(b, &grads);
     let slices: Vec<String> = scan_in.iter().map(|_| b.fresh("fused/slice")).collect();
     let (h, y, lse_c) = (&slices[0], &slices[1], &slices[2]);
-    let gs = &slices[3..];
     let (z, y_safe) = chunk_logits(b, &head, h, y);
     let lse_col = b.unsqueeze(lse_c, &[1], "fused/lse_col");
     let shifted = b.binary("Sub", &z, &lse_col, "fused/log_p");
     let p = b.unary("Exp", &shifted, "fused/p");
-    let g_lse = b.unsqueeze(&gs[0], &[1], "fused/g_lse_col");
-    let mut dz = b.binary("Mul", &p, &g_lse, "fused/dz");
-    if head.mean_logit {
-        let width = b.scalar_f32("fused/width", head.width as f32);
-        let per_class = b.binary("Div", &gs[fwd - 1], &width, "fused/g_mean_per_class");
-        let col = b.unsqueeze(&per_class, &[1], "fused/g_mean_col");
-        dz = b.binary("Add", &dz, &col, "fused/dz");
-    }
-    let y_col = b.unsqueeze(&y_safe, &[1], "fused/label_col");
-    let g_label = b.unsqueeze(&gs[1], &[1], "fused/g_label_col");
-    dz = scatter_add(b, &dz, &y_col, &g_label);
+    let label_col = b.unsqueeze(&y_safe, &[1], "fused/label_col");
+    let g_mean = head.mean_logit.then(|| slices[slices.len() - 1].as_str());
+    let mut dz = dense_dz(b, &head, &p, &slices[3], &slices[4], g_mean, &label_col);
     for (j, ids) in head.ids.iter().enumerate() {
-        let g_cols = &gs[2 + j];
-        let ids_row = b.unsqueeze(ids, &[0], "fused/ids_row");
-        let shape = b.node("Shape", &[g_cols], "fused/g_cols_shape", vec![]);
-        let idx = b.node("Expand", &[&ids_row, &shape], "fused/ids_at", vec![]);
-        dz = scatter_add(b, &dz, &idx, g_cols);
+        let g_cols = &slices[5 + j];
+        let idx = ids_along(b, ids, g_cols, 1);
+        dz = scatter_add(b, &dz, &idx, g_cols, 1);
     }
-    let mut outs: Vec<Typed> = Vec::new();
-    if let Some(acc) = &acc_w {
-        // dW = hᵀ·dz ([d, V]) or, for a weight stored [V, d], dzᵀ·h; added to the state
-        let (a, bb) = if head.trans_weight {
-            (&dz, h)
-        } else {
-            (h, &dz)
-        };
-        let next = b.node(
-            "Gemm",
-            &[a, bb, acc],
-            "fused/acc_w_next",
-            vec![int_attr("transA", 1)],
-        );
-        outs.push((next, FLOAT, vec![None, None]));
-    }
-    if let Some(acc) = &acc_b {
-        let col_sum = b.reduce_sum(&dz, &[0], false, "fused/db_c");
-        let next = b.binary("Add", acc, &col_sum, "fused/acc_b_next");
-        outs.push((next, FLOAT, vec![None]));
-    }
-    if !out_h.is_empty() {
-        let dh = b.node(
-            "Gemm",
-            &[&dz, &head.weight],
-            "fused/dh_c",
-            vec![int_attr("transB", (!head.trans_weight) as i64)],
-        );
-        outs.push((dh, FLOAT, vec![None, None]));
-    }
-    let mut ins: Vec<Typed> = Vec::new();
-    ins.extend(acc_w.iter().map(|a| (a.clone(), FLOAT, vec![None, None])));
-    ins.extend(acc_b.iter().map(|a| (a.clone(), FLOAT, vec![None])));
-    for (k, s) in slices.iter().enumerate() {
-        // h, labels, lse, then the upstream gradients in the forward outputs' order
-        let (elem, dims) = match k {
-            0 => (FLOAT, vec![None, None]),
-            1 => (INT64, vec![None]),
-            _ => match k.checked_sub(5).and_then(|j| head.id_counts.get(j)) {
-                Some(&c) => (FLOAT, vec![None, Some(c)]),
-                None => (FLOAT, vec![None]),
-            },
-        };
-        ins.push((s.clone(), elem, dims));
-    }
+    let (mut outs, dh) = accumulate(b, &head, h, &dz, &acc, grads.want_hidden());
+    outs.extend(dh.iter().map(|d| (d.clone(), FLOAT, vec![None, None])));
+    let mut ins = acc.typed();
+    // lse sits at position 2 of the slices: the columns' gradients start at 5
+    ins.extend(typed_slices(&slices, &head.id_counts));
     let g = body(b, &ins, &outs, "fused_head_backward");
 
     b.nodes = outer;
-    let mut inputs: Vec<&str> = state_in.iter().map(String::as_str).collect();
-    inputs.extend(scan_in.iter().map(String::as_str));
-    let mut outputs: Vec<String> = Vec::new();
-    for want in [out_w, out_b] {
-        if !want.is_empty() {
-            outputs.push(want.clone());
-        }
-    }
-    let dh_stacked = (!out_h.is_empty()).then(|| b.fresh("fused/dh_stacked"));
-    outputs.extend(dh_stacked.iter().cloned());
-    let refs: Vec<&str> = outputs.iter().map(String::as_str).collect();
-    b.node_to(
-        "Scan",
-        &inputs,
-        &refs,
-        vec![
-            graph_attr("body", g),
-            int_attr("num_scan_inputs", scan_in.len() as i64),
-        ],
-    );
+    let dh_stacked = dh.as_ref().map(|_| b.fresh("fused/dh_stacked"));
+    let outputs: Vec<&str> = [&grads.weight, &grads.bias]
+        .into_iter()
+        .filter(|o| !o.is_empty())
+        .chain(&dh_stacked)
+        .map(String::as_str)
+        .collect();
+    scan(b, &state_in, &scan_in, &outputs, g);
     if let Some(stacked) = dh_stacked {
-        from_chunks(b, &stacked, &ch, out_h);
+        from_chunks(b, &stacked, &ch, &grads.hidden);
     }
 }

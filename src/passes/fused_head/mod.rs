@@ -25,11 +25,8 @@ use crate::error::Error;
 use crate::graph::patch::{apply, Patch, METADATA_KEY};
 use crate::graph::shapes::{Dim, Shapes};
 use crate::graph::{normalize_axis, static_rank, GraphIndex};
-use crate::onnx::proto::tensor_shape_proto::{dimension, Dimension};
-use crate::onnx::proto::{type_proto, TensorShapeProto};
 use crate::onnx::{
-    attr, attr_i, attr_ints, default_opset, ModelProto, NodeProto, TypeProto, ValueInfoProto,
-    FLOAT, INT64,
+    attr, attr_i, attr_ints, default_opset, ModelProto, NodeProto, ValueInfoProto, FLOAT, INT64,
 };
 use node::Head;
 
@@ -855,25 +852,7 @@ fn cross_entropy(
 /// An `[N]` (or `[N, k]`) value info, N the symbolic dim `positions`: the backward's shapes see
 /// the tensors as equally long.
 fn vector_info(name: &str, elem: i32, positions: &str, k: Option<i64>) -> ValueInfoProto {
-    let mut dim = vec![Dimension {
-        value: Some(dimension::Value::DimParam(positions.into())),
-        ..Default::default()
-    }];
-    if let Some(k) = k {
-        dim.push(Dimension {
-            value: Some(dimension::Value::DimValue(k)),
-            ..Default::default()
-        });
-    }
-    ValueInfoProto {
-        name: Some(name.into()),
-        r#type: Some(TypeProto {
-            value: Some(type_proto::Value::TensorType(type_proto::Tensor {
-                elem_type: Some(elem),
-                shape: Some(TensorShapeProto { dim }),
-            })),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
+    let mut dims = vec![node::Dim::from(positions)];
+    dims.extend(k.map(node::Dim::from));
+    node::tensor_info(name, elem, &dims)
 }

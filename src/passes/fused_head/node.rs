@@ -12,7 +12,9 @@
 //! `FusedHeadLossGrad(h, weight, bias?, labels, ids…, lse, g_lse, g_label_logit, g_cols…,
 //! g_mean?)` → `(g_h, g_weight, g_bias?)`.
 
-use crate::onnx::{attr_i, attr_ints, int_attr, ints_attr, NodeProto};
+use crate::onnx::proto::tensor_shape_proto::{dimension, Dimension};
+use crate::onnx::proto::{type_proto, TensorShapeProto};
+use crate::onnx::{attr_i, attr_ints, int_attr, ints_attr, NodeProto, TypeProto, ValueInfoProto};
 
 /// The internal domain of the two nodes: no runtime knows it, so an unlowered node fails loudly.
 pub const DOMAIN: &str = "ntl.internal";
@@ -126,4 +128,48 @@ impl Head {
 /// Whether `node` is one of the two internal nodes.
 pub fn is_fused(node: &NodeProto) -> bool {
     node.domain() == DOMAIN && matches!(node.op_type(), FORWARD | BACKWARD)
+}
+
+/// A typed value info: element type `elem`, one dim per entry (a number, a symbol, or unknown).
+pub fn tensor_info<D: Into<Dim> + Clone>(name: &str, elem: i32, dims: &[D]) -> ValueInfoProto {
+    let dim = dims
+        .iter()
+        .map(|d| Dimension {
+            value: d.clone().into().0,
+            ..Default::default()
+        })
+        .collect();
+    ValueInfoProto {
+        name: Some(name.into()),
+        r#type: Some(TypeProto {
+            value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                elem_type: Some(elem),
+                shape: Some(TensorShapeProto { dim }),
+            })),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// One dim of [`tensor_info`].
+#[derive(Clone)]
+pub struct Dim(Option<dimension::Value>);
+
+impl From<Option<i64>> for Dim {
+    fn from(d: Option<i64>) -> Dim {
+        Dim(d.map(dimension::Value::DimValue))
+    }
+}
+
+impl From<&str> for Dim {
+    fn from(symbol: &str) -> Dim {
+        Dim(Some(dimension::Value::DimParam(symbol.into())))
+    }
+}
+
+impl From<i64> for Dim {
+    fn from(d: i64) -> Dim {
+        Dim(Some(dimension::Value::DimValue(d)))
+    }
 }
