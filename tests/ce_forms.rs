@@ -35,9 +35,19 @@ const FORMS: &[(&str, &str)] = &[
     // the width and rank only in tf2onnx's run-time Dense reshape (no value_info)
     ("tf_softmax_onehot", "log of softmax × OneHot + ReduceSum"),
     ("tf_gather_nd", "log_softmax + GatherND"),
+    // Keras label_smoothing: Add(Mul(OneHot, 1 − ε), ε/V) before the product
+    (
+        "tf_categorical_smoothed",
+        "log_softmax × smoothed OneHot + ReduceSum",
+    ),
     ("jax_int", "logsumexp − logits GatherND"),
     ("jax_int_masked", "logsumexp − logits GatherND"),
     ("jax_onehot", "log_softmax × OneHot + ReduceSum"),
+    // optax.smooth_labels: Mul(1 − ε, OneHot) + Div(ε, the class count read at run time)
+    (
+        "jax_onehot_smoothed",
+        "log_softmax × smoothed OneHot + ReduceSum",
+    ),
     ("torch_gather", "log_softmax + GatherElements"),
     ("torch_onehot", "log_softmax × OneHot + ReduceSum"),
     (
@@ -239,15 +249,128 @@ fn refused_as_no_cross_entropy(m: &ModelProto) {
     assert!(!out.exists());
 }
 
-#[test]
-fn a_smoothed_one_hot_is_not_a_cross_entropy() {
-    // OneHot values [0.1, 0.9]: Σ onehot·log p is no longer −CE, so nothing is rewritten
-    let mut m = read_model(&exporter_model("torch_onehot"));
-    let values = input_of(&m, "OneHot", 2);
-    let t = constant_mut(&mut m, &values);
-    let (off, on) = (0.1f32, 0.9f32);
+fn set_f32(m: &mut ModelProto, name: &str, values: &[f32]) {
+    let t = constant_mut(m, name);
     t.float_data.clear();
-    t.raw_data = Some([off.to_le_bytes(), on.to_le_bytes()].concat().into());
+    t.raw_data = Some(values.iter().flat_map(|v| v.to_le_bytes()).collect());
+}
+
+/// Patches `m`, checks the form the summary names, and validates the result in tract.
+fn recognised_as(m: &ModelProto, form: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("m.onnx");
+    std::fs::write(&p, m.encode_to_vec()).unwrap();
+    let (out, summary) = patch_json(&p, dir.path());
+    assert_eq!(summary["pattern"], form);
+    bin()
+        .arg("validate")
+        .arg(&out)
+        .arg("--tokenizer")
+        .arg(tokenizer())
+        .assert()
+        .success();
+}
+
+#[test]
+fn a_one_hot_smoothed_to_rows_that_do_not_sum_to_1_is_not_a_cross_entropy() {
+    // OneHot values [0.1, 0.9] over 48 classes: rows sum to 5.6, not a distribution
+    let mut m = read_model(&exporter_model("tf_categorical"));
+    let values = input_of(&m, "OneHot", 2);
+    set_f32(&mut m, &values, &[0.1, 0.9]);
+    refused_as_no_cross_entropy(&m);
+    // Keras' smoothing with ε/V for another V
+    let mut m = read_model(&exporter_model("tf_categorical_smoothed"));
+    let spread = find_add_spread(&m);
+    set_f32(&mut m, &spread, &[0.1 / 40.0]);
+    refused_as_no_cross_entropy(&m);
+}
+
+/// The `ε/V` constant of the Keras fixture's smoothing Add.
+fn find_add_spread(m: &ModelProto) -> String {
+    let g = m.graph.as_ref().unwrap();
+    g.node
+        .iter()
+        .filter(|n| n.op_type() == "Add")
+        .flat_map(|n| n.input.iter())
+        .find(|i| i.contains("truediv"))
+        .unwrap()
+        .clone()
+}
+
+#[test]
+fn equivalent_spellings_of_label_smoothing_are_recognised() {
+    let eps = 0.1f32;
+    // one OneHot node with values [ε/V, 1 − ε + ε/V]
+    let mut m = read_model(&exporter_model("tf_categorical"));
+    let values = input_of(&m, "OneHot", 2);
+    set_f32(&mut m, &values, &[eps / 48.0, 1.0 - eps + eps / 48.0]);
+    recognised_as(&m, "log_softmax × smoothed OneHot + ReduceSum");
+
+    // Keras' Add(Mul(onehot, 1 − ε), ε/V) with both operand orders swapped
+    let mut m = read_model(&exporter_model("tf_categorical_smoothed"));
+    let spread = find_add_spread(&m);
+    for n in &mut m.graph.as_mut().unwrap().node {
+        let swap = (n.op_type() == "Add" && n.input.contains(&spread))
+            || (n.op_type() == "Mul" && n.input.iter().any(|i| i == "one_hot:0"));
+        if swap {
+            n.input.swap(0, 1);
+        }
+    }
+    recognised_as(&m, "log_softmax × smoothed OneHot + ReduceSum");
+
+    // ε/V not folded: Div(ε, V) with V a constant
+    let mut m = read_model(&exporter_model("tf_categorical_smoothed"));
+    let spread = find_add_spread(&m);
+    let g = m.graph.as_mut().unwrap();
+    g.initializer.retain(|t| t.name() != spread);
+    g.initializer
+        .push(ntl_patch::onnx::f32_tensor("eps", &[], &[eps]));
+    g.initializer
+        .push(ntl_patch::onnx::f32_tensor("classes", &[], &[48.0]));
+    g.node
+        .insert(0, node("Div", &["eps", "classes"], &[&spread], vec![]));
+    recognised_as(&m, "log_softmax × smoothed OneHot + ReduceSum");
+}
+
+#[test]
+fn label_smoothing_twice_is_refused() {
+    let m = exporter_model("tf_categorical_smoothed");
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.onnx");
+    let o = bin()
+        .arg(&m)
+        .args(["--label-smoothing", "0.1", "--tokenizer"])
+        .arg(tokenizer())
+        .arg("-o")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("already smooths its labels"), "{err}");
+    assert!(!out.exists());
+}
+
+#[test]
+fn a_smoothed_one_hot_inside_the_log_is_not_a_cross_entropy() {
+    // log Σ_c (keep·onehot + spread)_c p_c is not Σ_c (...)_c log p_c
+    let mut m = read_model(&exporter_model("tf_softmax_onehot"));
+    let g = m.graph.as_mut().unwrap();
+    let at = g.node.iter().position(|n| n.op_type() == "OneHot").unwrap();
+    let onehot = g.node[at].output[0].clone();
+    g.node[at].output[0] = "raw_onehot".into();
+    g.initializer
+        .push(ntl_patch::onnx::f32_tensor("keep", &[], &[0.9]));
+    g.initializer
+        .push(ntl_patch::onnx::f32_tensor("spread", &[], &[0.1 / 48.0]));
+    g.node.insert(
+        at + 1,
+        node("Mul", &["raw_onehot", "keep"], &["kept_onehot"], vec![]),
+    );
+    g.node.insert(
+        at + 2,
+        node("Add", &["kept_onehot", "spread"], &[&onehot], vec![]),
+    );
     refused_as_no_cross_entropy(&m);
 }
 

@@ -444,6 +444,12 @@ fn fifos_devices_and_folders_are_refused_without_blocking() {
         (folder_path.as_path(), "a directory"),
         (Path::new("/dev/null"), "character device"),
         (Path::new("/dev/zero"), "character device"),
+        // regular by their mode, but with no content of their own size
+        (
+            Path::new("/proc/self/status"),
+            "pseudo file of the kernel (procfs)",
+        ),
+        (Path::new("/sys/devices/system/cpu/online"), "(sysfs)"),
     ] {
         refused(&run(&[os(input)]), kind);
         refused(&run(&[os("inspect"), os(input)]), kind);
@@ -624,19 +630,25 @@ fn selecting_among_many_cross_entropies_is_fast() {
 
 #[test]
 fn usage_errors_are_one_line_exit_1() {
-    for args in [
-        &["--bogus"][..],
-        &[],
-        &["inspect"],
-        &["validate"],
-        &["model.onnx", "--loss", "nope"],
-        &["model.onnx", "--weight"],
-        &["model.onnx", "--weight", "abc"],
-        &["artifacts"],
+    // what clap says on the lines after its first (the missing argument's name, the
+    // possible values) stays in the one line
+    for (args, needle) in [
+        (&["--bogus"][..], "--bogus"),
+        (&[], "provided: <MODEL>"),
+        (&["inspect"], "provided: <MODEL>"),
+        (&["validate"], "provided: <MODEL>"),
+        (&["step"], "provided: <MODEL>"),
+        (&["artifacts"], "provided: <DIR>"),
+        (
+            &["model.onnx", "--loss", "nope"],
+            "[possible values: wasserstein, mse",
+        ),
+        (&["model.onnx", "--weight"], "--weight"),
+        (&["model.onnx", "--weight", "abc"], "abc"),
     ] {
         let argv: Vec<&std::ffi::OsStr> = args.iter().map(os).collect();
         let out = run(&argv);
-        refused(&out, "");
+        refused(&out, needle);
         assert!(stderr(&out).contains("--help"), "{}", stderr(&out));
     }
     let help = run(&[os("--help")]);
@@ -972,6 +984,28 @@ fn sparse_initializer_names_are_taken() {
 }
 
 // ------------------------------------------------------------------ memory
+
+/// A sparse file of zeros is no protobuf from its first byte (key 0): every command refuses it
+/// at once, however big (the pre-pass stops where the decoder will; `prescan`'s unit test
+/// checks it reads nothing further).
+#[test]
+fn a_huge_file_of_zeros_is_refused_at_its_first_byte() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("zeros.onnx");
+    std::fs::File::create(&path)
+        .unwrap()
+        .set_len(16 << 30)
+        .unwrap(); // sparse: no disk blocks
+    for args in [
+        vec![os(&path), os("--tokenizer"), os(&tokenizer())],
+        vec![os("inspect"), os(&path)],
+        vec![os("validate"), os(&path)],
+        vec![os("step"), os(&path), os("--tokenizer"), os(&tokenizer())],
+    ] {
+        refused(&run(&args), "is not an ONNX model (protobuf decode failed");
+    }
+    no_temp_left(dir.path());
+}
 
 #[test]
 fn small_files_of_many_empty_messages_are_refused_before_decoding() {

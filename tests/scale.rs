@@ -326,27 +326,6 @@ fn the_patched_copy_validates_with_onnx_runtime() {
     }
 }
 
-/// The ORT library: ORT_DYLIB_PATH, else the copy scripts/setup/setup-ort.sh installs in .venv-ort.
-fn ort_library() -> PathBuf {
-    if let Some(p) = std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()) {
-        return PathBuf::from(p);
-    }
-    let capi = root().join(".venv-ort/onnxruntime/capi");
-    std::fs::read_dir(&capi)
-        .ok()
-        .and_then(|entries| {
-            entries.filter_map(|e| e.ok().map(|e| e.path())).find(|p| {
-                p.file_name()
-                    .unwrap()
-                    .to_string_lossy()
-                    .starts_with("libonnxruntime.so")
-            })
-        })
-        .expect(
-            "ONNX Runtime library not found: set ORT_DYLIB_PATH, or run scripts/setup/setup-ort.sh",
-        )
-}
-
 /// Writes a model whose first initializer lives at `location` (relative to `dir`).
 fn model_with_location(dir: &Path, location: &str) -> PathBuf {
     let mut m = read_model(&model("lm_flat"));
@@ -461,4 +440,94 @@ fn escaping_locations_in_subgraphs_are_refused() {
         "{stderr}"
     );
     assert!(!out.exists());
+}
+
+/// A symlink may lead out of the folder on the way as long as the file it ends at is inside
+/// it (an absolute link to a file beside the model), and a model in a Hugging Face hub cache
+/// snapshot reads its repository's blobs; every other target outside stays refused.
+#[cfg(unix)]
+#[test]
+fn symlinks_ending_inside_the_folder_or_in_the_hub_cache_blobs_are_read() {
+    use std::os::unix::fs::symlink;
+    let root = tempfile::tempdir().unwrap();
+    let root = root.path().canonicalize().unwrap();
+    let payload = vec![0u8; 4096];
+    let patches = |m: &Path, outs: &[PathBuf]| {
+        for out in outs {
+            patch_to(m, out, &["--tokenizer", tokenizer().to_str().unwrap()]);
+            // the output's locations pass the same check
+            check_external_data(&read_model(out), &model_dir(out)).unwrap();
+            std::fs::remove_file(out).unwrap();
+        }
+    };
+
+    // an absolute symlink whose target is in the same folder
+    let dir = root.join("plain");
+    std::fs::create_dir_all(dir.join("weights")).unwrap();
+    std::fs::write(dir.join("weights/real.bin"), &payload).unwrap();
+    symlink(dir.join("weights/real.bin"), dir.join("w.bin")).unwrap();
+    let m = model_with_location(&dir, "w.bin");
+    patches(&m, &[dir.join("out.onnx"), root.join("elsewhere/out.onnx")]);
+    assert_eq!(
+        std::fs::read(root.join("elsewhere/w.bin")).unwrap(),
+        payload,
+        "copied from the target"
+    );
+
+    // the hub cache: snapshots/<rev>/model.onnx_data -> ../../blobs/<sha256>
+    let sha = "5e".repeat(32);
+    let rev = "0a".repeat(20);
+    let hub = |repo: &str, blob: &str, link: &str| {
+        let repo = root.join("hub").join(repo);
+        let snapshot = repo.join("snapshots").join(&rev);
+        std::fs::create_dir_all(&snapshot).unwrap();
+        std::fs::create_dir_all(repo.join("blobs")).unwrap();
+        std::fs::write(repo.join("blobs").join(blob), &payload).unwrap();
+        symlink(link, snapshot.join("model.onnx_data")).unwrap();
+        (repo, model_with_location(&snapshot, "model.onnx_data"))
+    };
+    let (repo, m) = hub("models--org--tiny", &sha, &format!("../../blobs/{sha}"));
+    patches(
+        &m,
+        &[
+            repo.join("snapshots").join(&rev).join("out.onnx"),
+            repo.join("out.onnx"), // relative location through the snapshot
+            repo.join("snapshots/out.onnx"), // there the blob is outside: copied
+            root.join("elsewhere/hub.onnx"),
+        ],
+    );
+
+    // outside and not that layout: refused
+    let another = format!("../../../models--org--other/blobs/{sha}");
+    let refused = [
+        hub("other--org--tiny", &sha, &format!("../../blobs/{sha}")).1,
+        hub(
+            "models--org--named",
+            "weights.bin",
+            "../../blobs/weights.bin",
+        )
+        .1,
+        {
+            hub("models--org--other", &sha, &format!("../../blobs/{sha}"));
+            hub("models--org--thief", "unused", &another).1
+        },
+    ];
+    for m in refused {
+        let out = root.join("refused.onnx");
+        let assert = bin()
+            .arg(&m)
+            .arg("--tokenizer")
+            .arg(tokenizer())
+            .arg("-o")
+            .arg(&out)
+            .assert()
+            .code(1);
+        let stderr = String::from_utf8_lossy(&assert.get_output().stderr).to_string();
+        assert!(
+            stderr.contains("resolves (through a symlink) outside"),
+            "{}: {stderr}",
+            m.display()
+        );
+        assert!(!out.exists());
+    }
 }

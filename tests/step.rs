@@ -135,6 +135,39 @@ fn freeze_keeps_parameters_constant() {
     assert!(params.iter().all(|p| !frozen.contains(p)));
 }
 
+/// `--freeze` of what step keeps constant anyway (Llama's rotary `inv_freq` buffer) holds as
+/// asked: a note, not an error; a prefix that matches no initializer at all stays an error.
+#[test]
+fn freezing_a_buffer_is_a_note() {
+    let (dir, m) = case(&model("llama_dynamo"), |_| {});
+    let out = dir.path().join("s.onnx");
+    let o = bin()
+        .arg("step")
+        .arg(&m)
+        .args(["--freeze", "model.rotary_emb.inv_freq", "--json", "-o"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("note: --freeze 'model.rotary_emb.inv_freq' matches 1 initializer(s)"),
+        "{stderr}"
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(summary["frozen"], serde_json::json!([]));
+    assert!(summary["buffers"]
+        .as_array()
+        .unwrap()
+        .contains(&serde_json::json!("model.rotary_emb.inv_freq")));
+    std::fs::remove_file(&out).unwrap();
+    step_fails(
+        &m,
+        &["--freeze", "model.rotary_emb.no_such"],
+        "matches no trained parameter and no initializer",
+    );
+}
+
 #[test]
 fn buffers_the_dynamo_exporter_records_are_not_trained() {
     use ntl_patch::onnx::proto::{StringStringEntryProto, ValueInfoProto};

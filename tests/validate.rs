@@ -488,62 +488,6 @@ fn missing_ort_library_says_how_to_install_it() {
 
 // ------------------------------------------------------------------ ONNX Runtime
 
-/// The ORT library: ORT_DYLIB_PATH, else the copy scripts/setup/setup-ort.sh installs in .venv-ort.
-/// Missing is a failure, not a skip: the test script always installs it.
-fn ort_library() -> PathBuf {
-    if let Some(p) = std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()) {
-        return PathBuf::from(p);
-    }
-    let capi = root().join(".venv-ort/onnxruntime/capi");
-    std::fs::read_dir(&capi)
-        .ok()
-        .and_then(|entries| {
-            entries.filter_map(|e| e.ok().map(|e| e.path())).find(|p| {
-                p.file_name()
-                    .unwrap()
-                    .to_string_lossy()
-                    .starts_with("libonnxruntime.so")
-            })
-        })
-        .unwrap_or_else(|| {
-            panic!(
-                "ONNX Runtime library not found: set ORT_DYLIB_PATH, or run scripts/setup/setup-ort.sh \
-                 (python3 -m pip install --target .venv-ort onnxruntime==1.31.1)"
-            )
-        })
-}
-
-#[test]
-fn ort_validates_every_model() {
-    let lib = ort_library();
-    for model in MODELS {
-        for args in [
-            &["--loss", "wasserstein"][..],
-            &["--loss", "huber", "--reweigh"],
-            &["--squash", "3", "--all-numbers"],
-        ] {
-            let (_dir, out) = patched(model, args);
-            let (code, report) =
-                validate_json(&out, &["--runtime", "ort"], &[("ORT_DYLIB_PATH", &lib)]);
-            assert_passes(&report, code);
-            assert_eq!(report["runtime"], "onnxruntime");
-        }
-    }
-}
-
-#[test]
-fn ort_matches_recorded_references() {
-    let lib = ort_library();
-    for loss in ["wasserstein", "mse"] {
-        reference_passes(
-            "lm_flat",
-            loss,
-            &["--runtime", "ort"],
-            &[("ORT_DYLIB_PATH", &lib)],
-        );
-    }
-}
-
 #[test]
 fn ort_library_is_found_in_a_site_packages_folder() {
     let lib = ort_library();
@@ -1017,4 +961,145 @@ fn half_precision_graphs_validate_at_their_precision() {
     let bad = tampered(&out, "ntl/weight", |v| v[0] = 0.33);
     let (code, report) = validate_json(&bad, &[], &[]);
     assert_fails_on(&report, code, &["loss"]);
+}
+
+/// The fixture vocabulary as a one-token-per-line file, with tokens replaced at given ids.
+fn vocab_with(dir: &Path, replace: &[(usize, &str)]) -> PathBuf {
+    let text = std::fs::read_to_string(fixture("vocab.txt")).unwrap();
+    let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
+    for (id, token) in replace {
+        lines[*id] = token.to_string();
+    }
+    let path = dir.join("vocab.txt");
+    std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+    path
+}
+
+/// `--all-numbers` with tokens whose values float64 holds but the float32 number loss cannot
+/// (inf in float32, or distances and squares that overflow): they are left out with a warning,
+/// and the loss stays finite — validate compares it with the float64 reference, which would
+/// fail on the inf/NaN the graph computed before.
+#[test]
+fn number_tokens_too_large_for_the_loss_are_left_out() {
+    let nines = "9".repeat(300); // 1e300: finite in float64, inf in float32
+    let nines_inf = "9".repeat(400); // inf in float64 too: never a number token
+    let flat = model("lm_flat");
+    let half_dir = tempfile::tempdir().unwrap();
+    let half_path = half_dir.path().join("half.onnx");
+    std::fs::write(&half_path, half_lm().encode_to_vec()).unwrap();
+    // (model, loss, replaced tokens by id, tokens left out, tokens kept of the replaced)
+    type Case<'a> = (PathBuf, &'a str, Vec<(usize, &'a str)>, usize, usize);
+    let cases: Vec<Case> = vec![
+        (
+            flat.clone(),
+            "wasserstein",
+            vec![
+                (4, "1e308"),
+                (5, "-1e308"),
+                (8, nines.as_str()),
+                (9, nines_inf.as_str()),
+                (11, "1e38"),
+                (14, "5e17"),
+            ],
+            4,
+            1,
+        ),
+        (
+            flat,
+            "mse",
+            vec![(4, "1e308"), (5, "1e12"), (8, "-3e8")],
+            2,
+            1,
+        ),
+        // the total of a float16 graph is float16 (largest value 65504)
+        (
+            half_path.clone(),
+            "wasserstein",
+            vec![(4, "100000"), (5, "-9000")],
+            1,
+            1,
+        ),
+    ];
+    let all_numbers_in_fixture = 14;
+    for (input, loss, replace, left_out, kept) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let vocab = vocab_with(dir.path(), &replace);
+        let out = dir.path().join("out.onnx");
+        let o = bin()
+            .arg(&input)
+            .args(["--all-numbers", "--loss", loss, "--json", "--tokenizer"])
+            .arg(&vocab)
+            .arg("-o")
+            .arg(&out)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{loss}: {stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "warning: {left_out} token(s) that parse as numbers are left out"
+            )),
+            "{loss}: {stderr}"
+        );
+        let summary: Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(
+            summary["number_tokens"],
+            all_numbers_in_fixture + kept,
+            "{loss} {replace:?}"
+        );
+        let (code, report) = validate_json(&out, &["--tokenizer", vocab.to_str().unwrap()], &[]);
+        assert_passes(&report, code);
+    }
+}
+
+/// Logits fed as a graph input whose width is symbolic (patched with `--vocab-size`): validate
+/// gives that dim the vocabulary width, not `--seq` — with narrower logits than the number
+/// table, tract panicked ("index out of bounds") and ONNX Runtime failed.
+#[test]
+fn a_symbolic_vocabulary_dim_gets_the_vocabulary_width() {
+    use ntl_patch::onnx::proto::tensor_proto::DataType;
+    use ntl_patch::onnx::{i64_tensor, int_attr, GraphProto};
+    let graph = GraphProto {
+        name: Some("logits_input".into()),
+        node: vec![
+            node("Shape", &["logits"], &["shape"], vec![]),
+            node("Slice", &["shape", "minus_one", "big"], &["width"], vec![]),
+            node(
+                "Concat",
+                &["minus_one", "width"],
+                &["flat_shape"],
+                vec![int_attr("axis", 0)],
+            ),
+            node("Reshape", &["logits", "flat_shape"], &["scores"], vec![]),
+            node(
+                "Reshape",
+                &["labels", "minus_one"],
+                &["labels_flat"],
+                vec![],
+            ),
+            sce("scores", "labels_flat", "loss"),
+        ],
+        initializer: vec![
+            i64_tensor("minus_one", &[1], &[-1]),
+            i64_tensor("big", &[1], &[i64::MAX]),
+        ],
+        // [d0, d1, d2] and [d0, d1]: batch, sequence, vocabulary
+        input: vec![
+            value("logits", DataType::Float, &[None, None, None]),
+            value("labels", DataType::Int64, &[None, None]),
+        ],
+        output: vec![value("loss", DataType::Float, &[])],
+        ..Default::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("logits.onnx");
+    std::fs::write(&input, model_proto(graph, 17).encode_to_vec()).unwrap();
+    std::fs::copy(tokenizer(), dir.path().join("tokenizer.json")).unwrap();
+    let out = patch(&input, dir.path(), &["--vocab-size", "48"]);
+    let lib = ort_library();
+    for runtime in ["tract", "ort"] {
+        let (code, report) =
+            validate_json(&out, &["--runtime", runtime], &[("ORT_DYLIB_PATH", &lib)]);
+        assert_passes(&report, code);
+    }
 }

@@ -108,6 +108,25 @@ impl Builder {
         self.const_f32(hint, &[], &[value])
     }
 
+    /// A scalar of a float element type (float32 for any other type), rounded to it.
+    pub fn scalar_typed(&mut self, hint: &str, value: f64, elem_type: i32) -> String {
+        use crate::onnx::proto::tensor_proto::DataType;
+        let raw: Vec<u8> = match DataType::try_from(elem_type) {
+            Ok(DataType::Double) => value.to_le_bytes().to_vec(),
+            Ok(DataType::Float16) => half::f16::from_f64(value).to_le_bytes().to_vec(),
+            Ok(DataType::Bfloat16) => half::bf16::from_f64(value).to_le_bytes().to_vec(),
+            _ => return self.scalar_f32(hint, value as f32),
+        };
+        let name = self.fresh(hint);
+        self.initializers.push(TensorProto {
+            name: Some(name.clone()),
+            data_type: Some(elem_type),
+            raw_data: Some(raw.into()),
+            ..Default::default()
+        });
+        name
+    }
+
     // ---- op helpers (opset >= 13 forms) ----
 
     pub fn binary(&mut self, op: &str, a: &str, b: &str, hint: &str) -> String {

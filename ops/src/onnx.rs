@@ -167,3 +167,4 @@ pub const INT64: i32 = DataType::Int64 as i32;
 pub const BOOL: i32 = DataType::Bool as i32;
 pub const INT32: i32 = DataType::Int32 as i32;
 pub const DOUBLE: i32 = DataType::Double as i32;
+pub const FLOAT16: i32 = DataType::Float16 as i32;

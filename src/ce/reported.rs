@@ -135,6 +135,8 @@ fn masks(index: &GraphIndex, per_position: &str) -> Vec<PositionMask> {
                 }
             }
             "Div" if node.input.first() == Some(&t) => {}
+            // a smoothed form's uniform term, added per position by the rewrite
+            "Add" if node.input.len() == 2 && node.input.iter().any(|x| is_smoothing_term(x)) => {}
             "Where" if node.input.len() == 3 && node.input[0] != t => {
                 let keep = if node.input[1] == t {
                     Keep::True
@@ -153,6 +155,16 @@ fn masks(index: &GraphIndex, per_position: &str) -> Vec<PositionMask> {
         t = out.clone();
     }
     found
+}
+
+fn is_smoothing_term(t: &str) -> bool {
+    let name = format!(
+        "{}/{}",
+        ntl_ops::names::PREFIX,
+        crate::ce::forms::SMOOTHING_TERM
+    );
+    t.strip_prefix(&name)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('_'))
 }
 
 fn is_scalar_constant(index: &GraphIndex, t: &str) -> bool {

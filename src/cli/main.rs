@@ -474,6 +474,9 @@ fn run_patch_cli(args: PatchArgs) -> Result<String, ntl_patch::Error> {
     for n in &s.notices {
         eprintln!("note: {}", escape(n));
     }
+    for w in &s.warnings {
+        eprintln!("warning: {}", escape(w));
+    }
     Ok(if args.json {
         serde_json::json!({
             "output": s.output.display().to_string(),
@@ -584,10 +587,10 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
         },
     };
     let s = run_step(&req)?;
-    for n in &s.patch.notices {
+    for n in s.patch.notices.iter().chain(&s.notes) {
         eprintln!("note: {}", escape(n));
     }
-    for w in &s.warnings {
+    for w in s.patch.warnings.iter().chain(&s.warnings) {
         eprintln!("warning: {}", escape(w));
     }
     let outputs: Vec<String> = s.outputs.iter().map(|o| o.display().to_string()).collect();
@@ -660,6 +663,9 @@ fn run_artifacts_cli(args: ArtifactsArgs) -> Result<String, ntl_patch::Error> {
         loss: loss_options(&args.loss)?,
     };
     let s = run_artifacts(&req)?;
+    for w in &s.warnings {
+        eprintln!("warning: {}", escape(w));
+    }
     Ok(if args.json {
         serde_json::json!({
             "output": s.output.display().to_string(),

@@ -24,13 +24,28 @@ pub fn clap_error(e: clap::Error) -> ExitCode {
 
 fn one_line(e: &clap::Error) -> String {
     let rendered = e.render().to_string();
-    let mut problem = None;
+    let mut problem: Option<String> = None;
     let mut tips = Vec::new();
-    for line in rendered.lines().map(str::trim) {
+    // clap continues the problem on indented lines right after it (the missing `<MODEL>`,
+    // the possible values): they are part of the problem, not decoration
+    let mut continued = 0;
+    for raw in rendered.lines() {
+        let line = raw.trim();
         if let Some(p) = line.strip_prefix("error: ") {
-            problem.get_or_insert_with(|| p.to_string());
+            if problem.is_none() {
+                problem = Some(p.to_string());
+                continued = 1;
+            }
         } else if let Some(t) = line.strip_prefix("tip: ") {
             tips.push(t.to_string());
+            continued = 0;
+        } else if continued > 0 && !line.is_empty() && raw.starts_with(char::is_whitespace) {
+            let p = problem.as_mut().expect("set with `continued`");
+            p.push_str(if continued == 1 { " " } else { ", " });
+            p.push_str(line);
+            continued += 1;
+        } else {
+            continued = 0;
         }
     }
     let problem = problem.unwrap_or_else(|| match e.kind() {

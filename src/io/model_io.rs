@@ -89,19 +89,20 @@ pub fn load_model_file(file: File, path: &Path) -> Result<(ModelProto, ModelSour
     };
     let _progress = Progress::start(&format!("loading {}", path.display()), None);
     // SAFETY: the map is read-only; the file is never written by this process.
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(read_err)?;
+    let map = unsafe { memmap2::Mmap::map(&file) }
+        .map_err(|e| read_err(crate::io::fsio::map_problem(e)))?;
     // Decoding touches only the small fields between payloads: no read-ahead around them (on a
     // cold cache each field read would otherwise pull megabytes of payload from disk).
     let _ = map.advise(memmap2::Advice::Random);
     let map = Bytes::from_owner(map);
-    let (estimate, messages) =
+    let estimate =
         crate::io::prescan::decoded_size(&map, &mut |pos| release_pages(map.as_ptr(), pos));
     let limit = MIN_DECODE_LIMIT.max(map.len() as u64 / 5 * 6);
-    if estimate > limit {
+    if estimate.bytes > limit {
         return Err(Error::DecodeTooLarge {
             path: path.to_path_buf(),
-            messages,
-            estimate_mb: estimate >> 20,
+            messages: estimate.messages,
+            estimate_mb: estimate.bytes >> 20,
             limit_mb: limit >> 20,
         });
     }
@@ -599,8 +600,11 @@ pub fn plan_external_data(
         }
         let rel = normal_location(&location);
         let data = from.join(&rel);
+        // kept in place only where the output's own check will accept the new location (a
+        // hub cache blob is read from its snapshot folder, not from a folder above it)
+        let reachable = |inside: &Path| crate::io::fsio::open_beneath(&to, inside).is_ok();
         match data.strip_prefix(&to) {
-            Ok(inside) if !force_copy && inside.to_str().is_some() => {
+            Ok(inside) if !force_copy && inside.to_str().is_some() && reachable(inside) => {
                 plan.relocate
                     .insert(location.clone(), location_string(inside));
             }

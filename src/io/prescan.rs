@@ -104,10 +104,23 @@ fn cost(m: M) -> u64 {
     2 * bytes as u64
 }
 
-/// What decoding `bytes` as a `ModelProto` would allocate, about (an upper estimate), and how
-/// many messages it holds. `release(pos)` is called as the walk moves on, so the caller can
-/// give back the pages behind it.
-pub fn decoded_size(bytes: &[u8], release: &mut dyn FnMut(usize)) -> (u64, u64) {
+/// What the walk found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Estimate {
+    /// What decoding would allocate, about (an upper estimate).
+    pub bytes: u64,
+    /// Messages in the file.
+    pub messages: u64,
+    /// Where the walk stopped: the end, or the first bytes the decoder will refuse.
+    pub walked: usize,
+}
+
+/// What decoding `bytes` as a `ModelProto` would allocate, and how many messages it holds.
+/// `release(pos)` is called as the walk moves on, so the caller can give back the pages
+/// behind it. The walk stops at the first key the decoder refuses (field number 0, a key
+/// beyond 32 bits, a group), so bytes that are no protobuf — a file of zeros — cost what it
+/// takes to see that, not a read of the whole file.
+pub fn decoded_size(bytes: &[u8], release: &mut dyn FnMut(usize)) -> Estimate {
     let mut total = cost(M::Model);
     let mut messages = 1u64;
     // (message type, end offset)
@@ -128,6 +141,10 @@ pub fn decoded_size(bytes: &[u8], release: &mut dyn FnMut(usize)) -> (u64, u64) 
             break;
         };
         let (field, wire) = (key >> 3, key & 7);
+        // prost refuses these keys: decoding stops there, and so does the estimate
+        if field == 0 || key > u64::from(u32::MAX) {
+            break;
+        }
         let skip = match WireType::try_from(wire) {
             Ok(WireType::Varint) => match decode_varint(&mut cursor) {
                 Ok(_) => 0,
@@ -135,6 +152,9 @@ pub fn decoded_size(bytes: &[u8], release: &mut dyn FnMut(usize)) -> (u64, u64) 
             },
             Ok(WireType::SixtyFourBit) => 8,
             Ok(WireType::ThirtyTwoBit) => 4,
+            // prost skips legacy groups field by field: walk their fields as this message's
+            // (at worst an over-estimate), rather than stop counting there
+            Ok(WireType::StartGroup | WireType::EndGroup) => 0,
             Ok(WireType::LengthDelimited) => match decode_varint(&mut cursor) {
                 Ok(len) if len <= cursor.len() as u64 => {
                     let start = end - cursor.len();
@@ -169,7 +189,11 @@ pub fn decoded_size(bytes: &[u8], release: &mut dyn FnMut(usize)) -> (u64, u64) 
         }
         pos = end - cursor.len() + skip;
     }
-    (total, messages)
+    Estimate {
+        bytes: total,
+        messages,
+        walked: pos,
+    }
 }
 
 #[cfg(test)]
@@ -191,11 +215,12 @@ mod tests {
             ..Default::default()
         };
         let bytes = model.encode_to_vec();
-        let (size, messages) = decoded_size(&bytes, &mut |_| {});
-        assert_eq!(messages, 10_003);
+        let e = decoded_size(&bytes, &mut |_| {});
+        assert_eq!(e.messages, 10_003);
         assert!(
-            size > 100 * bytes.len() as u64,
-            "{size} for {} bytes",
+            e.bytes > 100 * bytes.len() as u64,
+            "{} for {} bytes",
+            e.bytes,
             bytes.len()
         );
     }
@@ -215,8 +240,23 @@ mod tests {
             ..Default::default()
         };
         let bytes = model.encode_to_vec();
-        let (size, messages) = decoded_size(&bytes, &mut |_| {});
-        assert_eq!(messages, 5, "the walk reaches past the payloads");
-        assert!(size < 10_000, "{size}");
+        let e = decoded_size(&bytes, &mut |_| {});
+        assert_eq!(e.messages, 5, "the walk reaches past the payloads");
+        assert_eq!(e.walked, bytes.len());
+        assert!(e.bytes < 10_000, "{}", e.bytes);
+    }
+
+    #[test]
+    fn bytes_that_are_no_protobuf_end_the_walk_at_once() {
+        // zeros: key 0 (field 0) is refused by the decoder, so the first byte is enough
+        let zeros = vec![0u8; 1 << 20];
+        let mut released = 0;
+        let e = decoded_size(&zeros, &mut |_| released += 1);
+        assert_eq!((e.walked, e.messages, released), (0, 1, 0));
+        // a valid field, then a key beyond 32 bits
+        let mut bytes = vec![0x08, 0x07]; // ir_version = 7
+        bytes.extend([0xff, 0xff, 0xff, 0xff, 0xff, 0x01]);
+        bytes.extend(vec![0u8; 4096]);
+        assert_eq!(decoded_size(&bytes, &mut |_| {}).walked, 2);
     }
 }

@@ -52,6 +52,8 @@ pub struct ArtifactsSummary {
     pub number_tokens: usize,
     pub sparse_updates: usize,
     pub dense_updates: usize,
+    /// One-line warnings for stderr (number tokens left out for their size).
+    pub warnings: Vec<String>,
 }
 
 /// `./artifacts` → `./artifacts-ntl`.
@@ -105,8 +107,9 @@ pub fn run_artifacts(req: &ArtifactsRequest) -> Result<ArtifactsSummary, Error> 
     let (mut training, training_source) = load_artifact(training_file, &req.dir.join(TRAINING))?;
     let (mut eval, eval_source) = load_artifact(eval_file, &req.dir.join(EVAL))?;
 
-    let (train_patch, tokens_len, grad) = {
+    let (train_patch, tokens_len, grad, warnings) = {
         let target = Target::locate(&training, req, &vocab)?;
+        let warnings: Vec<String> = target.left_out.clone().into_iter().collect();
         let (patch, grad) = training_patch(
             &target.index,
             target.opset,
@@ -114,7 +117,7 @@ pub fn run_artifacts(req: &ArtifactsRequest) -> Result<ArtifactsSummary, Error> 
             &target.tokens,
             &req.loss,
         )?;
-        (patch, target.tokens.table.len(), grad)
+        (patch, target.tokens.table.len(), grad, warnings)
     };
     let eval_patch = {
         let target = Target::locate(&eval, req, &vocab)?;
@@ -143,6 +146,7 @@ pub fn run_artifacts(req: &ArtifactsRequest) -> Result<ArtifactsSummary, Error> 
         number_tokens: tokens_len,
         sparse_updates: grad.0,
         dense_updates: grad.1,
+        warnings,
     })
 }
 
@@ -152,6 +156,8 @@ struct Target<'m> {
     site: CeSite,
     tokens: ntl_ops::numbers::NumberTokens,
     opset: i64,
+    /// The warning for number tokens left out for their size.
+    left_out: Option<String>,
 }
 
 impl<'m> Target<'m> {
@@ -172,12 +178,16 @@ impl<'m> Target<'m> {
             )));
         }
         let width = logits_width(&index, &site, req.vocab_size)?;
-        let tokens = number_tokens(vocab, &req.loss, width)?;
+        let total_type = index
+            .elem_type(&site.logits)
+            .unwrap_or(ntl_ops::onnx::FLOAT);
+        let (tokens, left_out) = number_tokens(vocab, &req.loss, width, total_type)?;
         let opset = default_opset(model).ok_or(Error::NoOpset)?;
         Ok(Target {
             index,
             site,
             tokens,
+            left_out,
             opset,
         })
     }

@@ -46,6 +46,8 @@ pub struct PatchSummary {
     pub external_data: ExternalDataAction,
     /// One-line notices for stderr (e.g. a loss added to a logits-only graph).
     pub notices: Vec<String>,
+    /// One-line warnings for stderr (number tokens left out for their size).
+    pub warnings: Vec<String>,
 }
 
 /// `model.onnx` → `model.ntl.onnx` beside it.
@@ -109,12 +111,17 @@ pub fn patch_model(req: &PatchRequest, output: &Path) -> Result<Patched, Error> 
     crate::ce::forms::rewrite(&mut model)?;
     let graph = model.graph.as_ref().expect("checked on load");
     let mut notices = Vec::new();
-    if req.add_loss && !find_ce_sites(&GraphIndex::new(graph)).is_empty() {
+    // one index of the graph for every question below (indexing a graph of a million nodes
+    // takes a while); rebuilt only when a loss was added
+    let index = GraphIndex::new(graph);
+    if req.add_loss && !find_ce_sites(&index).is_empty() {
         return Err(Error::Usage(
             "--add-loss is for logits-only graphs and this one already has a cross-entropy; drop --add-loss".into(),
         ));
     }
-    if wants_added_loss(req, graph) {
+    let added = wants_added_loss(req, &index);
+    drop(index);
+    if added {
         notices.push(crate::ce::add_loss::add_loss(&mut model, req.shift)?);
     }
     let graph = model.graph.as_ref().expect("checked on load");
@@ -129,7 +136,11 @@ pub fn patch_model(req: &PatchRequest, output: &Path) -> Result<Patched, Error> 
         return Err(Error::TokenizerMissing(tokenizer));
     }
     let vocab = Vocab::from_file(&tokenizer)?;
-    let tokens = number_tokens(&vocab, &req.loss, width)?;
+    let total_type = index
+        .elem_type(&site.logits)
+        .unwrap_or(ntl_ops::onnx::FLOAT);
+    let (tokens, left_out) = number_tokens(&vocab, &req.loss, width, total_type)?;
+    let warnings: Vec<String> = left_out.into_iter().collect();
 
     let others: Vec<CeSite> = find_ce_sites(&index)
         .into_iter()
@@ -148,6 +159,7 @@ pub fn patch_model(req: &PatchRequest, output: &Path) -> Result<Patched, Error> 
         tokenizer,
         external_data: external.action,
         notices,
+        warnings,
     };
     Ok(Patched {
         model,
@@ -159,11 +171,11 @@ pub fn patch_model(req: &PatchRequest, output: &Path) -> Result<Patched, Error> 
 
 /// `--add-loss`, or a graph without any cross-entropy whose outputs include exactly one
 /// logits-like tensor.
-fn wants_added_loss(req: &PatchRequest, graph: &crate::onnx::GraphProto) -> bool {
+fn wants_added_loss(req: &PatchRequest, index: &GraphIndex) -> bool {
     req.add_loss
-        || find_ce_sites(&GraphIndex::new(graph)).is_empty()
-            && nested_ce_nodes(&GraphIndex::new(graph)).is_empty()
-            && crate::ce::add_loss::logits_output(graph).is_ok()
+        || find_ce_sites(index).is_empty()
+            && nested_ce_nodes(index).is_empty()
+            && crate::ce::add_loss::logits_output(index.graph).is_ok()
 }
 
 /// Refuses an ONNX Runtime training graph (`training_model.onnx`: the backward is already in
@@ -184,17 +196,24 @@ pub fn refuse_training_graph(model: &ModelProto) -> Result<(), Error> {
 
 /// The token ids the chosen loss reads. Per-sequence losses work on the digits "0".."9"
 /// (ntloss forces digit level for its number-level loss, NTIL uses exactly those ids).
+/// `total_type` is the element type of the loss the graph reports (the logits' type): number
+/// values too large for the loss in it are left out (`ntl_ops::losses::ntl::value_limit`), and
+/// the warning that says so comes back beside the tokens.
 pub fn number_tokens(
     vocab: &Vocab,
     opts: &LossOptions,
     width: usize,
-) -> Result<NumberTokens, Error> {
+    total_type: i32,
+) -> Result<(NumberTokens, Option<String>), Error> {
     if !opts.kind.is_sequence_level() {
-        return Ok(NumberTokens {
-            table: vocab.number_table(opts.number_set, width)?,
+        let limit = ntl_ops::losses::ntl::value_limit(opts.kind, opts.weight, total_type);
+        let (table, left_out) = vocab.number_table_within(opts.number_set, width, limit)?;
+        let tokens = NumberTokens {
+            table,
             digits: None,
             dot: None,
-        });
+        };
+        return Ok((tokens, left_out_warning(&left_out)));
     }
     let digits = vocab.digit_ids(width)?;
     let dot = if opts.float_level {
@@ -202,10 +221,35 @@ pub fn number_tokens(
     } else {
         None
     };
-    Ok(NumberTokens {
+    let tokens = NumberTokens {
         table: vocab.number_table(NumberSet::DigitLevel, width)?,
         digits: Some(digits),
         dot,
+    };
+    Ok((tokens, None))
+}
+
+/// The warning for number tokens left out of the table for their size, if any.
+fn left_out_warning(left_out: &[(String, f64)]) -> Option<String> {
+    let examples: Vec<String> = left_out
+        .iter()
+        .take(3)
+        .map(|(token, value)| {
+            let chars = token.chars().count();
+            if chars > 24 {
+                let head: String = token.chars().take(12).collect();
+                format!("{head:?}… ({chars} characters) = {value:e}")
+            } else {
+                format!("{token:?} = {value:e}")
+            }
+        })
+        .collect();
+    (!left_out.is_empty()).then(|| {
+        format!(
+            "{} token(s) that parse as numbers are left out of the number set (e.g. {}): the number loss holds values in float32 and their size would make it inf or NaN; they count as non-number tokens",
+            left_out.len(),
+            examples.join(", ")
+        )
     })
 }
 

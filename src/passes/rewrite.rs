@@ -10,7 +10,7 @@ use ntl_ops::options::LossOptions;
 use ntl_ops::Builder;
 
 use super::loss_inputs;
-use crate::ce::site::CeSite;
+use crate::ce::site::{CePattern, CeSite};
 use crate::error::Error;
 use crate::graph::patch::{Patch, METADATA_KEY};
 use crate::graph::GraphIndex;
@@ -232,6 +232,13 @@ pub fn build_forward(
         CE_OUTPUT
     };
     let eps = opts.label_smoothing;
+    if let (true, CePattern::Rewritten(form)) = (eps > 0.0, site.pattern) {
+        if crate::ce::forms::is_smoothed(form) {
+            return Err(Error::Usage(format!(
+                "--label-smoothing: the graph's cross-entropy already smooths its labels ({form}); drop --label-smoothing"
+            )));
+        }
+    }
     let ce_node = if eps > 0.0 {
         if site.weights.is_some() {
             return Err(Error::Usage(

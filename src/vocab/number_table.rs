@@ -75,12 +75,14 @@ pub enum TableError {
         width: usize,
     },
 
-    #[error("{tokenizer}: no number token found with the {set}; {}", no_number_fix(*.set, *.all_numbers_found))]
+    #[error("{tokenizer}: no number token found with the {set}{}; {}", left_out_note(*.left_out), no_number_fix(*.set, *.all_numbers_found))]
     NoNumberTokens {
         tokenizer: String,
         set: NumberSet,
         /// How many tokens the all-numbers set would find (for the hint).
         all_numbers_found: usize,
+        /// Number tokens left out for values too large for the loss.
+        left_out: usize,
     },
 
     #[error(
@@ -100,6 +102,13 @@ pub enum TableError {
          that works with --all-numbers"
     )]
     MissingDigits { tokenizer: String, missing: String },
+}
+
+fn left_out_note(left_out: usize) -> String {
+    match left_out {
+        0 => String::new(),
+        n => format!(" ({n} left out: their values are too large for the number loss in float32)"),
+    }
 }
 
 fn no_number_fix(set: NumberSet, all_numbers_found: usize) -> String {
@@ -344,19 +353,38 @@ fn kind(v: &Value) -> &'static str {
 
 impl Vocab {
     /// The number table of this vocab for logits width `width` (which may exceed the
-    /// tokenizer size; it may not be smaller than its largest id + 1).
+    /// tokenizer size; it may not be smaller than its largest id + 1), with every value finite
+    /// in float32, the type the graph holds them in: `"1e308"` parses to a finite float64 but
+    /// is inf there, so it is left out.
     pub fn number_table(&self, set: NumberSet, width: usize) -> Result<NumberTable, TableError> {
+        Ok(self.number_table_within(set, width, f32::MAX as f64)?.0)
+    }
+
+    /// [`Self::number_table`], leaving out every token whose value exceeds `max_abs` in
+    /// magnitude (a loss squares or sums what it reads, so its limit may be lower than
+    /// float32's largest value: `ntl_ops::losses::ntl::value_limit`); the tokens left out come
+    /// back beside the table as (token, value), by id.
+    pub fn number_table_within(
+        &self,
+        set: NumberSet,
+        width: usize,
+        max_abs: f64,
+    ) -> Result<(NumberTable, Vec<(String, f64)>), TableError> {
         self.check_width(width)?;
-        let (mut ids, mut values) = (Vec::new(), Vec::new());
+        let (mut ids, mut values, mut left_out) = (Vec::new(), Vec::new(), Vec::new());
         for (id, token) in self.entries() {
             // Entries are sorted by (id, token): if several number tokens
             // share an id, the smallest token string gives the value.
             if ids.last() == Some(&id) {
                 continue;
             }
-            if let Some(x) = number_value(set, token) {
-                ids.push(id);
-                values.push(x);
+            match number_value(set, token) {
+                Some(x) if x.abs() <= max_abs => {
+                    ids.push(id);
+                    values.push(x);
+                }
+                Some(x) => left_out.push((token.to_string(), x)),
+                None => {}
             }
         }
         if ids.is_empty() {
@@ -368,6 +396,7 @@ impl Vocab {
                 tokenizer: self.source.clone(),
                 set,
                 all_numbers_found,
+                left_out: left_out.len(),
             });
         }
         if ids.len() == width {
@@ -377,7 +406,7 @@ impl Vocab {
                 width,
             });
         }
-        Ok(NumberTable::new(width, ids, values))
+        Ok((NumberTable::new(width, ids, values), left_out))
     }
 
     /// The ids of the tokens "0", "1", .., "9", in that (value) order, for

@@ -69,6 +69,31 @@ pub fn json_f32_matrix(m: &serde_json::Value) -> Vec<f32> {
         .collect()
 }
 
+/// The ORT library: ORT_DYLIB_PATH, else the copy scripts/setup/setup-ort.sh installs in .venv-ort.
+/// Missing is a failure, not a skip: the test script always installs it.
+pub fn ort_library() -> PathBuf {
+    if let Some(p) = std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()) {
+        return PathBuf::from(p);
+    }
+    let capi = root().join(".venv-ort/onnxruntime/capi");
+    std::fs::read_dir(&capi)
+        .ok()
+        .and_then(|entries| {
+            entries.filter_map(|e| e.ok().map(|e| e.path())).find(|p| {
+                p.file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .starts_with("libonnxruntime.so")
+            })
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "ONNX Runtime library not found: set ORT_DYLIB_PATH, or run scripts/setup/setup-ort.sh \
+                 (python3 -m pip install --target .venv-ort onnxruntime==1.31.1)"
+            )
+        })
+}
+
 // ---- building small models in tests ----
 
 pub fn node(op: &str, inputs: &[&str], outputs: &[&str], attrs: Vec<AttributeProto>) -> NodeProto {

@@ -26,6 +26,16 @@ use crate::Builder;
 /// finite in float32 (max 3.4e38); numbers of more than 31 digits lose their leading places.
 pub const MAX_PLACE_EXPONENT: i64 = 30;
 
+/// The largest exponent r of the token-level place weight `digit_exp^r` (None: no bound is
+/// needed, `digit_exp ≤ 1`). The official code takes the power unbounded, which is inf in
+/// float32 from a run of 488 digits on (1.2^487) and so makes the loss NaN; clamping r where
+/// the weight would pass `10^MAX_PLACE_EXPONENT` keeps the official weights wherever they are
+/// at most 1e30 (every run up to 379 digits at the default 1.2) and the loss finite beyond.
+pub fn max_weight_exponent(digit_exp: f64) -> Option<i64> {
+    let base = digit_exp as f32 as f64; // the graph's (and the official code's) float32 base
+    (base > 1.0).then(|| (MAX_PLACE_EXPONENT as f64 * 10f64.ln() / base.ln()).floor() as i64)
+}
+
 pub fn build(
     b: &mut Builder,
     seq: &SeqInputs,
@@ -80,7 +90,7 @@ pub fn build(
         };
         let magnitude = runs::magnitude_scale(b, &runs, MAX_PLACE_EXPONENT);
         let abs = abs_term(b, &abs_estimate, &target, &magnitude, &runs.count);
-        let mag = mag_term(b, &mag_estimate, &target, &magnitude, &runs.count);
+        let mag = mag_term(b, &mag_estimate, &target, &runs.count);
         let emd = scale(b, &emd, n.digit_alpha, "ntil_emd_weighted");
         let abs = scale(b, &abs, n.abs_alpha, "ntil_abs_weighted");
         let mag = scale(b, &mag, n.mag_alpha, "ntil_mag_weighted");
@@ -121,7 +131,14 @@ fn token_level(
     let weighted = b.binary("Mul", &q, &dist, "digit_emd_parts");
     let emd = b.reduce_sum(&weighted, &[2], false, "digit_emd");
     let base = b.scalar_f32("digit_exp", digit_exp as f32);
-    let w = b.binary("Pow", &base, digits_after, "digit_place_weight");
+    let exponent = match max_weight_exponent(digit_exp) {
+        Some(max) => {
+            let max = b.scalar_f32("digit_exp_max_power", max as f32);
+            b.binary("Min", digits_after, &max, "digit_weight_exponent")
+        }
+        None => digits_after.to_string(),
+    };
+    let w = b.binary("Pow", &base, &exponent, "digit_place_weight");
     let w = b.binary("Mul", &w, &digits.is_digit, "digit_weight");
     let emd = b.binary("Mul", &emd, &w, "digit_emd_weighted");
     let total = b.reduce_sum(&emd, &[1], false, "digit_emd_sum");
@@ -231,17 +248,19 @@ fn abs_term(b: &mut Builder, est: &str, target: &str, scale: &str, count: &str) 
     mean_over_numbers(b, &rel, count, "abs")
 }
 
-/// `[B]`: mean over numbers of `ln((max(X̂,X)+1) / (min(X̂,X)+1))` (both scaled as in abs).
-fn mag_term(b: &mut Builder, est: &str, target: &str, scale: &str, count: &str) -> String {
+/// `[B]`: mean over numbers of `ln((max(X̂,X)+1) / (min(X̂,X)+1))`, taken as
+/// `ln(max+1) − ln(min+1)`: a ratio's `DivGrad` forms `hi/lo²`, which overflows (to NaN after
+/// Min's gradient mask) once a prediction of 31 digits meets a label of zeros (`lo` = 1, scaled
+/// to 10^-15.5); each logarithm's gradient is at most 1.
+fn mag_term(b: &mut Builder, est: &str, target: &str, count: &str) -> String {
     let one = b.scalar_f32("mag_one", 1.0);
     let hi = b.binary("Max", est, target, "mag_max");
     let hi = b.binary("Add", &hi, &one, "mag_max_plus_1");
     let lo = b.binary("Min", est, target, "mag_min");
     let lo = b.binary("Add", &lo, &one, "mag_min_plus_1");
-    let hi = b.binary("Mul", &hi, scale, "mag_max_scaled");
-    let lo = b.binary("Mul", &lo, scale, "mag_min_scaled");
-    let ratio = b.binary("Div", &hi, &lo, "mag_ratio");
-    let mag = b.unary("Log", &ratio, "mag_per_number");
+    let hi = b.unary("Log", &hi, "mag_log_max");
+    let lo = b.unary("Log", &lo, "mag_log_min");
+    let mag = b.binary("Sub", &hi, &lo, "mag_per_number");
     mean_over_numbers(b, &mag, count, "mag")
 }
 

@@ -138,6 +138,26 @@ fn squash(b: &mut Builder, dist: &str, values: &[f32], s: f64) -> String {
     b.where_(&exact, &zero, &squashed, "squashed_distance")
 }
 
+/// The largest magnitude a number token's value may have for this loss; larger ones are left
+/// out of the number set (`NumberTable::build_within`). The graph holds the values in float32
+/// and forms distances `|v − y|` (up to 2c for |v| ≤ c) or, for MSE, squared errors (up to 4c²),
+/// times 1.01 with `--reweigh` and λ in the total. That largest loss, times max(λ, 1), is kept
+/// below 2^60 in float32 and bfloat16 graphs, so the loss, its sum over any batch and its
+/// square (AdamW's second moment, a gradient norm) stay finite in float32, and below 2^15 where
+/// the total is float16 (whose largest value is 65504).
+pub fn value_limit(kind: LossKind, weight: f64, total_type: i32) -> f64 {
+    let largest_loss = if total_type == crate::onnx::FLOAT16 {
+        2f64.powi(15)
+    } else {
+        2f64.powi(60)
+    } / (1.01 * weight.max(1.0));
+    match kind {
+        LossKind::Mse => (largest_loss / 4.0).sqrt(),
+        // Huber is linear beyond 1; the per-sequence losses read the digits 0..9 only
+        _ => largest_loss / 2.0,
+    }
+}
+
 /// Smallest non-zero and largest pairwise distance between number values, in float32 as ntloss.
 pub fn distance_range(values: &[f32]) -> (f32, f32) {
     let mut min_nz = f32::MAX;

@@ -178,12 +178,16 @@ pub fn place_values(b: &mut Builder, exponent: &str, max_exp: i64) -> String {
     b.gather(&table, &e, 0, "place_value")
 }
 
-/// `[B, R]` float: `10^(−n/2)` for a run of n digits (n clamped at `max_exp + 1`).
+/// `[B, R]` float: `10^(−n/2)` for a run of n digits (n clamped at `max_exp + 1`), divided by
+/// `√(n − max_exp)` for longer runs.
 ///
 /// ORT's `DivGrad` squares the denominator, which overflows float32 beyond ~1.8e19 (a
 /// 20-digit number) and silently drops a gradient term. Multiplying numerator and denominator
-/// of a ratio of whole numbers by this label-side factor keeps every denominator within
-/// `[10^(−n/2), 10^(n/2)]`, so its square stays finite; the ratio's value is unchanged.
+/// of a ratio of whole numbers by this label-side factor keeps every denominator's square
+/// finite; the ratio's value is unchanged. A run longer than `max_exp + 1` digits has
+/// `n − max_exp` places clamped at `10^max_exp`, so its number grows with that count (a
+/// 7000-digit run of 9s is 6.3e34 at `max_exp` 30): the square root keeps the scaled square
+/// within about `(n − max_exp)·10^(max_exp+1)`, finite for runs of up to ~4·10^7 digits.
 pub fn magnitude_scale(b: &mut Builder, runs: &Runs, max_exp: i64) -> String {
     let table: Vec<f32> = (0..=max_exp + 1)
         .map(|n| 10f64.powf(-(n as f64) / 2.0) as f32)
@@ -192,5 +196,16 @@ pub fn magnitude_scale(b: &mut Builder, runs: &Runs, max_exp: i64) -> String {
     let hi = b.scalar_f32("magnitude_max_digits", (max_exp + 1) as f32);
     let n = b.binary("Min", &runs.digit_count, &hi, "magnitude_digits");
     let n = b.cast(&n, INT64, "magnitude_index");
-    b.gather(&table, &n, 0, "magnitude_scale")
+    let scale = b.gather(&table, &n, 0, "magnitude_scale_places");
+    let max_exp = b.scalar_f32("magnitude_max_exponent", max_exp as f32);
+    let clamped = b.binary(
+        "Sub",
+        &runs.digit_count,
+        &max_exp,
+        "magnitude_clamped_places",
+    );
+    let one = b.scalar_f32("magnitude_one", 1.0);
+    let clamped = b.binary("Max", &clamped, &one, "magnitude_clamped_at_least_1");
+    let root = b.unary("Sqrt", &clamped, "magnitude_clamped_root");
+    b.binary("Div", &scale, &root, "magnitude_scale")
 }

@@ -19,6 +19,27 @@ pub struct Pick {
     /// 3 × Equal(labels, Range) + ReduceSum.
     pub kind: usize,
     pub nodes: Vec<usize>,
+    /// The one-hot is label-smoothed (one-hot picks only).
+    pub smoothing: Option<Smoothing>,
+}
+
+/// A label-smoothed one-hot `keep·onehot + spread` with `keep = 1 − ε` and `spread = ε/V`, so
+/// each row sums to 1 (Keras `CategoricalCrossentropy(label_smoothing=ε)`, optax
+/// `smooth_labels`, `OneHot` with values `[ε/V, 1 − ε + ε/V]`). Picking with it gives
+/// `keep·x[y] + spread·Σ_c x[c]`.
+#[derive(Debug, Clone)]
+pub struct Smoothing {
+    pub keep: Scalar,
+    pub spread: Scalar,
+    pub epsilon: f64,
+}
+
+/// A scalar of the smoothing: the graph's own tensor (its exact value, in its type), or a
+/// value derived from the graph's constants.
+#[derive(Debug, Clone)]
+pub enum Scalar {
+    Tensor(String),
+    Value(f64),
 }
 
 /// The shape of a picked value, in terms the rewrite can compute at run time.
@@ -283,6 +304,7 @@ pub fn pick(index: &GraphIndex, t: &str) -> Option<Pick> {
                 wraps: true,
                 kind: 0,
                 nodes: vec![i],
+                smoothing: None,
             })
         }
         "GatherND" => {
@@ -300,6 +322,7 @@ pub fn pick(index: &GraphIndex, t: &str) -> Option<Pick> {
                 wraps: true,
                 kind: 1,
                 nodes: vec![i],
+                smoothing: None,
             })
         }
         // the picked value with its kept last axis squeezed away
@@ -408,66 +431,169 @@ fn slice_keeps_all(index: &GraphIndex, n: &NodeProto) -> bool {
 }
 
 /// `h = onehot(labels)` over `x`'s classes (float 0/1): `OneHot(labels, depth, [0, 1])` on the
-/// last axis, or `Cast(Equal(labels[..., None], Range(0, V, 1)))`.
+/// last axis, or `Cast(Equal(labels[..., None], Range(0, V, 1)))`; or that one-hot
+/// label-smoothed (see [`Smoothing`]): `keep·onehot + spread` (Mul and Add in either operand
+/// order), or `OneHot` with values `[spread, keep + spread]`.
 fn one_hot(index: &GraphIndex, h: &str, x: &str) -> Option<Pick> {
     let mut t = through_identity(index, h);
     let mut nodes = Vec::new();
-    // a cast to the logits' type, a reshape alongside the logits' (`[B, T, V]` → `[B·T, V]`)
-    for _ in 0..4 {
-        match index.producer(t) {
-            Some((i, n)) if matches!(n.op_type(), "Cast" | "Reshape") && !n.input.is_empty() => {
-                nodes.push(i);
-                t = through_identity(index, &n.input[0]);
+    // a cast to the logits' type, a reshape alongside the logits' (`[B, T, V]` → `[B·T, V]`),
+    // the smoothing's Add and Mul (in that order from the outside)
+    let (mut keep, mut spread) = (None, None);
+    for _ in 0..6 {
+        let Some((i, n)) = index.producer(t) else {
+            break;
+        };
+        match n.op_type() {
+            "Cast" | "Reshape" if !n.input.is_empty() => t = through_identity(index, &n.input[0]),
+            "Add" if spread.is_none() && keep.is_none() => {
+                let (u, s) = scalar_operand(index, n)?;
+                spread = Some(s);
+                t = through_identity(index, u);
+            }
+            "Mul" if keep.is_none() && spread.is_some() => {
+                let (u, k) = scalar_operand(index, n)?;
+                keep = Some(k);
+                t = through_identity(index, u);
             }
             _ => break,
         }
+        nodes.push(i);
     }
     let (i, node) = index.producer(t)?;
     nodes.push(i);
     let width = index.static_last_dim(x);
-    match node.op_type() {
+    let mut pick = match node.op_type() {
         "OneHot" => {
             let (labels, depth, values) =
                 (node.input.first()?, node.input.get(1)?, node.input.get(2)?);
             if attr_i(node, "axis").unwrap_or(-1) != -1 {
                 return None;
             }
-            if constant_numbers(index, values)? != [0.0, 1.0] {
-                return None;
-            }
-            match constant_numbers(index, depth) {
-                Some(d) if d.len() == 1 && width.is_none_or(|w| d[0] == w as f64) => {}
+            let depth_value = match constant_numbers(index, depth) {
+                Some(d) if d.len() == 1 && width.is_none_or(|w| d[0] == w as f64) => Some(d[0]),
                 Some(_) => return None,
-                None if is_run_time_width(index, depth, width) => {}
+                None if is_run_time_width(index, depth, width) => None,
                 None => return None,
-            }
-            Some(Pick {
+            };
+            let smoothing = match constant_numbers(index, values)?.as_slice() {
+                [off, on] if *off == 0.0 && *on == 1.0 => None,
+                // OneHot(values = [ε/V, 1 − ε + ε/V]): a smoothed one-hot in one node
+                [off, on] if spread.is_none() => {
+                    let v = depth_value.or(width.map(|w| w as f64))?;
+                    Some(smoothing(on - off, *off, v)?)
+                }
+                _ => return None,
+            };
+            Pick {
                 source: x.to_string(),
                 labels: labels.clone(),
                 shape: ValueShape::Positions,
                 wraps: true,
                 kind: 2,
                 nodes,
-            })
+                smoothing,
+            }
         }
         "Equal" => {
-            for (a, b) in [(0, 1), (1, 0)] {
+            let found = [(0, 1), (1, 0)].into_iter().find_map(|(a, b)| {
                 let (labels, range) = (node.input.get(a)?, node.input.get(b)?);
-                if is_class_range(index, range, width) && trailing_one(index, labels) {
-                    return Some(Pick {
-                        source: x.to_string(),
-                        labels: labels.clone(),
-                        shape: ValueShape::Positions,
-                        wraps: false,
-                        kind: 3,
-                        nodes,
-                    });
-                }
+                (is_class_range(index, range, width) && trailing_one(index, labels))
+                    .then(|| labels.clone())
+            });
+            Pick {
+                source: x.to_string(),
+                labels: found?,
+                shape: ValueShape::Positions,
+                wraps: false,
+                kind: 3,
+                nodes,
+                smoothing: None,
             }
-            None
+        }
+        _ => return None,
+    };
+    match (keep, spread) {
+        (None, None) => Some(pick),
+        (Some(keep), Some(spread)) if pick.smoothing.is_none() => {
+            pick.smoothing = Some(smoothing_of(index, keep, spread, width)?);
+            Some(pick)
         }
         _ => None,
     }
+}
+
+/// The non-one-hot operand of the smoothing's `Add`/`Mul`, where it may be a scalar of the
+/// smoothing: a constant of one value, or `Div(constant, ·)` (checked by [`smoothing_of`]).
+/// Returns (the other operand, the scalar).
+fn scalar_operand<'g>(index: &GraphIndex<'g>, n: &'g NodeProto) -> Option<(&'g str, String)> {
+    let (a, b) = (n.input.first()?, n.input.get(1)?);
+    let is_scalar = |t: &str| {
+        single_constant(index, t).is_some()
+            || producer(index, through_identity(index, t), "Div").is_some_and(|(_, d)| {
+                d.input
+                    .first()
+                    .and_then(|e| single_constant(index, e))
+                    .is_some()
+            })
+    };
+    match (is_scalar(a), is_scalar(b)) {
+        (false, true) => Some((a, b.clone())),
+        (true, false) => Some((b, a.clone())),
+        _ => None,
+    }
+}
+
+fn single_constant(index: &GraphIndex, t: &str) -> Option<f64> {
+    match constant_numbers(index, t)?.as_slice() {
+        [v] => Some(*v),
+        _ => None,
+    }
+}
+
+/// `keep·onehot + spread` is label smoothing: `keep = 1 − ε` with 0 ≤ ε < 1 and `spread = ε/V`:
+/// a constant (V the classes' width, where the graph fixes it), `ε / V` with V a constant, or
+/// `ε / V` with V the width read at run time (the class count of `tf.shape(y)[-1]`, optax's
+/// `labels.shape[-1]` under symbolic shapes).
+fn smoothing_of(
+    index: &GraphIndex,
+    keep: String,
+    spread: String,
+    width: Option<i64>,
+) -> Option<Smoothing> {
+    let k = single_constant(index, &keep)?;
+    let epsilon = match single_constant(index, &spread) {
+        Some(s) => smoothing(k, s, width? as f64)?.epsilon,
+        None => {
+            let (_, div) = producer(index, through_identity(index, &spread), "Div")?;
+            let eps = single_constant(index, div.input.first()?)?;
+            let classes = div.input.get(1)?;
+            match single_constant(index, classes) {
+                Some(v) if width.is_none_or(|w| w as f64 == v) => smoothing(k, eps / v, v)?,
+                Some(_) => return None,
+                None if is_run_time_width(index, classes, width) => smoothing(k, eps, 1.0)?,
+                None => return None,
+            }
+            .epsilon
+        }
+    };
+    Some(Smoothing {
+        keep: Scalar::Tensor(keep),
+        spread: Scalar::Tensor(spread),
+        epsilon,
+    })
+}
+
+/// `keep·onehot + spread` with constants, rows summing to 1 over `v` classes (float32 rounding
+/// allowed): ε = 1 − keep.
+fn smoothing(keep: f64, spread: f64, v: f64) -> Option<Smoothing> {
+    let epsilon = 1.0 - keep;
+    let sums_to_one = (keep + v * spread - 1.0).abs() <= 1e-5;
+    ((0.0..1.0).contains(&epsilon) && spread >= 0.0 && sums_to_one).then_some(Smoothing {
+        keep: Scalar::Value(keep),
+        spread: Scalar::Value(spread),
+        epsilon,
+    })
 }
 
 /// `t` is the last entry of a tensor's run-time shape (`Gather(Shape(y), −1)`, `Shape(y,

@@ -31,7 +31,7 @@ use ntl_ops::Builder;
 pub use match_ops::constant_numbers;
 use match_ops::{
     log_of_picked_softmax, log_softmax, log_sum_exp, pick, pick_through_moves, through_identity,
-    Pick, ValueShape,
+    Pick, Scalar, ValueShape,
 };
 
 /// Marks the rewritten node (its `doc_string`), followed by the form's description.
@@ -54,7 +54,34 @@ pub const FORMS: &[&str] = &[
     "log of softmax GatherND",
     "log of softmax × OneHot + ReduceSum",
     "log of softmax × Equal(labels, Range) + ReduceSum",
+    // label-smoothed one-hots (`Smoothing`), indexed 12 + value kind × 2 + (pick kind − 2)
+    "log_softmax × smoothed OneHot + ReduceSum",
+    "log_softmax × smoothed Equal(labels, Range) + ReduceSum",
+    "logsumexp − logits × smoothed OneHot + ReduceSum",
+    "logsumexp − logits × smoothed Equal(labels, Range) + ReduceSum",
 ];
+
+/// Whether a form smooths its one-hot (the graph's own label smoothing).
+pub fn is_smoothed(form: &str) -> bool {
+    FORMS[12..].contains(&form)
+}
+
+/// Names the `ε/V·(−Σ_c log p_c)` term a smoothed form's rewrite adds to the per-position
+/// cross-entropy (under the `ntl/` prefix), so `ce_reported` follows the loss through that Add.
+pub const SMOOTHING_TERM: &str = "ce_form/smoothing_term";
+
+/// The form of a value kind (0 log-probability, 1 negative log-likelihood, 2 log of softmax)
+/// and a pick, or None where that pairing does not compute a cross-entropy: a smoothed one-hot
+/// inside the log (`log Σ_c h_c p_c`) is not one.
+fn form(value_kind: usize, pick: &Pick) -> Option<&'static str> {
+    match &pick.smoothing {
+        None => Some(FORMS[value_kind * 4 + pick.kind]),
+        Some(_) if value_kind < 2 && pick.kind >= 2 => {
+            Some(FORMS[12 + value_kind * 2 + pick.kind - 2])
+        }
+        Some(_) => None,
+    }
+}
 
 /// The form a rewritten node came from (one of [`FORMS`]).
 pub fn form_of(node: &NodeProto) -> Option<&'static str> {
@@ -141,7 +168,7 @@ fn log_prob_core(index: &GraphIndex, i: usize, out: &str) -> Option<Core> {
         output: out.to_string(),
         nll: false,
         logits: z,
-        form: FORMS[p.kind],
+        form: form(0, &p)?,
         pick: p,
         nodes,
     })
@@ -155,7 +182,7 @@ fn log_of_softmax_core(index: &GraphIndex, i: usize, out: &str) -> Option<Core> 
         output: out.to_string(),
         nll: false,
         logits: z,
-        form: FORMS[8 + p.kind],
+        form: form(2, &p)?,
         pick: p,
         nodes,
     })
@@ -182,7 +209,7 @@ fn nll_core(index: &GraphIndex, i: usize, node: &NodeProto, out: &str) -> Option
         output: out.to_string(),
         nll: true,
         logits: z,
-        form: FORMS[4 + p.kind],
+        form: form(1, &p)?,
         pick: p,
         nodes,
     })
@@ -237,7 +264,7 @@ fn emit(b: &mut Builder, index: &GraphIndex, core: &Core) {
     b.nodes.push(NodeProto {
         name: Some(name),
         op_type: Some("SoftmaxCrossEntropyLoss".into()),
-        input: vec![logits, labels],
+        input: vec![logits.clone(), labels],
         output: vec![nll.clone(), log_prob],
         attribute: vec![
             string_attr("reduction", "none"),
@@ -263,9 +290,48 @@ fn emit(b: &mut Builder, index: &GraphIndex, core: &Core) {
     } else {
         out_shape
     };
+    let nll = match &p.smoothing {
+        Some(s) => smoothed(b, index, &core.logits, &logits, &nll, s),
+        None => nll,
+    };
     let value = b.node("Reshape", &[&nll, &out_shape], "ce_form/nll_shaped", vec![]);
     let op = if core.nll { "Identity" } else { "Neg" };
     b.node_to(op, &[&value], &[&core.output], vec![]);
+}
+
+/// The smoothed cross-entropy per position from the plain one `nll` (`[M]`) and the logits
+/// `[M, V]`: `keep·nll + spread·(−Σ_c log p_c)`, which is `−Σ_c (keep·onehot + spread)_c·log p_c`
+/// (the ignore index's positions, whose one-hot is all zero, keep the spread term as in the
+/// graph). The uniform term reads its own `LogSoftmax`, not the loss node's `log_prob`, so
+/// every runtime's gradient builder differentiates it.
+fn smoothed(
+    b: &mut Builder,
+    index: &GraphIndex,
+    original_logits: &str,
+    logits: &str,
+    nll: &str,
+    s: &match_ops::Smoothing,
+) -> String {
+    let ty = index
+        .elem_type(original_logits)
+        .unwrap_or(crate::onnx::FLOAT);
+    let scalar = |b: &mut Builder, x: &Scalar, hint: &str| match x {
+        Scalar::Tensor(t) => t.clone(),
+        Scalar::Value(v) => b.scalar_typed(hint, *v, ty),
+    };
+    let keep = scalar(b, &s.keep, "ce_form/smoothing_keep");
+    let spread = scalar(b, &s.spread, "ce_form/smoothing_spread");
+    let log_p = b.node(
+        "LogSoftmax",
+        &[logits],
+        "ce_form/smoothing_log_probs",
+        vec![int_attr("axis", 1)],
+    );
+    let sum = b.reduce_sum(&log_p, &[1], false, "ce_form/smoothing_log_prob_sum");
+    let uniform = b.unary("Neg", &sum, "ce_form/smoothing_uniform_nll");
+    let kept = b.binary("Mul", nll, &keep, "ce_form/smoothing_kept");
+    let term = b.binary("Mul", &uniform, &spread, SMOOTHING_TERM);
+    b.binary("Add", &kept, &term, "ce_form/smoothed_nll")
 }
 
 /// Removes the nodes of the rewritten forms that nothing reads any more, then what only they

@@ -77,6 +77,8 @@ pub struct StepSummary {
     pub parameter_elements: u64,
     pub frozen: Vec<String>,
     pub buffers: Vec<String>,
+    /// Things the user may want to know that change nothing (`--freeze` of a constant).
+    pub notes: Vec<String>,
     pub warnings: Vec<String>,
     /// Positions per chunk where the LM head is fused.
     pub fused_head_chunk_tokens: Option<i64>,
@@ -183,6 +185,7 @@ pub fn run_step(req: &StepRequest) -> Result<StepSummary, Error> {
         parameter_elements: built.parameter_elements,
         frozen: built.frozen,
         buffers: built.buffers,
+        notes: built.notes,
         warnings: built.warnings,
         fused_head_chunk_tokens: built.fused_head_chunk_tokens,
     };
@@ -219,6 +222,7 @@ struct Built {
     parameter_elements: u64,
     frozen: Vec<String>,
     buffers: Vec<String>,
+    notes: Vec<String>,
     warnings: Vec<String>,
     /// The update graph of `--split`.
     update: Option<ModelProto>,
@@ -301,6 +305,43 @@ fn float_type_name(dt: i32) -> Option<&'static str> {
     }
 }
 
+/// Checks each `--freeze` prefix: one that matches only initializers step keeps constant
+/// anyway (a buffer such as `inv_freq`, an exporter constant, a weight off the loss's path)
+/// holds as asked and gets a note; one that matches no initializer at all is a mistake.
+fn freeze_notes(
+    graph: &GraphProto,
+    freeze: &[String],
+    trained: &[String],
+) -> Result<Vec<String>, Error> {
+    let mut notes = Vec::new();
+    for prefix in freeze {
+        if trained.iter().any(|p| p.starts_with(prefix.as_str())) {
+            continue;
+        }
+        let user_initializers = graph
+            .initializer
+            .iter()
+            .map(|t| t.name())
+            .filter(|n| !n.starts_with(&format!("{PREFIX}/")));
+        let matched: Vec<&str> = user_initializers
+            .filter(|n| n.starts_with(prefix.as_str()))
+            .collect();
+        match matched.first() {
+            Some(first) => notes.push(format!(
+                "--freeze '{prefix}' matches {} initializer(s) (e.g. '{first}') that step keeps constant anyway (buffers, exporter constants, or off the loss's path): nothing more to freeze",
+                matched.len()
+            )),
+            None => {
+                return Err(Error::Usage(format!(
+                    "--freeze '{prefix}' matches no trained parameter and no initializer; parameters are initializer names such as '{}'",
+                    trained.first().map(String::as_str).unwrap_or("<none>")
+                )))
+            }
+        }
+    }
+    Ok(notes)
+}
+
 /// Turns the patched forward model into the step graph (or the gradient graph, returning the
 /// update graph as a separate model).
 fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Result<Built, Error> {
@@ -343,14 +384,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
     let buffer_names: Vec<String> = buffer_like.iter().map(|t| t.name().to_string()).collect();
     let buffers = grad::reaching_loss(&graph.node, &loss, &buffer_names);
 
-    for prefix in &req.freeze {
-        if !reaching.iter().any(|p| p.starts_with(prefix.as_str())) {
-            return Err(Error::Usage(format!(
-                "--freeze '{prefix}' matches no trained parameter; parameters are initializer names such as '{}'",
-                reaching.first().map(String::as_str).unwrap_or("<none>")
-            )));
-        }
-    }
+    let notes = freeze_notes(graph, &req.freeze, &reaching)?;
     let (frozen, params): (Vec<String>, Vec<String>) = reaching
         .into_iter()
         .partition(|p| req.freeze.iter().any(|f| p.starts_with(f.as_str())));
@@ -617,6 +651,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         parameter_elements,
         frozen,
         buffers,
+        notes,
         warnings,
         update,
         zeros,

@@ -267,7 +267,7 @@ fn exact_int64_casts(graph: &mut GraphProto, like: &str) -> usize {
 }
 
 /// Element type of `ce_loss` as the graph declares it (float32 where it does not).
-fn ce_loss_type(graph: &GraphProto) -> i32 {
+pub fn ce_loss_type(graph: &GraphProto) -> i32 {
     graph
         .output
         .iter()

@@ -22,6 +22,26 @@ pub struct InputSpec {
     pub elem_type: i32,
     /// Declared dims; None where symbolic.
     pub dims: Vec<Option<i64>>,
+    /// The symbolic dims' names (`dim_param`), where declared.
+    pub dim_names: Vec<Option<String>>,
+}
+
+/// The `dim_param` names of a value's declared dims (None where fixed or unnamed).
+fn dim_names(vi: &crate::onnx::ValueInfoProto) -> Vec<Option<String>> {
+    use crate::onnx::proto::tensor_shape_proto::dimension;
+    use crate::onnx::proto::type_proto;
+    let Some(type_proto::Value::TensorType(t)) = vi.r#type.as_ref().and_then(|t| t.value.as_ref())
+    else {
+        return Vec::new();
+    };
+    t.shape
+        .iter()
+        .flat_map(|s| &s.dim)
+        .map(|d| match &d.value {
+            Some(dimension::Value::DimParam(p)) if !p.is_empty() => Some(p.clone()),
+            _ => None,
+        })
+        .collect()
 }
 
 pub fn feedable_inputs(graph: &GraphProto) -> Result<Vec<InputSpec>, Error> {
@@ -42,6 +62,7 @@ pub fn feedable_inputs(graph: &GraphProto) -> Result<Vec<InputSpec>, Error> {
                 name: vi.name().to_string(),
                 elem_type,
                 dims: dims.ok_or_else(no_type)?,
+                dim_names: dim_names(vi),
             })
         })
         .collect()
@@ -93,6 +114,9 @@ pub enum LabelStyle {
 pub struct Shape {
     pub batch: usize,
     pub seq: usize,
+    /// The symbolic dim that is the logits' width (`--vocab-size` where the graph leaves it
+    /// symbolic), and that width: an input with that dim (logits fed as an input) gets it.
+    pub vocab: Option<(String, usize)>,
 }
 
 /// Values for every input, deterministic in `seed`: symbolic dims become `batch` (first axis)
@@ -145,6 +169,12 @@ fn concrete_dims(spec: &InputSpec, shape: &Shape) -> Result<Vec<usize>, Error> {
         .enumerate()
         .map(|(axis, d)| match d {
             Some(v) if *v >= 0 => *v as usize,
+            _ if shape.vocab.as_ref().is_some_and(|(name, _)| {
+                spec.dim_names.get(axis).and_then(Option::as_deref) == Some(name.as_str())
+            }) =>
+            {
+                shape.vocab.as_ref().map_or(0, |(_, width)| *width)
+            }
             // a rank-1 symbolic input is a flat run of positions (`labels[N]` of `[N, V]` logits,
             // beside `[B, T]` ids): batch × seq of them
             Some(_) | None if spec.dims.len() == 1 => shape.batch * shape.seq,

@@ -44,7 +44,7 @@ pub use report::{Against, Check, Report};
 use copy::ValidationCopy;
 use inputs::{LabelPlan, LabelStyle, Shape};
 use meta::{LossSpec, PatchMeta};
-use reference::{Batch, CeReduction};
+use reference::{Batch, CeReduction, NtlKind};
 use reference_ntil::{DigitTokens, Sequences};
 use tensor::HostTensor;
 
@@ -115,7 +115,7 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
             )));
         }
     }
-    let (vocab, table) = number_table(req, &meta)?;
+    let (vocab, table) = number_table(req, &meta, &model)?;
     let loss_name = total_tensor(&model, &meta)?;
     let copy = copy::build(&model, &meta, &loss_name, req.runtime == Runtime::Tract)?;
     let label_input = inputs::labels_source(
@@ -128,7 +128,16 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
             dot: vocab.id_of("."),
         },
     };
-    let feeds = feeds(req, &meta, &table, &copy, label_input.as_deref(), style)?;
+    let vocab_dim = vocab_symbol(&model, &meta);
+    let feeds = feeds(
+        req,
+        &meta,
+        &table,
+        &copy,
+        label_input.as_deref(),
+        style,
+        vocab_dim,
+    )?;
 
     let dir = model_dir(&req.model);
     let outputs = match req.runtime {
@@ -279,6 +288,19 @@ struct Feeds {
     description: String,
 }
 
+/// The symbolic dim the patched cross-entropy's class axis has, where the graph names it (a
+/// graph patched with `--vocab-size`): generated inputs with that dim get the vocabulary
+/// width, not `--seq`, or the logits would be narrower than the number table.
+fn vocab_symbol(model: &ModelProto, meta: &PatchMeta) -> Option<String> {
+    let (_, ce) = copy::find_ce_node(model, meta).ok()?;
+    let graph = model.graph.as_ref()?;
+    let shapes = crate::graph::shapes::Shapes::infer(&GraphIndex::new(graph));
+    match shapes.get(ce.input.first()?)?.get(1)? {
+        crate::graph::shapes::Dim::Sym(name) => Some(name.clone()),
+        _ => None,
+    }
+}
+
 fn feeds(
     req: &ValidateRequest,
     meta: &PatchMeta,
@@ -286,6 +308,7 @@ fn feeds(
     copy: &ValidationCopy,
     label_input: Option<&str>,
     style: LabelStyle,
+    vocab_dim: Option<String>,
 ) -> Result<Feeds, Error> {
     let graph = copy.model.graph.as_ref().expect("checked on load");
     let specs = inputs::feedable_inputs(graph)?;
@@ -306,6 +329,7 @@ fn feeds(
     let shape = Shape {
         batch: req.batch,
         seq: req.seq,
+        vocab: vocab_dim.map(|name| (name, meta.vocab_width)),
     };
     Ok(Feeds {
         inputs: inputs::generate(&specs, plan.as_ref(), meta.vocab_width, &shape, req.seed)?,
@@ -458,7 +482,11 @@ fn recorded_checks(
 
 /// The number table, rebuilt from the tokenizer (not read from the graph), so the check does
 /// not trust what the patch wrote.
-fn number_table(req: &ValidateRequest, meta: &PatchMeta) -> Result<(Vocab, NumberTable), Error> {
+fn number_table(
+    req: &ValidateRequest,
+    meta: &PatchMeta,
+    model: &ModelProto,
+) -> Result<(Vocab, NumberTable), Error> {
     let path = req
         .tokenizer
         .clone()
@@ -467,7 +495,19 @@ fn number_table(req: &ValidateRequest, meta: &PatchMeta) -> Result<(Vocab, Numbe
         return Err(Error::TokenizerMissing(path));
     }
     let vocab = Vocab::from_file(&path)?;
-    let table = vocab.number_table(meta.numbers, meta.vocab_width)?;
+    // the number set leaves out values too large for the loss, as the patch did
+    let limit = match &meta.loss {
+        LossSpec::Ntl(s) => {
+            let kind = match s.kind {
+                NtlKind::Mse => ntl_ops::options::LossKind::Mse,
+                _ => ntl_ops::options::LossKind::Wasserstein,
+            };
+            let graph = model.graph.as_ref().expect("checked on load");
+            ntl_ops::losses::ntl::value_limit(kind, meta.weight, copy::ce_loss_type(graph))
+        }
+        LossSpec::Sequence(_) => f32::MAX as f64,
+    };
+    let (table, _) = vocab.number_table_within(meta.numbers, meta.vocab_width, limit)?;
     Ok((vocab, table))
 }
 

@@ -30,6 +30,16 @@ use crate::vocab::number_table::Vocab;
 /// NTIL place exponents are clamped here (ntl-patch's documented bound: `10^30` keeps sums
 /// finite in float32).
 pub const NTIL_MAX_PLACE_EXPONENT: usize = 30;
+/// NTIL's token-level weight `digit_exp^r` (float32 base): r is clamped where the weight
+/// would pass `10^30` (ntl-patch's documented bound; the official power is unbounded and inf
+/// in float32 from 1.2^487 on, which makes its loss NaN).
+fn weight_exponent_limit(base: f64) -> usize {
+    if base <= 1.0 {
+        return usize::MAX;
+    }
+    (NTIL_MAX_PLACE_EXPONENT as f64 * std::f64::consts::LN_10 / base.ln()).floor() as usize
+}
+
 /// ntloss `NumberLevelLoss(max_number_length=20)`: exponents are clamped at 19.
 pub const NUMBER_LEVEL_MAX_EXPONENT: usize = 19;
 
@@ -238,7 +248,7 @@ fn ntil(
             let Some(y) = *d else { continue };
             let q = digit_softmax(seqs.row(b, t), &tokens.digits);
             let emd: f64 = (0..10).map(|k| (k as f64 - y as f64).abs() * q[k]).sum();
-            emd_sum += emd * base.powi(r[t] as i32);
+            emd_sum += emd * base.powi(r[t].min(weight_exponent_limit(base)) as i32);
             count += 1;
         }
         // torch.mean over the digit positions; zero_tensor when there is none
