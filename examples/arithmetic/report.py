@@ -17,7 +17,7 @@ SPLIT_TITLES = {
     "extrap": "extrapolation: one operand above the training range (`extrap`)",
 }
 COLORS = {"ce": "#444444", "wasserstein": "#1f77b4", "mse": "#2ca02c", "ntil": "#d62728",
-          "ntil-add": "#ff7f0e"}
+          "ntil-add": "#ff7f0e", "dist2": "#9467bd", "smmd": "#8c564b", "del": "#e377c2"}
 
 
 def _ms(values, fmt: str, scale: float = 1.0) -> str:
@@ -160,8 +160,9 @@ def table(res: dict) -> str:
         lines.append("")
     tm = timing_summary(res)
     t = res.get("timing", {})
-    lines.append(f"**Time per training step** (forward + backward + AdamW, batch {cfg['batch']}, one "
-                 "ORT thread). *during training*: median of each run's median step time (the runs ran at "
+    lines.append(f"**Time per training step** (forward + backward + AdamW: one run of the step graph "
+                 f"in onnxruntime, batch {cfg['batch']}, one thread; `ce` is the step graph with λ = 0, "
+                 "which still computes NTL-WAS's value). *during training*: median of each run's median step time (the runs ran at "
                  "different times under a varying background load: a rough guide only); "
                  f"*interleaved*: {len(next(iter(t.get('rounds', {'': []}).values())))} round(s) of "
                  f"{t.get('steps_per_round', '?')} steps per loss, round-robin on the same batches, "
@@ -244,8 +245,8 @@ def plots(res: dict, out: Path) -> None:
     ax2.set_title("absolute", fontsize=10)
     ax2.legend(fontsize=8, loc="lower right")
     ax2.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"ORT Training time per step: forward + backward + AdamW, batch {res['config']['batch']}, "
-                 "1 thread", fontsize=11)
+    fig.suptitle(f"Step graph in onnxruntime, time per step: forward + backward + AdamW, batch "
+                 f"{res['config']['batch']}, 1 thread", fontsize=11)
     fig.tight_layout()
     fig.savefig(out / "time_per_step.png")
     plt.close(fig)

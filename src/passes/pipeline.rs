@@ -16,7 +16,7 @@ use crate::vocab::number_table::{NumberSet, Vocab};
 use ntl_ops::builder::MIN_OPSET;
 use ntl_ops::names::PREFIX;
 use ntl_ops::numbers::NumberTokens;
-use ntl_ops::options::LossOptions;
+use ntl_ops::options::{LossKind, LossOptions};
 
 pub struct PatchRequest {
     pub model: PathBuf,
@@ -189,6 +189,22 @@ pub fn number_tokens(
     opts: &LossOptions,
     width: usize,
 ) -> Result<NumberTokens, Error> {
+    if opts.kind == LossKind::Smmd {
+        let table = vocab.number_table(opts.numbers(), width)?;
+        if table.len() > ntl_ops::losses::smmd::MAX_TOKENS {
+            return Err(Error::Usage(format!(
+                "SMMD would read {} integer tokens (0..{}), more than the {} its [N, N] kernel matrix is built for; lower --max-value",
+                table.len(),
+                opts.smmd.max_value,
+                ntl_ops::losses::smmd::MAX_TOKENS
+            )));
+        }
+        return Ok(NumberTokens {
+            table,
+            digits: None,
+            dot: None,
+        });
+    }
     if !opts.kind.is_sequence_level() {
         return Ok(NumberTokens {
             table: vocab.number_table(opts.number_set, width)?,
@@ -199,6 +215,11 @@ pub fn number_tokens(
     let digits = vocab.digit_ids(width)?;
     let dot = if opts.float_level {
         Some(vocab.id_of(".").ok_or(Error::NoDotToken)?)
+    } else if opts.kind == LossKind::Del {
+        // DEL joins decimals where the tokenizer has a "."; without one, numbers are digit runs
+        vocab
+            .id_of(".")
+            .filter(|&id| id >= 0 && (id as usize) < width)
     } else {
         None
     };

@@ -42,6 +42,12 @@ pub enum SeqLoss {
         digit_exp: f64,
     },
     NumberLevel(NumberLevelSettings),
+    /// PolyU-VCLab/DEL `DIST2loss`, with the target temperature (1 there).
+    Dist2 {
+        tau: f64,
+    },
+    /// PolyU-VCLab/DEL `DEL`.
+    Del,
 }
 
 impl SeqLoss {
@@ -50,6 +56,8 @@ impl SeqLoss {
             SeqLoss::Ntil(_) => "ntil",
             SeqLoss::Emd { .. } => "emd",
             SeqLoss::NumberLevel(_) => "number-level",
+            SeqLoss::Dist2 { .. } => "dist2",
+            SeqLoss::Del => "del",
         }
     }
 }
@@ -96,7 +104,7 @@ impl DigitTokens {
     }
 
     /// The digit a label stands for (None for every other label, the ignore index included).
-    fn digit_of(&self, label: i64) -> Option<usize> {
+    pub(super) fn digit_of(&self, label: i64) -> Option<usize> {
         self.digits.iter().position(|&id| id == label)
     }
 }
@@ -142,11 +150,11 @@ impl<'a> Sequences<'a> {
         })
     }
 
-    fn labels_of(&self, b: usize) -> &'a [i64] {
+    pub(super) fn labels_of(&self, b: usize) -> &'a [i64] {
         &self.labels[b * self.seq..(b + 1) * self.seq]
     }
 
-    fn row(&self, b: usize, t: usize) -> &'a [f64] {
+    pub(super) fn row(&self, b: usize, t: usize) -> &'a [f64] {
         let i = b * self.seq + t;
         &self.logits[i * self.width..(i + 1) * self.width]
     }
@@ -201,6 +209,8 @@ pub fn sequence_loss(
             };
             Ok(number_level(seqs, tokens, dot, s.reweigh))
         }
+        SeqLoss::Dist2 { tau } => Ok(super::reference_del::dist2(seqs, tokens, *tau)),
+        SeqLoss::Del => Ok(super::reference_del::del(seqs, tokens)),
     }
 }
 
