@@ -68,6 +68,14 @@ def timing_summary(res: dict) -> dict[str, dict]:
     return out
 
 
+def sign_test(k: int, n: int) -> float:
+    """Two-sided sign test: the chance of k or a count as far from n/2 among n fair coin flips."""
+    from math import comb
+
+    tail = sum(comb(n, i) for i in range(0, min(k, n - k) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
 def verdict(rs: list[dict], base: list[dict], split: str) -> tuple[str, str]:
     """Paired by seed on log-MAE and exact match (both ops pooled)."""
     pairs = [(r, b) for r in rs for b in base if b["seed"] == r["seed"]]
@@ -77,8 +85,8 @@ def verdict(rs: list[dict], base: list[dict], split: str) -> tuple[str, str]:
     better_log = int((d_log < 0).sum())
     better_ex = int((d_ex > 0).sum())
     rel = d_log.mean() / np.mean([_metric(b, split, "all:log_mae") for _, b in pairs]) * 100
-    cell = (f"{rel:+.0f}% ({better_log}/{n} seeds lower) | {d_ex.mean() * 100:+.1f} pp "
-            f"({better_ex}/{n} seeds higher)")
+    cell = (f"{rel:+.0f}% ({better_log}/{n} seeds lower, p {sign_test(better_log, n):.2f}) | "
+            f"{d_ex.mean() * 100:+.1f} pp ({better_ex}/{n} seeds higher, p {sign_test(better_ex, n):.2f})")
     if n < 2:
         word = "one seed only"
     elif better_log == n and better_ex == n:
@@ -145,7 +153,8 @@ def table(res: dict) -> str:
         lines.append("")
     if "ce" in by and len(by) > 1:
         lines.append("**Against the CE baseline, paired by seed** (same initial weights, same batches): "
-                     "change of log-MAE (relative to CE's) and of exact match (percentage points).")
+                     "change of log-MAE (relative to CE's) and of exact match (percentage points); p is "
+                     "the two-sided sign test over the seeds (no correction for the many comparisons).")
         lines.append("")
         lines.append("| loss | split | log-MAE vs CE | exact match vs CE | verdict |")
         lines.append("| --- | --- | ---: | ---: | --- |")

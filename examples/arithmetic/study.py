@@ -56,7 +56,7 @@ LOSSES: dict[str, list[str]] = {
     "del": ["--loss", "del"],  # λ 1 (0.01 inside the loss)
 }
 
-FULL = dict(seeds=8, steps=3000, batch=64, lr=2e-3, warmup=100, weight_decay=0.01, clip=1.0,
+FULL = dict(seeds=6, steps=3000, batch=64, lr=2e-3, warmup=100, weight_decay=0.01, clip=1.0,
             eval_every=150, val_n=200, test_n=500, timing_rounds=5, timing_steps=60,
             dim=64, layers=2, heads=4, hidden=256)
 SMOKE = dict(seeds=1, steps=12, batch=16, lr=2e-3, warmup=2, weight_decay=0.01, clip=1.0,
@@ -347,6 +347,8 @@ def main(argv=None) -> int:
                     help="a folder holding an onnxruntime package to use (e.g. a `pip install --target` "
                     "folder of onnxruntime 1.31.1), put first on sys.path")
     ap.add_argument("--report-only", action="store_true", help="rewrite table and plots from OUT/results.json")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the runs OUT/results.json already holds (same configuration) and do the rest")
     for k, v in FULL.items():
         ap.add_argument("--" + k.replace("_", "-"), type=type(v), default=None, help=f"(full: {v}, smoke: {SMOKE[k]})")
     args = ap.parse_args(argv)
@@ -390,6 +392,22 @@ def main(argv=None) -> int:
     val = fixed_problems("iid", cfg["val_n"], 555)
     runs: list[dict] = []
     seed_graphs: dict[str, Path] = {}
+    if args.resume and (out / "results.json").is_file():
+        prev = json.loads((out / "results.json").read_text())
+        same = {k: v for k, v in prev["config"].items() if k != "seeds"} == {
+            k: v for k, v in cfg.items() if k != "seeds"}
+        if not same or list(prev["losses"]) != losses:
+            raise SystemExit("--resume: OUT/results.json was made with another configuration or losses")
+        runs = [r for r in prev["runs"] if r["seed"] < cfg["seeds"]]
+        meta["patch_summaries"] = prev["patch_summaries"]
+        # the earlier parts' wall time counts; the pauses between the parts do not
+        parts = prev.get("parts", [])
+        own = prev["wall_s"] - sum(p["wall_s"] for p in parts)
+        meta["parts"] = parts + [{"started": prev["started"], "wall_s": own, "runs_after": len(runs),
+                                  "loadavg_start": prev["loadavg_start"], "loadavg_end": prev["loadavg_end"]}]
+        t_start -= prev["wall_s"]
+        log(f"resuming after {len(runs)} run(s)")
+    done = {(r["seed"], r["loss"]) for r in runs}
     n_total = cfg["seeds"] * len(losses)
 
     def save(final: bool) -> None:
@@ -422,6 +440,8 @@ def main(argv=None) -> int:
             meta["patch_summaries"][name] = {k: summary[k] for k in ("loss", "weight", "number_tokens")}
             if seed == 0:
                 seed_graphs[name] = graph
+            if (seed, name) in done:
+                continue
             run = train_one(name, graph, sdir / "lm.onnx", seed, cfg, val, rdir, torch_model_fn)
             runs.append(run)
             save(False)
