@@ -35,7 +35,10 @@ impl fmt::Display for NumberSet {
             NumberSet::DigitLevel => f.write_str("digit-level set (tokens \"0\"..\"9\")"),
             NumberSet::AllNumbers => f.write_str("all-numbers set (--all-numbers)"),
             NumberSet::Integers { max } => {
-                write!(f, "integer set (tokens \"0\"..\"{max}\", SMMD's --max-value)")
+                write!(
+                    f,
+                    "integer set (tokens \"0\"..\"{max}\", SMMD's --max-value)"
+                )
             }
         }
     }

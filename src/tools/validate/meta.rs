@@ -6,17 +6,20 @@ use crate::error::Error;
 use crate::graph::patch::METADATA_KEY;
 use crate::onnx::ModelProto;
 use crate::tools::validate::reference::{NtlKind, NtlSettings};
+use crate::tools::validate::reference_del::DigitLoss;
 use crate::tools::validate::reference_ntil::{NtilSettings, NumberLevelSettings, SeqLoss};
-use crate::vocab::number_table::NumberSet;
 use crate::tools::validate::reference_smmd::SmmdSettings;
+use crate::vocab::number_table::NumberSet;
 
 /// The number loss a patch computes, as the independent references name it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum LossSpec {
     /// ntloss `NTLoss` / `NTLossDotProduct`, per position over the flat batch (`reference`).
     Ntl(NtlSettings),
-    /// NTIL, EMD, number-level (`reference_ntil`), DIST2, DEL (`reference_del`): per sequence.
+    /// NTIL, EMD, number-level: per sequence (`reference_ntil`).
     Sequence(SeqLoss),
+    /// DIST2, DEL: per digit label, numbers grouped per sequence (`reference_del`).
+    Digits(DigitLoss),
     /// SMMD, per position over the flat batch (`reference_smmd`).
     Smmd(SmmdSettings),
 }
@@ -113,10 +116,10 @@ impl PatchMeta {
                 float_level: v["float_level"].as_bool().unwrap_or(false),
                 reweigh,
             })),
-            "dist2" => LossSpec::Sequence(SeqLoss::Dist2 {
+            "dist2" => LossSpec::Digits(DigitLoss::Dist2 {
                 tau: f(&v["dist2"], "tau")?,
             }),
-            "del" => LossSpec::Sequence(SeqLoss::Del),
+            "del" => LossSpec::Digits(DigitLoss::Del),
             "smmd" => {
                 let m = &v["smmd"];
                 let max_value = m["max_value"]
@@ -202,10 +205,7 @@ impl PatchMeta {
     /// DIST2, DEL and SMMD drop labels equal to the ignore index before looking them up (the
     /// NTL family masks it itself; NTIL and number-level read it as any other label).
     pub fn skips_ignore_index(&self) -> bool {
-        matches!(
-            self.loss,
-            LossSpec::Smmd(_) | LossSpec::Sequence(SeqLoss::Dist2 { .. } | SeqLoss::Del)
-        )
+        matches!(self.loss, LossSpec::Smmd(_) | LossSpec::Digits(_))
     }
 
     /// The total the graph should output, from independent CE and number-loss values.
@@ -248,8 +248,7 @@ impl PatchMeta {
                     parts.push("reweigh".into());
                 }
             }
-            LossSpec::Sequence(SeqLoss::Dist2 { tau }) => parts.push(format!("dist2 (tau {tau})")),
-            LossSpec::Sequence(SeqLoss::Del) => parts.push("del".into()),
+            LossSpec::Digits(d) => parts.push(d.describe()),
             LossSpec::Smmd(m) => parts.push(m.describe()),
         }
         parts.push(match self.numbers {

@@ -127,7 +127,7 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
     );
     let style = match &meta.loss {
         LossSpec::Ntl(_) | LossSpec::Smmd(_) => LabelStyle::Tokens,
-        LossSpec::Sequence(_) => LabelStyle::DigitRuns {
+        LossSpec::Sequence(_) | LossSpec::Digits(_) => LabelStyle::DigitRuns {
             dot: vocab.id_of("."),
         },
     };
@@ -142,7 +142,7 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
 
     let sequences = match &meta.loss {
         LossSpec::Ntl(_) | LossSpec::Smmd(_) => None,
-        LossSpec::Sequence(_) => Some(SequenceSetup {
+        LossSpec::Sequence(_) | LossSpec::Digits(_) => Some(SequenceSetup {
             batch: sequence_count(&feeds.inputs, label_input.as_deref())?,
             tokens: DigitTokens::from_vocab(&vocab).map_err(|why| {
                 Error::Validation(format!(
@@ -407,6 +407,16 @@ fn independent(
             .copied()
             .unwrap_or(f64::NAN);
     }
+    // the flat rows regrouped as the per-sequence losses read them
+    let regroup = |setup: &SequenceSetup| {
+        Sequences::new(
+            &number_logits,
+            &number_labels,
+            setup.batch,
+            meta.vocab_width,
+        )
+        .map_err(flat_mismatch)
+    };
     let (number_loss, number_positions, numbers) = match (&meta.loss, sequences) {
         (LossSpec::Ntl(settings), _) => {
             let ntl =
@@ -415,22 +425,23 @@ fn independent(
             (ntl.value, ntl.positions, None)
         }
         (LossSpec::Sequence(loss), Some(setup)) => {
-            let seqs = Sequences::new(
-                &number_logits,
-                &number_labels,
-                setup.batch,
-                meta.vocab_width,
-            )
-            .map_err(flat_mismatch)?;
+            let seqs = regroup(setup)?;
             let v =
                 reference_ntil::sequence_loss(&seqs, &setup.tokens, loss).map_err(flat_mismatch)?;
+            (v.value, v.digit_positions, Some(v.numbers))
+        }
+        (LossSpec::Digits(loss), Some(setup)) => {
+            let seqs = regroup(setup)?;
+            let v = reference_del::digit_loss(&seqs, &setup.tokens, loss).map_err(flat_mismatch)?;
             (v.value, v.digit_positions, Some(v.numbers))
         }
         (LossSpec::Smmd(settings), _) => {
             let v = reference_smmd::smmd(&number_batch, table, settings).map_err(flat_mismatch)?;
             (v.value, v.positions, None)
         }
-        (LossSpec::Sequence(_), None) => unreachable!("sequence setup made for sequence losses"),
+        (LossSpec::Sequence(_) | LossSpec::Digits(_), None) => {
+            unreachable!("sequence setup made for sequence losses")
+        }
     };
     Ok(Independent {
         ce,

@@ -8,7 +8,38 @@
 //! (powers of 1.02 and their logarithms, here as exact integer exponents), and the binary
 //! cross-entropy is torch's `max(x, 0) − x·t + ln(1 + e^−|x|)`.
 
-use super::reference_ntil::{DigitTokens, SeqValue, Sequences};
+use super::reference_ntil::{check_digit_ids, DigitTokens, SeqValue, Sequences};
+
+/// The two losses of the DEL repository.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DigitLoss {
+    /// `DIST2loss`, with the target temperature (1 there).
+    Dist2 { tau: f64 },
+    /// `DEL`.
+    Del,
+}
+
+impl DigitLoss {
+    pub fn describe(&self) -> String {
+        match self {
+            DigitLoss::Dist2 { tau } => format!("dist2 (tau {tau})"),
+            DigitLoss::Del => "del".into(),
+        }
+    }
+}
+
+/// The loss's value over the batch regrouped by sequence.
+pub fn digit_loss(
+    seqs: &Sequences,
+    tokens: &DigitTokens,
+    loss: &DigitLoss,
+) -> Result<SeqValue, String> {
+    check_digit_ids(seqs, tokens)?;
+    Ok(match loss {
+        DigitLoss::Dist2 { tau } => dist2(seqs, tokens, *tau),
+        DigitLoss::Del => del(seqs, tokens),
+    })
+}
 
 /// `.` in the authors' value table (digits are 0..9).
 const DOT: usize = 10;

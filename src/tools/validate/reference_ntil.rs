@@ -42,12 +42,6 @@ pub enum SeqLoss {
         digit_exp: f64,
     },
     NumberLevel(NumberLevelSettings),
-    /// PolyU-VCLab/DEL `DIST2loss`, with the target temperature (1 there).
-    Dist2 {
-        tau: f64,
-    },
-    /// PolyU-VCLab/DEL `DEL`.
-    Del,
 }
 
 impl SeqLoss {
@@ -56,8 +50,6 @@ impl SeqLoss {
             SeqLoss::Ntil(_) => "ntil",
             SeqLoss::Emd { .. } => "emd",
             SeqLoss::NumberLevel(_) => "number-level",
-            SeqLoss::Dist2 { .. } => "dist2",
-            SeqLoss::Del => "del",
         }
     }
 }
@@ -172,21 +164,27 @@ pub struct SeqValue {
     pub parts: Vec<f64>,
 }
 
+/// Errors unless every digit id lies inside the logits width.
+pub fn check_digit_ids(seqs: &Sequences, tokens: &DigitTokens) -> Result<(), String> {
+    match tokens
+        .digits
+        .iter()
+        .find(|&&id| id < 0 || id as usize >= seqs.width)
+    {
+        Some(id) => Err(format!(
+            "digit token id {id} is outside the logits width {}",
+            seqs.width
+        )),
+        None => Ok(()),
+    }
+}
+
 pub fn sequence_loss(
     seqs: &Sequences,
     tokens: &DigitTokens,
     loss: &SeqLoss,
 ) -> Result<SeqValue, String> {
-    if let Some(&id) = tokens
-        .digits
-        .iter()
-        .find(|&&id| id < 0 || id as usize >= seqs.width)
-    {
-        return Err(format!(
-            "digit token id {id} is outside the logits width {}",
-            seqs.width
-        ));
-    }
+    check_digit_ids(seqs, tokens)?;
     match loss {
         SeqLoss::Ntil(s) => Ok(ntil(seqs, tokens, s, true)),
         SeqLoss::Emd { digit_exp } => {
@@ -209,8 +207,6 @@ pub fn sequence_loss(
             };
             Ok(number_level(seqs, tokens, dot, s.reweigh))
         }
-        SeqLoss::Dist2 { tau } => Ok(super::reference_del::dist2(seqs, tokens, *tau)),
-        SeqLoss::Del => Ok(super::reference_del::del(seqs, tokens)),
     }
 }
 
