@@ -213,3 +213,66 @@ fn label_smoothing_in_artifacts_mode() {
     assert!(stderr.contains("--label-smoothing"), "{stderr}");
     assert!(!root.path().join("art-ntl").exists());
 }
+
+#[test]
+fn newer_loss_options_out_of_place_or_range() {
+    let case = Case::new(&model("lm_flat"));
+    for (args, needle) in [
+        (
+            &["--kernel", "laplace"][..],
+            "--kernel applies to --loss smmd only",
+        ),
+        (
+            &["--loss", "del", "--sigma", "3"],
+            "--sigma applies to --loss smmd only",
+        ),
+        (&["--loss", "dist2", "--smmd-alpha", "1"], "--smmd-alpha"),
+        (
+            &["--loss", "smmd", "--dist2-tau", "2"],
+            "--dist2-tau applies to --loss dist2 only",
+        ),
+        (
+            &["--loss", "smmd", "--all-numbers"],
+            "do not apply to --loss smmd",
+        ),
+        (&["--loss", "dist2", "--reweigh"], "--reweigh"),
+        (
+            &["--loss", "dist2", "--dist2-tau", "0"],
+            "--dist2-tau 0 is out of range",
+        ),
+        (
+            &["--loss", "smmd", "--sigma", "-1"],
+            "--sigma -1 is out of range",
+        ),
+        (
+            &["--loss", "smmd", "--squash", "0.5"],
+            "--squash 0.5 is out of range",
+        ),
+        (
+            &["--loss", "smmd", "--smmd-alpha", "nan"],
+            "--smmd-alpha NaN is out of range",
+        ),
+        (
+            &["--loss", "smmd", "--max-value", "99999999"],
+            "--max-value 99999999",
+        ),
+        (&["--loss", "del", "--squash", "3"], "--squash"),
+    ] {
+        case.fails(args, needle);
+    }
+}
+
+#[test]
+fn smmd_needs_integer_tokens() {
+    // a tokenizer whose only numbers are not canonical integers ("007", " 3", "1.5")
+    let case = Case::new(&model("lm_flat"));
+    std::fs::write(
+        case.dir.path().join("tokenizer.json"),
+        "a\n007\n 3\n1.5\nb\n",
+    )
+    .unwrap();
+    case.fails(&["--loss", "smmd"], "SMMD needs integer tokens");
+    // DIST2 and DEL need the ten digits
+    case.fails(&["--loss", "dist2"], "\"0\"");
+    case.fails(&["--loss", "del"], "\"0\"");
+}

@@ -49,7 +49,7 @@ fn graph_seeds() -> Vec<ModelProto> {
         .map(|n| fixture(&format!("exporters/{n}.onnx")));
     models.chain(exporters).map(|p| read_model(&p)).collect()
 }
-const LOSSES: [LossKind; 7] = [
+const LOSSES: [LossKind; 10] = [
     LossKind::Wasserstein,
     LossKind::Mse,
     LossKind::L1,
@@ -57,6 +57,9 @@ const LOSSES: [LossKind; 7] = [
     LossKind::Ntil,
     LossKind::Emd,
     LossKind::NumberLevel,
+    LossKind::Dist2,
+    LossKind::Smmd,
+    LossKind::Del,
 ];
 /// One patch of a 20 kB model takes milliseconds; this long means it hangs.
 const HANG: Duration = Duration::from_secs(30);
@@ -134,6 +137,8 @@ fn patch_bytes(bytes: &[u8], loss: LossKind, outcomes: &Outcomes) -> Result<(), 
             ntil: NtilOptions::default(),
             float_level: false,
             label_smoothing: 0.0,
+            dist2: Default::default(),
+            smmd: Default::default(),
         },
     };
     let (tx, rx) = mpsc::channel();
@@ -718,6 +723,8 @@ fn validate_never_panics_on_mutated_patched_graphs() {
                 ntil: NtilOptions::default(),
                 float_level: false,
                 label_smoothing: 0.0,
+                dist2: Default::default(),
+                smmd: Default::default(),
             },
         };
         run_patch(&req).unwrap();
@@ -786,6 +793,8 @@ fn artifacts_never_panics_and_leaves_nothing_on_error() {
                 ntil: NtilOptions::default(),
                 float_level: false,
                 label_smoothing: 0.0,
+                dist2: Default::default(),
+                smmd: Default::default(),
             },
         };
         let result =

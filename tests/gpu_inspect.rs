@@ -16,7 +16,7 @@ use ntl_patch::tools::gpu_kernels::{
     Target,
 };
 
-const LOSSES: [&str; 7] = [
+const LOSSES: [&str; 10] = [
     "wasserstein",
     "mse",
     "l1",
@@ -24,6 +24,9 @@ const LOSSES: [&str; 7] = [
     "ntil",
     "emd",
     "number-level",
+    "dist2",
+    "smmd",
+    "del",
 ];
 
 fn inspect_json(path: &std::path::Path, targets: &[&str]) -> serde_json::Value {
@@ -146,7 +149,7 @@ fn ntl_family_runs_entirely_on_cuda_and_rocm_at_opset_17() {
 fn every_loss_runs_entirely_on_cuda_and_rocm_at_opsets_13_to_20() {
     use ntl_patch::onnx::proto::tensor_proto::DataType as D;
     let tmp = tempfile::tempdir().unwrap();
-    let losses: [&[&str]; 7] = [
+    let losses: [&[&str]; 10] = [
         &["--loss", "wasserstein", "--squash", "3", "--reweigh"],
         &["--loss", "mse"],
         &["--loss", "huber"],
@@ -154,6 +157,9 @@ fn every_loss_runs_entirely_on_cuda_and_rocm_at_opsets_13_to_20() {
         &["--loss", "emd", "--combine", "add"],
         &["--loss", "number-level", "--float-level", "--reweigh"],
         &["--loss", "ntil", "--combine", "add", "--gumbel-noise", "0"],
+        &["--loss", "dist2"],
+        &["--loss", "smmd"],
+        &["--loss", "del"],
     ];
     for opset in 13..=20 {
         // logits [B, T, 48] -> Reshape -> SCE, labels [B, T] -> Reshape

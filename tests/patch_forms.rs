@@ -34,6 +34,9 @@ const DIFFERENTIABLE: &[&str] = &[
     "ReduceMean",
     "Clip",
     "TopK",
+    "Neg",
+    "Concat",
+    "Relu",
 ];
 
 /// Ops whose outputs carry no gradient in ORT (booleans, indices, integer casts).
@@ -122,6 +125,9 @@ fn every_form_and_loss_patches() {
             "ntil",
             "emd",
             "number-level",
+            "dist2",
+            "smmd",
+            "del",
         ] {
             let out = patch(&model(name), dir.path(), &["--loss", loss]);
             check_patched(&read_model(&model(name)), &read_model(&out));
@@ -156,6 +162,24 @@ fn options_patch() {
         &["--loss", "emd", "--combine", "add"],
         &["--loss", "number-level", "--float-level", "--reweigh"],
         &["--loss", "wasserstein", "--combine", "scaled"],
+        &["--loss", "dist2", "--dist2-tau", "0.5", "--weight", "1"],
+        &["--loss", "del", "--combine", "scaled"],
+        &[
+            "--loss",
+            "smmd",
+            "--kernel",
+            "laplace",
+            "--sigma",
+            "1",
+            "--sigma",
+            "3",
+            "--smmd-terms",
+            "smooth",
+            "--smmd-alpha",
+            "0.2",
+            "--max-value",
+            "12",
+        ],
     ] {
         let out = patch(&model("lm_flat"), dir.path(), args);
         check_patched(&read_model(&model("lm_flat")), &read_model(&out));

@@ -94,6 +94,50 @@ fn step_graph_has_the_documented_interface() {
     assert_eq!(meta["optimizer"]["name"], "adamw");
 }
 
+/// The number loss reads its K number-token columns of the logits; its gradient goes into the
+/// logits' gradient with one ScatterElements(add) of `[M, K]` values, never as a dense `[M, V]`
+/// tensor of its own.
+#[test]
+fn number_loss_gradients_are_one_sparse_scatter() {
+    for (fixture, loss) in [
+        ("lm_flat", "wasserstein"),
+        ("lm_flat", "dist2"),
+        ("lm_bvt", "del"),
+        ("lm_nll", "del"),
+        ("lm_flat", "smmd"),
+    ] {
+        let (dir, m) = case(&model(fixture), |_| {});
+        bin()
+            .arg("step")
+            .arg(&m)
+            .args(["--loss", loss])
+            .assert()
+            .success();
+        let out = read_model(&dir.path().join("model.step.onnx"));
+        let g = out.graph.as_ref().unwrap();
+        // (the cross-entropy's own gradient writes its label column with a plain ScatterElements)
+        let adds = g
+            .node
+            .iter()
+            .filter(|n| n.op_type() == "ScatterElements")
+            .filter(|n| {
+                n.attribute
+                    .iter()
+                    .any(|a| a.name() == "reduction" && a.s() == b"add")
+            })
+            .count();
+        assert_eq!(adds, 1, "{fixture} {loss}");
+        // one Gather of number-token columns (axis 1) of the logits the loss reads
+        let column_gathers = g
+            .node
+            .iter()
+            .filter(|n| n.op_type() == "Gather" && n.name().starts_with("ntl/"))
+            .filter(|n| n.attribute.iter().any(|a| a.name() == "axis" && a.i() == 1))
+            .count();
+        assert_eq!(column_gathers, 1, "{fixture} {loss}");
+    }
+}
+
 #[test]
 fn step_output_is_deterministic() {
     let (dir, m) = case(&model("lm_bvt"), |_| {});
@@ -356,6 +400,9 @@ fn validate_trains_a_step_graph_in_tract_like_onnxruntime() {
             vec!["--loss", "mse", "--optimizer", "sgd", "--momentum", "0.9"],
         ),
         ("lm_nll", vec!["--loss", "ntil", "--max-grad-norm", "1"]),
+        ("lm_flat", vec!["--loss", "dist2"]),
+        ("lm_nll", vec!["--loss", "del"]),
+        ("lm_bvt", vec!["--loss", "smmd"]),
     ] {
         let (_dir, m) = case(&model(fixture), |_| {});
         let report = step_and_validate(&m, &args);

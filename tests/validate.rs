@@ -119,6 +119,12 @@ tract_cases! {
     tract_lm_flat_labels: "lm_flat_labels" &[];
     tract_lm_flat_label_smoothing: "lm_flat" &["--label-smoothing", "0.1"];
     tract_lm_bvt_label_smoothing: "lm_bvt" &["--label-smoothing", "0.2", "--loss", "mse"];
+    // SMMD over the fixture's integer tokens (0..9 and "12"), per position like the NTL family
+    tract_lm_flat_smmd: "lm_flat" &["--loss", "smmd"];
+    tract_lm_bvt_smmd_laplace: "lm_bvt" &["--loss", "smmd", "--kernel", "laplace", "--sigma", "1",
+        "--sigma", "4", "--squash", "1", "--smmd-alpha", "0.5"];
+    tract_lm_nll_smmd_mmd: "lm_nll" &["--loss", "smmd", "--smmd-terms", "mmd", "--max-value", "9"];
+    tract_lm_flat_smmd_smooth: "lm_flat" &["--loss", "smmd", "--smmd-terms", "smooth"];
 }
 
 #[test]
@@ -756,6 +762,9 @@ sequence_cases! {
     validate_emd: ["--loss", "emd"];
     validate_number_level: ["--loss", "number-level"];
     validate_number_level_float_reweigh: ["--loss", "number-level", "--float-level", "--reweigh"];
+    validate_dist2: ["--loss", "dist2"];
+    validate_dist2_tau: ["--loss", "dist2", "--dist2-tau", "2.5"];
+    validate_del: ["--loss", "del"];
 }
 
 #[test]
@@ -764,6 +773,8 @@ fn longer_sequences_and_other_seeds_pass() {
         (&["--loss", "ntil"][..], "1"),
         (&["--loss", "emd", "--digit-exp", "1.2"], "2"),
         (&["--loss", "number-level", "--float-level"], "3"),
+        (&["--loss", "del"], "4"),
+        (&["--loss", "dist2"], "5"),
     ] {
         let [tract, _] = sequence_loss_passes(
             "lm_flat",

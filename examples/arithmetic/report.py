@@ -17,7 +17,7 @@ SPLIT_TITLES = {
     "extrap": "extrapolation: one operand above the training range (`extrap`)",
 }
 COLORS = {"ce": "#444444", "wasserstein": "#1f77b4", "mse": "#2ca02c", "ntil": "#d62728",
-          "ntil-add": "#ff7f0e"}
+          "ntil-add": "#ff7f0e", "dist2": "#9467bd", "smmd": "#8c564b", "del": "#e377c2"}
 
 
 def _ms(values, fmt: str, scale: float = 1.0) -> str:
@@ -68,6 +68,14 @@ def timing_summary(res: dict) -> dict[str, dict]:
     return out
 
 
+def sign_test(k: int, n: int) -> float:
+    """Two-sided sign test: the chance of k or a count as far from n/2 among n fair coin flips."""
+    from math import comb
+
+    tail = sum(comb(n, i) for i in range(0, min(k, n - k) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
 def verdict(rs: list[dict], base: list[dict], split: str) -> tuple[str, str]:
     """Paired by seed on log-MAE and exact match (both ops pooled)."""
     pairs = [(r, b) for r in rs for b in base if b["seed"] == r["seed"]]
@@ -77,8 +85,8 @@ def verdict(rs: list[dict], base: list[dict], split: str) -> tuple[str, str]:
     better_log = int((d_log < 0).sum())
     better_ex = int((d_ex > 0).sum())
     rel = d_log.mean() / np.mean([_metric(b, split, "all:log_mae") for _, b in pairs]) * 100
-    cell = (f"{rel:+.0f}% ({better_log}/{n} seeds lower) | {d_ex.mean() * 100:+.1f} pp "
-            f"({better_ex}/{n} seeds higher)")
+    cell = (f"{rel:+.0f}% ({better_log}/{n} seeds lower, p {sign_test(better_log, n):.2f}) | "
+            f"{d_ex.mean() * 100:+.1f} pp ({better_ex}/{n} seeds higher, p {sign_test(better_ex, n):.2f})")
     if n < 2:
         word = "one seed only"
     elif better_log == n and better_ex == n:
@@ -145,7 +153,8 @@ def table(res: dict) -> str:
         lines.append("")
     if "ce" in by and len(by) > 1:
         lines.append("**Against the CE baseline, paired by seed** (same initial weights, same batches): "
-                     "change of log-MAE (relative to CE's) and of exact match (percentage points).")
+                     "change of log-MAE (relative to CE's) and of exact match (percentage points); p is "
+                     "the two-sided sign test over the seeds (no correction for the many comparisons).")
         lines.append("")
         lines.append("| loss | split | log-MAE vs CE | exact match vs CE | verdict |")
         lines.append("| --- | --- | ---: | ---: | --- |")
@@ -160,8 +169,9 @@ def table(res: dict) -> str:
         lines.append("")
     tm = timing_summary(res)
     t = res.get("timing", {})
-    lines.append(f"**Time per training step** (forward + backward + AdamW, batch {cfg['batch']}, one "
-                 "ORT thread). *during training*: median of each run's median step time (the runs ran at "
+    lines.append(f"**Time per training step** (forward + backward + AdamW: one run of the step graph "
+                 f"in onnxruntime, batch {cfg['batch']}, one thread; `ce` is the step graph with λ = 0, "
+                 "which still computes NTL-WAS's value). *during training*: median of each run's median step time (the runs ran at "
                  "different times under a varying background load: a rough guide only); "
                  f"*interleaved*: {len(next(iter(t.get('rounds', {'': []}).values())))} round(s) of "
                  f"{t.get('steps_per_round', '?')} steps per loss, round-robin on the same batches, "
@@ -244,8 +254,8 @@ def plots(res: dict, out: Path) -> None:
     ax2.set_title("absolute", fontsize=10)
     ax2.legend(fontsize=8, loc="lower right")
     ax2.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"ORT Training time per step: forward + backward + AdamW, batch {res['config']['batch']}, "
-                 "1 thread", fontsize=11)
+    fig.suptitle(f"Step graph in onnxruntime, time per step: forward + backward + AdamW, batch "
+                 f"{res['config']['batch']}, 1 thread", fontsize=11)
     fig.tight_layout()
     fig.savefig(out / "time_per_step.png")
     plt.close(fig)

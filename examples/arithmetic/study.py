@@ -1,18 +1,18 @@
-"""Number-aware losses on a synthetic arithmetic task, through ntl-patch and ONNX Runtime Training.
+"""Number-aware losses on a synthetic arithmetic task, through ntl-patch's step graph in onnxruntime.
 
 For every seed: build the torch model (task.py, model.py) with that seed's initial weights,
 export it with its cross-entropy (TorchScript, training=TRAINING, do_constant_folding=False,
-dynamic B/T), then for every loss make the training graph -- plain CE (the exported graph, its
-SoftmaxCrossEntropyLoss given the `log_prob` output ORT Training needs) or `ntl-patch --loss ...`
--- generate ORT training artifacts (AdamW), train with onnxruntime.training.api on CPU, and
-evaluate by greedy decoding:
+dynamic B/T), then for every loss write its training step with `ntl-patch step --loss ...`
+(forward, the loss, the whole backward and torch's AdamW with gradient clipping in one standard
+ONNX graph; the CE baseline is the same with λ = 0), train it with ntl_patch.StepRunner in a
+plain onnxruntime InferenceSession on CPU, and evaluate by greedy decoding:
 
 - during training, every --eval-every steps, on a fixed validation set of unseen pairs, with the
-  module's eval graph (its second output is the logits);
-- at the end, from the saved ORT checkpoint: `Module.export_model_for_inferencing(["logits"])`
-  run in an onnxruntime InferenceSession, on the three test splits (task.SPLITS). The checkpoint's
-  parameters are also loaded into the torch model and its logits compared with the inference
-  graph's (they must agree to 1e-4), so the decoded numbers come from the trained ORT weights.
+  exported model carrying the current weights (StepRunner.save_inference_model);
+- at the end, the same with the trained weights, on the three test splits (task.SPLITS). The
+  trained parameters are also loaded into the torch model and its logits compared with the
+  inference graph's (they must agree to 1e-4), so the decoded numbers come from the weights the
+  step graph trained.
 
 Every loss of a seed starts from the same weights and sees the same batches. After the runs, the
 time per step is measured once more, interleaved: rounds of --timing-steps steps per loss,
@@ -30,7 +30,6 @@ import json
 import math
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import time
@@ -44,16 +43,20 @@ import numpy as np  # noqa: E402
 
 import task  # noqa: E402
 
-# name -> ntl-patch arguments (None: the plain cross-entropy baseline, not patched)
-LOSSES: dict[str, list[str] | None] = {
-    "ce": None,
+# name -> `ntl-patch step` loss arguments; every loss with its default λ and combination
+LOSSES: dict[str, list[str]] = {
+    # the baseline: λ = 0 gives exactly the cross-entropy's gradient (a step graph always holds a
+    # number loss; its value is computed and logged, its weighted gradient is 0)
+    "ce": ["--loss", "wasserstein", "--weight", "0"],
     "wasserstein": ["--loss", "wasserstein"],
     "mse": ["--loss", "mse"],
     "ntil": ["--loss", "ntil", "--gumbel-noise", "0.01"],  # default combine for ntil: scaled
-    "ntil-add": ["--loss", "ntil", "--gumbel-noise", "0.01", "--combine", "add"],
+    "dist2": ["--loss", "dist2"],  # λ 0.1
+    "smmd": ["--loss", "smmd"],  # λ 0.3, the integer tokens are the ten digits here
+    "del": ["--loss", "del"],  # λ 1 (0.01 inside the loss)
 }
 
-FULL = dict(seeds=5, steps=3000, batch=64, lr=2e-3, warmup=100, weight_decay=0.01, clip=1.0,
+FULL = dict(seeds=6, steps=3000, batch=64, lr=2e-3, warmup=100, weight_decay=0.01, clip=1.0,
             eval_every=150, val_n=200, test_n=500, timing_rounds=5, timing_steps=60,
             dim=64, layers=2, heads=4, hidden=256)
 SMOKE = dict(seeds=1, steps=12, batch=16, lr=2e-3, warmup=2, weight_decay=0.01, clip=1.0,
@@ -94,65 +97,31 @@ def session_options(threads: int):
 # ----------------------------------------------------------------------------- graphs
 
 
-def ce_training_graph(src: Path, dst: Path) -> None:
-    """The baseline: the exported graph as it is, with its SoftmaxCrossEntropyLoss declaring the
-    second (`log_prob`) output ORT Training's gradient builder needs (ntl-patch does the same)."""
-    import onnx
-
-    m = onnx.load(str(src))
-    sce = [n for n in m.graph.node if n.op_type == "SoftmaxCrossEntropyLoss"]
-    assert len(sce) == 1, "expected one SoftmaxCrossEntropyLoss"
-    if len(sce[0].output) == 1:
-        sce[0].output.append("ce_log_prob")
-    onnx.checker.check_model(m, full_check=True)
-    onnx.save(m, str(dst))
-
-
-def patch(bin_: str, src: Path, tokenizer: Path, args: list[str], dst: Path) -> str:
-    cmd = [*bin_.split(), str(src), *args, "--tokenizer", str(tokenizer), "-o", str(dst)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+def step_graph(bin_: str, src: Path, tokenizer: Path, args: list[str], dst: Path, cfg: dict) -> dict:
+    """`ntl-patch step`: the model's training step with the loss, torch's AdamW (decoupled weight
+    decay) and gradient-norm clipping; returns its JSON summary."""
+    cmd = [*bin_.split(), "step", str(src), *args, "--tokenizer", str(tokenizer),
+           "--optimizer", "adamw", "--lr", str(cfg["lr"]), "--weight-decay", str(cfg["weight_decay"]),
+           "--max-grad-norm", str(cfg["clip"]), "-o", str(dst), "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         raise SystemExit(f"ntl-patch failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout}{r.stderr}")
-    return r.stdout.strip().replace(str(REPO) + "/", "")
+    return json.loads(r.stdout)
 
 
-class native_stderr_to:
-    """Send the process's stderr (fd 2: C++ logging) to a file for a while. ORT Training's
-    gradient-graph builder logs every graph transformer at INFO, whatever the logger severity."""
+def runner(graph: Path):
+    from ntl_patch import StepRunner
 
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        sys.stderr.flush()
-        self.saved = os.dup(2)
-        self.f = open(self.path, "ab")
-        os.dup2(self.f.fileno(), 2)
-
-    def __exit__(self, *exc):
-        sys.stderr.flush()
-        os.dup2(self.saved, 2)
-        os.close(self.saved)
-        self.f.close()
+    so = session_options(1)
+    so.enable_mem_pattern = False  # as StepRunner's own default
+    return StepRunner(graph, providers=["CPUExecutionProvider"], session_options=so)
 
 
-def make_artifacts(graph: Path, out: Path, params: list[str], cfg: dict) -> None:
-    import onnx
-    from onnxruntime.training import artifacts, onnxblock
-
-    quiet_ort()
-    m = onnx.load(str(graph))
-    outs = [o.name for o in m.graph.output]
-    assert outs[:2] == ["loss", "logits"], outs
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    opt = onnxblock.optim.AdamW(weight_decay=cfg["weight_decay"],
-                                clip_grad=onnxblock.optim.ClipGradNorm(cfg["clip"]))
-    # loss=None: the graph's first output is the loss (keeps the CE's ignore_index)
-    with native_stderr_to(out.parent / "generate_artifacts.log"):
-        artifacts.generate_artifacts(m, requires_grad=params, frozen_params=[], loss=None,
-                                     optimizer=opt, artifact_directory=str(out))
+def learning_rate(step: int, cfg: dict) -> float:
+    """Linear warm-up over `warmup` steps, then linear decay to 0 at `steps` (step counts from 1)."""
+    if step <= cfg["warmup"]:
+        return cfg["lr"] * step / cfg["warmup"]
+    return cfg["lr"] * max(0.0, (cfg["steps"] - step) / (cfg["steps"] - cfg["warmup"]))
 
 
 # ----------------------------------------------------------------------------- decoding / metrics
@@ -225,32 +194,35 @@ def fixed_problems(split: str, n: int, seed: int) -> dict:
 # ----------------------------------------------------------------------------- one run
 
 
-def train_one(name: str, art: Path, seed: int, cfg: dict, val: dict, out_dir: Path,
-              torch_model_fn) -> dict:
+def train_one(name: str, graph: Path, model_onnx: Path, seed: int, cfg: dict, val: dict,
+              out_dir: Path, torch_model_fn) -> dict:
     ort = quiet_ort()
-    from onnxruntime.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
-
     if hasattr(ort, "set_seed"):
         ort.set_seed(seed)  # NTIL's Gumbel noise (RandomUniformLike in the graph)
-    so = session_options(1)
-    state = CheckpointState.load_checkpoint(str(art / "checkpoint"))
-    module = Module(str(art / "training_model.onnx"), state, str(art / "eval_model.onnx"),
-                    device="cpu", session_options=so)
-    opt = Optimizer(str(art / "optimizer_model.onnx"), module)
-    sched = LinearLRScheduler(opt, cfg["warmup"], cfg["steps"], cfg["lr"])
+    run = runner(graph)
     rng = np.random.default_rng([seed, 1234])  # the same batches for every loss of this seed
+    so = session_options(1)
 
-    def eval_logits(ids: np.ndarray) -> np.ndarray:
-        return module(ids, ids)[1]  # labels unused by the logits; any valid ids keep CE finite
+    def inference(path: Path):
+        """The exported model with the runner's current weights; logits from input ids."""
+        run.save_inference_model(model_onnx, path)
+        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        names = [i.name for i in sess.get_inputs()]
+
+        def logits(ids: np.ndarray) -> np.ndarray:
+            feeds = {"input_ids": ids}
+            if "labels" in names:
+                feeds["labels"] = ids  # unused by the logits; any valid ids keep the CE finite
+            return sess.run(["logits"], feeds)[0]
+
+        return logits
 
     curve = []
     step_times: list[float] = []
     acc = {"loss": 0.0, "ce": 0.0, "number": 0.0, "n": 0}
 
     def validate(step: int) -> None:
-        module.eval()
-        m = evaluate(eval_logits, val)
-        module.train()
+        m = evaluate(inference(out_dir / "current.onnx"), val)
         row = {"step": step, "mae_+": m["+"]["mae"], "mae_*": m["*"]["mae"],
                "exact": m["all"]["exact"], "log_mae": m["all"]["log_mae"],
                "digit_acc": m["all"]["digit_acc"]}
@@ -260,43 +232,28 @@ def train_one(name: str, art: Path, seed: int, cfg: dict, val: dict, out_dir: Pa
             acc.update(loss=0.0, ce=0.0, number=0.0, n=0)
         curve.append(row)
 
-    module.train()
     validate(0)
     t_run = time.perf_counter()
     for step in range(1, cfg["steps"] + 1):
         ids, lab = task.train_batch(cfg["batch"], rng)
         t0 = time.perf_counter()
-        outs = module(ids, lab)
-        opt.step()
-        sched.step()
-        module.lazy_reset_grad()
+        loss, ce, number = run.step({"input_ids": ids, "labels": lab}, lr=learning_rate(step, cfg))
         step_times.append(time.perf_counter() - t0)
-        loss = float(outs[0])
         if not math.isfinite(loss):
             raise SystemExit(f"{name} seed {seed}: loss {loss} at step {step}")
         acc["loss"] += loss
-        acc["ce"] += float(outs[2]) if len(outs) > 2 else loss
-        acc["number"] += float(outs[3]) if len(outs) > 3 else 0.0
+        acc["ce"] += ce
+        acc["number"] += number
         acc["n"] += 1
         if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
             validate(step)
     wall = time.perf_counter() - t_run
 
-    # -- final evaluation from the saved ORT checkpoint
-    ckpt = out_dir / "checkpoint"
-    CheckpointState.save_checkpoint(state, str(ckpt))
-    infer = out_dir / "inference.onnx"
-    module.export_model_for_inferencing(str(infer), ["logits"])
-    sess = ort.InferenceSession(str(infer), so, providers=["CPUExecutionProvider"])
-    in_names = [i.name for i in sess.get_inputs()]
-
-    def infer_logits(ids: np.ndarray) -> np.ndarray:
-        feeds = {"input_ids": ids}
-        if "labels" in in_names:
-            feeds["labels"] = ids
-        return sess.run(["logits"], feeds)[0]
-
-    parity = checkpoint_parity(ckpt, torch_model_fn, infer_logits)
+    # -- final evaluation with the trained weights
+    params = run.parameters()
+    np.savez(out_dir / "parameters.npz", **params)
+    infer_logits = inference(out_dir / "trained.onnx")
+    parity = checkpoint_parity(params, torch_model_fn, infer_logits)
     tests = {split: evaluate(infer_logits, fixed_problems(split, cfg["test_n"], 777))
              for split in task.SPLITS}
     st = np.array(step_times[min(10, len(step_times) - 1):]) * 1000
@@ -305,18 +262,16 @@ def train_one(name: str, art: Path, seed: int, cfg: dict, val: dict, out_dir: Pa
             "train_wall_s": wall, "torch_vs_ort_max_abs_logit_diff": parity}
 
 
-def checkpoint_parity(ckpt: Path, torch_model_fn, infer_logits) -> float:
-    """Load the ORT checkpoint's parameters into the torch model; its logits must match the
-    exported inference graph's."""
+def checkpoint_parity(params: dict, torch_model_fn, infer_logits) -> float:
+    """Load the trained parameters into the torch model; its logits must match the inference
+    graph's."""
     import torch
-    from onnxruntime.training.api import CheckpointState
 
-    state = CheckpointState.load_checkpoint(str(ckpt))
     model = torch_model_fn()
     sd = model.state_dict()
     loaded = {}
     for k in sd:
-        loaded[k] = torch.from_numpy(np.array(state.parameters[k].data, dtype=np.float32).reshape(sd[k].shape))
+        loaded[k] = torch.from_numpy(np.array(params[k], dtype=np.float32).reshape(sd[k].shape))
     model.load_state_dict(loaded)
     model.eval()
     rng = np.random.default_rng(5)
@@ -325,41 +280,27 @@ def checkpoint_parity(ckpt: Path, torch_model_fn, infer_logits) -> float:
         want = model.logits(torch.from_numpy(ids)).numpy()
     got = infer_logits(ids)
     diff = float(np.abs(got - want).max())
-    assert diff < 1e-4, f"torch model with the ORT checkpoint's weights differs: {diff}"
+    assert diff < 1e-4, f"torch model with the trained weights differs: {diff}"
     return diff
 
 
 # ----------------------------------------------------------------------------- timing
 
 
-def timing_benchmark(arts: dict[str, Path], cfg: dict, seed: int) -> dict:
+def timing_benchmark(graphs: dict[str, Path], cfg: dict, seed: int) -> dict:
     """Interleaved: `rounds` x (each loss: `steps` training steps); per loss the median step time
     of every round (the first 3 steps of a round are warm-up)."""
-    ort = quiet_ort()
-    from onnxruntime.training.api import CheckpointState, Module, Optimizer
-
-    mods = {}
-    for name, art in arts.items():
-        state = CheckpointState.load_checkpoint(str(art / "checkpoint"))
-        module = Module(str(art / "training_model.onnx"), state, str(art / "eval_model.onnx"),
-                        device="cpu", session_options=session_options(1))
-        opt = Optimizer(str(art / "optimizer_model.onnx"), module)
-        opt.set_learning_rate(cfg["lr"])
-        module.train()
-        mods[name] = (state, module, opt)
+    runs = {name: runner(g) for name, g in graphs.items()}
     rng = np.random.default_rng([seed, 99])
     batches = [task.train_batch(cfg["batch"], rng) for _ in range(cfg["timing_steps"])]
-    per_round: dict[str, list[float]] = {n: [] for n in arts}
+    per_round: dict[str, list[float]] = {n: [] for n in graphs}
     for r in range(cfg["timing_rounds"]):
-        names = list(arts) if r % 2 == 0 else list(reversed(arts))
+        names = list(graphs) if r % 2 == 0 else list(reversed(graphs))
         for name in names:
-            _, module, opt = mods[name]
             ts = []
             for ids, lab in batches:
                 t0 = time.perf_counter()
-                module(ids, lab)
-                opt.step()
-                module.lazy_reset_grad()
+                runs[name].step({"input_ids": ids, "labels": lab}, lr=cfg["lr"])
                 ts.append(time.perf_counter() - t0)
             per_round[name].append(float(np.median(ts[3:] if len(ts) > 3 else ts)) * 1000)
     return {"rounds": per_round, "batch": cfg["batch"], "steps_per_round": cfg["timing_steps"]}
@@ -380,7 +321,7 @@ def hardware() -> dict:
     import onnxruntime
     import torch
 
-    return {"cpu": cpu, "logical_cpus": os.cpu_count(),
+    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "onnxruntime_path": onnxruntime.__file__,
             "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "python": platform.python_version(), "torch": torch.__version__,
             "onnxruntime": onnxruntime.__version__, "platform": platform.platform()}
@@ -398,15 +339,23 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="a few steps, one seed, tiny data and model")
     ap.add_argument("--out", type=Path, default=HERE / "results", help="results folder")
     ap.add_argument("--work", type=Path, default=None,
-                    help="graphs, artifacts, checkpoints (default: OUT/../work, or OUT/work with --smoke)")
+                    help="graphs and trained weights (default: OUT/../work, or OUT/work with --smoke)")
     ap.add_argument("--ntl-patch", default=None, help="ntl-patch binary (default $NTL_PATCH_BIN, "
                     "else target/release/ntl-patch, else target/debug/ntl-patch)")
     ap.add_argument("--losses", default=None, help=f"comma list of {','.join(LOSSES)} (default all)")
+    ap.add_argument("--ort-site", type=Path, default=None,
+                    help="a folder holding an onnxruntime package to use (e.g. a `pip install --target` "
+                    "folder of onnxruntime 1.31.1), put first on sys.path")
     ap.add_argument("--report-only", action="store_true", help="rewrite table and plots from OUT/results.json")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the runs OUT/results.json already holds (same configuration) and do the rest")
     for k, v in FULL.items():
         ap.add_argument("--" + k.replace("_", "-"), type=type(v), default=None, help=f"(full: {v}, smoke: {SMOKE[k]})")
     args = ap.parse_args(argv)
 
+    if args.ort_site is not None:
+        sys.path.insert(0, str(args.ort_site.resolve()))
+    sys.path.insert(0, str(REPO / "python"))  # ntl_patch.StepRunner
     import report
 
     if args.report_only:
@@ -442,7 +391,23 @@ def main(argv=None) -> int:
     task.write_tokenizer(tokenizer)
     val = fixed_problems("iid", cfg["val_n"], 555)
     runs: list[dict] = []
-    seed_arts: dict[str, Path] = {}
+    seed_graphs: dict[str, Path] = {}
+    if args.resume and (out / "results.json").is_file():
+        prev = json.loads((out / "results.json").read_text())
+        same = {k: v for k, v in prev["config"].items() if k != "seeds"} == {
+            k: v for k, v in cfg.items() if k != "seeds"}
+        if not same or list(prev["losses"]) != losses:
+            raise SystemExit("--resume: OUT/results.json was made with another configuration or losses")
+        runs = [r for r in prev["runs"] if r["seed"] < cfg["seeds"]]
+        meta["patch_summaries"] = prev["patch_summaries"]
+        # the earlier parts' wall time counts; the pauses between the parts do not
+        parts = prev.get("parts", [])
+        own = prev["wall_s"] - sum(p["wall_s"] for p in parts)
+        meta["parts"] = parts + [{"started": prev["started"], "wall_s": own, "runs_after": len(runs),
+                                  "loadavg_start": prev["loadavg_start"], "loadavg_end": prev["loadavg_end"]}]
+        t_start -= prev["wall_s"]
+        log(f"resuming after {len(runs)} run(s)")
+    done = {(r["seed"], r["loss"]) for r in runs}
     n_total = cfg["seeds"] * len(losses)
 
     def save(final: bool) -> None:
@@ -465,20 +430,19 @@ def main(argv=None) -> int:
         sdir.mkdir(parents=True, exist_ok=True)
         ex = task.train_batch(2, np.random.default_rng(0))
         M.export(net, sdir / "lm.onnx", (torch.from_numpy(ex[0]), torch.from_numpy(ex[1])))
-        params = list(init)
         for name in losses:
             t0 = time.time()
             rdir = sdir / name
             rdir.mkdir(parents=True, exist_ok=True)
-            graph = rdir / "train_graph.onnx"
-            if LOSSES[name] is None:
-                ce_training_graph(sdir / "lm.onnx", graph)
-            else:
-                meta["patch_summaries"][name] = patch(bin_, sdir / "lm.onnx", tokenizer, LOSSES[name], graph)
-            make_artifacts(graph, rdir / "artifacts", params, cfg)
+            graph = rdir / "lm.step.onnx"
+            summary = step_graph(bin_, sdir / "lm.onnx", tokenizer, LOSSES[name], graph, cfg)
+            assert sorted(summary["parameters"]) == sorted(init), "every parameter trains"
+            meta["patch_summaries"][name] = {k: summary[k] for k in ("loss", "weight", "number_tokens")}
             if seed == 0:
-                seed_arts[name] = rdir / "artifacts"
-            run = train_one(name, rdir / "artifacts", seed, cfg, val, rdir, torch_model_fn)
+                seed_graphs[name] = graph
+            if (seed, name) in done:
+                continue
+            run = train_one(name, graph, sdir / "lm.onnx", seed, cfg, val, rdir, torch_model_fn)
             runs.append(run)
             save(False)
             t = run["test"]["iid"]
@@ -488,7 +452,7 @@ def main(argv=None) -> int:
                 f"digit acc {t['all']['digit_acc']:.3f}")
 
     log("interleaved timing benchmark")
-    meta["timing"] = timing_benchmark(seed_arts, cfg, 0)
+    meta["timing"] = timing_benchmark(seed_graphs, cfg, 0)
     save(True)
     report.write(out)
     log(f"done in {time.time() - t_start:.0f}s: {str(out / 'table.md').replace(str(REPO) + '/', '')}")

@@ -13,6 +13,20 @@ pub enum NumberSet {
     /// ntloss `digit_level=False`: every token Python's float() parses to a
     /// finite value ("12", " 3", "-1", "1.5", "1e3", "٣", ...).
     AllNumbers,
+    /// SMMD's numeric vocabulary: the integers 0..=max whose decimal string (Python's
+    /// `str(v)`: no sign, no leading zero) is a token of its own.
+    Integers { max: u32 },
+}
+
+impl NumberSet {
+    /// The name recorded in a patched model's metadata.
+    pub fn name(self) -> &'static str {
+        match self {
+            NumberSet::DigitLevel => "digit-level",
+            NumberSet::AllNumbers => "all-numbers",
+            NumberSet::Integers { .. } => "integers",
+        }
+    }
 }
 
 impl fmt::Display for NumberSet {
@@ -20,6 +34,12 @@ impl fmt::Display for NumberSet {
         match self {
             NumberSet::DigitLevel => f.write_str("digit-level set (tokens \"0\"..\"9\")"),
             NumberSet::AllNumbers => f.write_str("all-numbers set (--all-numbers)"),
+            NumberSet::Integers { max } => {
+                write!(
+                    f,
+                    "integer set (tokens \"0\"..\"{max}\", SMMD's --max-value)"
+                )
+            }
         }
     }
 }
@@ -92,7 +112,7 @@ pub struct NumberTokens {
     pub table: NumberTable,
     /// Ids of `"0"`..`"9"`, by digit value (NTIL, number-level).
     pub digits: Option<[i64; 10]>,
-    /// Id of `"."` (number-level `--float-level`).
+    /// Id of `"."` (number-level `--float-level`; DEL, where the tokenizer has one).
     pub dot: Option<i64>,
 }
 

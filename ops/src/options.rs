@@ -20,6 +20,15 @@ pub enum LossKind {
     Emd,
     /// ntloss `NumberLevelLoss`: symmetric relative error of whole numbers built from digits.
     NumberLevel,
+    /// DIST2Loss (Chung et al., ICLR 2026) as PolyU-VCLab/DEL's `DIST2loss`: place-weighted
+    /// KL(softmax(−(y−k)²/τ) ‖ q) over the ten digits.
+    Dist2,
+    /// SMMD (Smooth MMD, ICML 2026; Zuozhuo/smmd-loss `SMMDLoss`): `rᵀKr + α·rᵀ(D−K)r` over
+    /// the integer tokens, r = p − onehot(y).
+    Smmd,
+    /// DEL (Digit Entropy Loss; PolyU-VCLab/DEL `DEL`): place-weighted BCE-with-logits of the
+    /// ten digit logits times their softmax, `0.01·mean`.
+    Del,
 }
 
 impl LossKind {
@@ -32,12 +41,49 @@ impl LossKind {
             LossKind::Ntil => "ntil",
             LossKind::Emd => "emd",
             LossKind::NumberLevel => "number-level",
+            LossKind::Dist2 => "dist2",
+            LossKind::Smmd => "smmd",
+            LossKind::Del => "del",
         }
     }
 
     /// Losses that read digits per sequence (need the `[B, T]` grouping and the digit ids).
     pub fn is_sequence_level(self) -> bool {
-        matches!(self, LossKind::Ntil | LossKind::Emd | LossKind::NumberLevel)
+        matches!(
+            self,
+            LossKind::Ntil
+                | LossKind::Emd
+                | LossKind::NumberLevel
+                | LossKind::Dist2
+                | LossKind::Del
+        )
+    }
+
+    /// Losses that skip labels equal to the ignore index even where it is a token id (their
+    /// references drop -100 labels before they look; the NTL family masks it itself).
+    pub fn skips_ignore_index(self) -> bool {
+        matches!(self, LossKind::Dist2 | LossKind::Del | LossKind::Smmd)
+    }
+
+    /// λ when `--weight` is not given: each paper's own weight where it has one.
+    pub fn default_weight(self) -> f64 {
+        match self {
+            // DEL's training adds its loss (0.01 included in it) to the CE with weight 1
+            LossKind::Del => 1.0,
+            // DIST2Loss: the paper's α
+            LossKind::Dist2 => 0.1,
+            // SMMD: docs/LOSSES.md says why (the NTL weight; the paper's could not be read)
+            _ => 0.3,
+        }
+    }
+
+    /// How the loss joins the CE when `--combine` is not given: the NTIL reference's scaled
+    /// form for NTIL/EMD, a plain sum for every other paper.
+    pub fn default_combine(self) -> Combine {
+        match self {
+            LossKind::Ntil | LossKind::Emd => Combine::Scaled,
+            _ => Combine::Add,
+        }
     }
 }
 
@@ -75,6 +121,86 @@ impl Default for NtilOptions {
     }
 }
 
+/// DIST2Loss's knob: the target is `softmax(−(y − k)²/τ)` over the digits k (the DEL
+/// repository's `DIST2loss` has τ = 1 written in; the paper's τ).
+#[derive(Debug, Clone)]
+pub struct Dist2Options {
+    pub tau: f64,
+}
+
+impl Default for Dist2Options {
+    fn default() -> Self {
+        Dist2Options { tau: 1.0 }
+    }
+}
+
+/// SMMD's distance kernel κ(d) (`kernels.py` `DistanceKernelType`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SmmdKernel {
+    /// `exp(−d²/(2σ²))`, the paper's.
+    Gaussian,
+    /// `exp(−|d|/σ)`.
+    Laplace,
+}
+
+/// Which terms of SMMD (`loss.py` `LossMode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SmmdTerms {
+    /// `rᵀKr + α·rᵀ(D−K)r`.
+    Smmd,
+    /// `rᵀKr` alone.
+    Mmd,
+    /// `α·rᵀ(D−K)r` alone.
+    Smooth,
+}
+
+impl SmmdKernel {
+    pub fn name(self) -> &'static str {
+        match self {
+            SmmdKernel::Gaussian => "gaussian",
+            SmmdKernel::Laplace => "laplace",
+        }
+    }
+}
+
+impl SmmdTerms {
+    pub fn name(self) -> &'static str {
+        match self {
+            SmmdTerms::Smmd => "smmd",
+            SmmdTerms::Mmd => "mmd",
+            SmmdTerms::Smooth => "smooth",
+        }
+    }
+}
+
+/// SMMD's knobs, with the reference's defaults (`SMMDLoss.__init__`).
+#[derive(Debug, Clone)]
+pub struct SmmdOptions {
+    /// Number tokens are the integers 0..=max_value that are a token of their own.
+    pub max_value: u32,
+    pub kernel: SmmdKernel,
+    /// Bandwidths σ; the kernel is the mean over them.
+    pub sigmas: Vec<f64>,
+    /// Distances are mapped linearly onto [1, squash] (0 stays 0); 1 leaves them raw.
+    pub squash: f64,
+    /// α of the smoothness term; None: `1/(2·mean degree)` (the reference's `tau_mode="auto"`).
+    pub alpha: Option<f64>,
+    pub terms: SmmdTerms,
+}
+
+impl Default for SmmdOptions {
+    fn default() -> Self {
+        SmmdOptions {
+            max_value: 999,
+            kernel: SmmdKernel::Gaussian,
+            sigmas: vec![2.0],
+            squash: 9.0,
+            alpha: None,
+            terms: SmmdTerms::Smmd,
+        }
+    }
+}
+
 /// Everything a user chooses about the number loss.
 #[derive(Debug, Clone)]
 pub struct LossOptions {
@@ -92,7 +218,12 @@ pub struct LossOptions {
     pub float_level: bool,
     /// ε of the cross-entropy ntl-patch writes (torch's `label_smoothing`); 0 = none.
     pub label_smoothing: f64,
+    pub dist2: Dist2Options,
+    pub smmd: SmmdOptions,
 }
+
+/// The largest `--max-value`: SMMD's integer values stay exact in float32.
+pub const MAX_SMMD_VALUE: u32 = 1 << 24;
 
 /// A numeric option in `[lo, hi]`, finite, and still within range once converted to the
 /// float32 the graph stores (so `1e39` is refused rather than written as inf).
@@ -129,7 +260,8 @@ impl LossOptions {
         if let Some(s) = self.squash {
             if self.kind != LossKind::Wasserstein {
                 return Err(
-                    "--squash takes a factor > 1 and applies to --loss wasserstein only".into(),
+                    "--squash takes a factor > 1 and applies to --loss wasserstein and smmd only"
+                        .into(),
                 );
             }
             if !(s > 1.0) {
@@ -168,7 +300,63 @@ impl LossOptions {
             1e3,
             "the scale of Gumbel noise added to logits",
         )?;
+        check_range(
+            "--dist2-tau",
+            self.dist2.tau,
+            1e-3,
+            1e3,
+            "the target is softmax(−(y−k)²/τ); smaller values underflow float32",
+        )?;
+        self.check_smmd()
+    }
+
+    fn check_smmd(&self) -> Result<(), String> {
+        let m = &self.smmd;
+        if m.max_value > MAX_SMMD_VALUE {
+            return Err(format!(
+                "--max-value {}: it takes an integer from 0 to {MAX_SMMD_VALUE} (values stay exact in float32)",
+                m.max_value
+            ));
+        }
+        if m.sigmas.is_empty() {
+            return Err("--sigma: SMMD needs at least one kernel bandwidth".into());
+        }
+        for &s in &m.sigmas {
+            check_range(
+                "--sigma",
+                s,
+                1e-3,
+                1e6,
+                "a kernel bandwidth: distances are divided by it",
+            )?;
+        }
+        check_range(
+            "--squash",
+            m.squash,
+            1.0,
+            1e6,
+            "SMMD maps distances onto [1, S]; 1 leaves them raw",
+        )?;
+        if let Some(a) = m.alpha {
+            check_range(
+                "--smmd-alpha",
+                a,
+                0.0,
+                1e6,
+                "the weight of the smoothness term",
+            )?;
+        }
         Ok(())
+    }
+
+    /// The number tokens the loss reads: SMMD's integers whatever `number_set` says.
+    pub fn numbers(&self) -> NumberSet {
+        match self.kind {
+            LossKind::Smmd => NumberSet::Integers {
+                max: self.smmd.max_value,
+            },
+            _ => self.number_set,
+        }
     }
 
     /// The options as JSON, recorded in the patched model's metadata.
@@ -178,10 +366,7 @@ impl LossOptions {
             "weight": self.weight,
             "reweigh": self.reweigh,
             "squash": self.squash,
-            "numbers": match self.number_set {
-                NumberSet::DigitLevel => "digit-level",
-                NumberSet::AllNumbers => "all-numbers",
-            },
+            "numbers": self.numbers().name(),
             "combine": match self.combine {
                 Combine::Add => "add",
                 Combine::Scaled => "scaled",
@@ -196,6 +381,16 @@ impl LossOptions {
         }
         if self.kind == LossKind::NumberLevel {
             v["float_level"] = self.float_level.into();
+        }
+        if self.kind == LossKind::Dist2 {
+            v["dist2"] = serde_json::json!({ "tau": self.dist2.tau });
+        }
+        if self.kind == LossKind::Smmd {
+            let m = &self.smmd;
+            v["smmd"] = serde_json::json!({
+                "max_value": m.max_value, "kernel": m.kernel.name(), "sigmas": m.sigmas,
+                "squash": m.squash, "alpha": m.alpha, "terms": m.terms.name(),
+            });
         }
         if self.label_smoothing > 0.0 {
             v["label_smoothing"] = self.label_smoothing.into();

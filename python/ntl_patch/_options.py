@@ -15,7 +15,8 @@ _LOSS = {
     "loss": VALUE, "weight": VALUE, "reweigh": FLAG, "squash": VALUE, "digit_level": FLAG,
     "all_numbers": FLAG, "combine": VALUE, "digit_exp": VALUE, "abs_alpha": VALUE,
     "mag_alpha": VALUE, "digit_alpha": VALUE, "gumbel_tau": VALUE, "gumbel_noise": VALUE,
-    "float_level": FLAG, "label_smoothing": VALUE,
+    "float_level": FLAG, "label_smoothing": VALUE, "dist2_tau": VALUE, "max_value": VALUE,
+    "kernel": VALUE, "sigma": MULTI, "smmd_alpha": VALUE, "smmd_terms": VALUE,
 }
 _SOURCE = {"tokenizer": VALUE, "vocab_size": VALUE, "ce_node": VALUE, "add_loss": FLAG,
            "no_shift": FLAG}

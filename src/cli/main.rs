@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use ntl_ops::options::{Combine, LossKind, LossOptions, NtilOptions};
+use ntl_ops::options::{
+    Combine, Dist2Options, LossKind, LossOptions, NtilOptions, SmmdKernel, SmmdOptions, SmmdTerms,
+};
 use ntl_patch::io::model_io::ExternalDataAction;
 use ntl_patch::passes::artifacts::{run_artifacts, ArtifactsRequest};
 use ntl_patch::passes::fused_head::{FusedHeadOptions, Mode as FusedHeadMode};
@@ -205,13 +207,14 @@ struct LossArgs {
     /// The number loss.
     #[arg(long, value_enum, default_value_t = LossArg::Wasserstein)]
     loss: LossArg,
-    /// λ in CE + λ·NTL.
-    #[arg(long, default_value_t = 0.3, allow_negative_numbers = true)]
-    weight: f64,
+    /// λ in CE + λ·L [default: 1 del, 0.1 dist2, 0.3 otherwise].
+    #[arg(long, allow_negative_numbers = true)]
+    weight: Option<f64>,
     /// Scale the loss by the softmax mass on number tokens (ntloss `reweigh`; off in the paper).
     #[arg(long)]
     reweigh: bool,
-    /// ntloss squash factor S > 1 for the Wasserstein distances.
+    /// Distances squashed onto [1, S]: ntloss squash factor S > 1 for the Wasserstein distances;
+    /// SMMD's squash_factor [default: 9 smmd (1 leaves distances raw), off wasserstein].
     #[arg(long, value_name = "S", allow_negative_numbers = true)]
     squash: Option<f64>,
     /// Number tokens are exactly "0".."9" (ntloss digit_level=True) [default].
@@ -244,6 +247,24 @@ struct LossArgs {
     /// number-level: a "." between digits joins one number ("12.34" -> 1234).
     #[arg(long)]
     float_level: bool,
+    /// dist2: temperature τ of the target softmax(−(y−k)²/τ) over the digits [default: 1].
+    #[arg(long, value_name = "τ", allow_negative_numbers = true)]
+    dist2_tau: Option<f64>,
+    /// smmd: number tokens are the integers 0..=N that are a token of their own [default: 999].
+    #[arg(long, value_name = "N")]
+    max_value: Option<u32>,
+    /// smmd: distance kernel [default: gaussian].
+    #[arg(long, value_enum)]
+    kernel: Option<KernelArg>,
+    /// smmd: kernel bandwidth σ; several average their kernels (repeatable) [default: 2].
+    #[arg(long, value_name = "σ", allow_negative_numbers = true)]
+    sigma: Vec<f64>,
+    /// smmd: weight α of the smoothness term [default: 1/(2·mean kernel degree)].
+    #[arg(long, value_name = "α", allow_negative_numbers = true)]
+    smmd_alpha: Option<f64>,
+    /// smmd: which terms: rᵀKr + α·rᵀ(D−K)r, rᵀKr alone, or α·rᵀ(D−K)r alone [default: smmd].
+    #[arg(long, value_enum)]
+    smmd_terms: Option<TermsArg>,
     /// Label smoothing ε of the cross-entropy ntl-patch writes, as torch's
     /// `F.cross_entropy(label_smoothing=ε)`: (1−ε)·CE + ε·mean over classes of −log p.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
@@ -344,6 +365,30 @@ enum LossArg {
     Emd,
     /// ntloss NumberLevelLoss: relative error of whole numbers built from expected digits.
     NumberLevel,
+    /// DIST2Loss: place-weighted KL(softmax(−(y−k)²) ‖ p) over the digits (Chung et al., "Teaching Metric Distance to Discrete Autoregressive Language Models", ICLR 2026; PolyU-VCLab/DEL DIST2loss).
+    Dist2,
+    /// SMMD: kernel MMD + graph smoothness of p − onehot(y) over the integer tokens ("Enhancing Numerical Prediction in LLMs via Smooth MMD Alignment", ICML 2026).
+    Smmd,
+    /// DEL: place-weighted BCE × softmax of the digit logits (Zheng et al., "DEL: Digit Entropy Loss for Numerical Learning of Large Language Models", 2026).
+    Del,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum KernelArg {
+    /// exp(−d²/(2σ²)).
+    Gaussian,
+    /// exp(−|d|/σ).
+    Laplace,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum TermsArg {
+    /// rᵀKr + α·rᵀ(D−K)r.
+    Smmd,
+    /// rᵀKr.
+    Mmd,
+    /// α·rᵀ(D−K)r.
+    Smooth,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -411,12 +456,14 @@ fn loss_options(args: &LossArgs) -> Result<LossOptions, ntl_patch::Error> {
         LossArg::Ntil => LossKind::Ntil,
         LossArg::Emd => LossKind::Emd,
         LossArg::NumberLevel => LossKind::NumberLevel,
+        LossArg::Dist2 => LossKind::Dist2,
+        LossArg::Smmd => LossKind::Smmd,
+        LossArg::Del => LossKind::Del,
     };
-    let combine = match (args.combine, kind) {
-        (Some(CombineArg::Add), _) => Combine::Add,
-        (Some(CombineArg::Scaled), _) => Combine::Scaled,
-        (None, LossKind::Ntil | LossKind::Emd) => Combine::Scaled,
-        (None, _) => Combine::Add,
+    let combine = match args.combine {
+        Some(CombineArg::Add) => Combine::Add,
+        Some(CombineArg::Scaled) => Combine::Scaled,
+        None => kind.default_combine(),
     };
     let ntil = NtilOptions {
         digit_exp: args
@@ -439,12 +486,76 @@ fn loss_options(args: &LossArgs) -> Result<LossOptions, ntl_patch::Error> {
             kind.name()
         )));
     }
+    if (args.all_numbers || args.digit_level) && kind == LossKind::Smmd {
+        return Err(ntl_patch::Error::Usage(
+            "--all-numbers and --digit-level do not apply to --loss smmd: its number tokens are the integers 0..--max-value".into(),
+        ));
+    }
+    if args.reweigh && matches!(kind, LossKind::Dist2 | LossKind::Smmd | LossKind::Del) {
+        return Err(ntl_patch::Error::Usage(format!(
+            "--reweigh applies to the NTL losses and number-level, not to --loss {}",
+            kind.name()
+        )));
+    }
+    let smmd_only = [
+        (args.max_value.is_some(), "--max-value"),
+        (args.kernel.is_some(), "--kernel"),
+        (!args.sigma.is_empty(), "--sigma"),
+        (args.smmd_alpha.is_some(), "--smmd-alpha"),
+        (args.smmd_terms.is_some(), "--smmd-terms"),
+    ];
+    if let Some((_, flag)) = smmd_only
+        .iter()
+        .find(|(set, _)| *set && kind != LossKind::Smmd)
+    {
+        return Err(ntl_patch::Error::Usage(format!(
+            "{flag} applies to --loss smmd only"
+        )));
+    }
+    if args.dist2_tau.is_some() && kind != LossKind::Dist2 {
+        return Err(ntl_patch::Error::Usage(
+            "--dist2-tau applies to --loss dist2 only".into(),
+        ));
+    }
+    let defaults = SmmdOptions::default();
+    let smmd = SmmdOptions {
+        max_value: args.max_value.unwrap_or(defaults.max_value),
+        kernel: match args.kernel {
+            None => defaults.kernel,
+            Some(KernelArg::Gaussian) => SmmdKernel::Gaussian,
+            Some(KernelArg::Laplace) => SmmdKernel::Laplace,
+        },
+        sigmas: if args.sigma.is_empty() {
+            defaults.sigmas.clone()
+        } else {
+            args.sigma.clone()
+        },
+        squash: match kind {
+            LossKind::Smmd => args.squash.unwrap_or(defaults.squash),
+            _ => defaults.squash,
+        },
+        alpha: args.smmd_alpha,
+        terms: match args.smmd_terms {
+            None => defaults.terms,
+            Some(TermsArg::Smmd) => SmmdTerms::Smmd,
+            Some(TermsArg::Mmd) => SmmdTerms::Mmd,
+            Some(TermsArg::Smooth) => SmmdTerms::Smooth,
+        },
+    };
     let options = LossOptions {
         kind,
-        weight: args.weight,
+        weight: args.weight.unwrap_or(kind.default_weight()),
         reweigh: args.reweigh,
-        squash: args.squash,
-        number_set: if args.all_numbers {
+        squash: if kind == LossKind::Smmd {
+            None
+        } else {
+            args.squash
+        },
+        number_set: if kind == LossKind::Smmd {
+            NumberSet::Integers {
+                max: smmd.max_value,
+            }
+        } else if args.all_numbers {
             NumberSet::AllNumbers
         } else {
             NumberSet::DigitLevel
@@ -453,6 +564,10 @@ fn loss_options(args: &LossArgs) -> Result<LossOptions, ntl_patch::Error> {
         ntil,
         float_level: args.float_level,
         label_smoothing: args.label_smoothing,
+        dist2: Dist2Options {
+            tau: args.dist2_tau.unwrap_or(Dist2Options::default().tau),
+        },
+        smmd,
     };
     options.check().map_err(ntl_patch::Error::Usage)?;
     Ok(options)

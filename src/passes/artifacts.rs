@@ -315,7 +315,7 @@ fn training_patch(
             metadata(
                 site,
                 &forward.flat,
-                &forward.number_labels,
+                (&forward.number_labels, forward.number_logits.as_deref()),
                 tokens,
                 opts,
                 &site.loss_output,

@@ -20,14 +20,40 @@ pub fn flatten_inputs(
     width: usize,
     peel: bool,
 ) -> Result<FlatInputs, Error> {
-    let v = width as i64;
-    let rank = static_rank(index, &site.scores);
     let class_last = peel && site.logits_class_last;
-    let mut logits = if class_last {
+    let logits = if class_last {
         site.logits.clone()
     } else {
         site.scores.clone()
     };
+    let logits = rows(b, index, site, &logits, class_last, width)?;
+    let mut labels = site.labels.clone();
+    if static_rank(index, &labels) != Some(1) {
+        labels = b.reshape(&labels, &[-1], "labels_1d");
+    }
+    if index.elem_type(&site.labels).is_some_and(|t| t != INT64) {
+        labels = b.cast(&labels, INT64, "labels_i64");
+    }
+    Ok(FlatInputs {
+        logits,
+        labels,
+        ignore_index: site.ignore_index,
+    })
+}
+
+/// `tensor` (the site's scores, or a tensor laid out like them; or with `class_last` its
+/// `[.., V]` logits) as float32 rows `[M, V]`.
+fn rows(
+    b: &mut Builder,
+    index: &GraphIndex,
+    site: &CeSite,
+    tensor: &str,
+    class_last: bool,
+    width: usize,
+) -> Result<String, Error> {
+    let v = width as i64;
+    let rank = static_rank(index, &site.scores);
+    let mut logits = tensor.to_string();
     if !class_last {
         match rank {
             Some(2) => {}
@@ -52,18 +78,50 @@ pub fn flatten_inputs(
         Some(FLOAT) | None => {}
         Some(_) => logits = b.cast(&logits, FLOAT, "logits_f32"),
     }
-    let mut labels = site.labels.clone();
-    if static_rank(index, &labels) != Some(1) {
-        labels = b.reshape(&labels, &[-1], "labels_1d");
+    Ok(logits)
+}
+
+/// Where the cross-entropy reads log-probabilities (`LogSoftmax`, then layout ops, then the
+/// loss: the `LogSoftmax + NegativeLogLikelihoodLoss` form), the LogSoftmax's input laid out
+/// like the scores, as float32 rows `[M, V]`: the logits themselves, for a number loss that is
+/// not invariant to a shift of a row (DEL's BCE reads the raw logits). None where the scores
+/// are not log-probabilities.
+pub fn raw_logit_rows(
+    b: &mut Builder,
+    index: &GraphIndex,
+    site: &CeSite,
+    width: usize,
+) -> Result<Option<String>, Error> {
+    let mut layout = Vec::new();
+    let mut tensor = site.scores.clone();
+    let raw = loop {
+        let Some((i, node)) = index.producer(&tensor) else {
+            return Ok(None);
+        };
+        match node.op_type() {
+            "LogSoftmax" => break node.input.first().cloned(),
+            "Reshape" | "Transpose" | "Identity" | "Squeeze" | "Unsqueeze" | "Flatten"
+                if layout.len() < 8 =>
+            {
+                layout.push(i);
+                tensor = node.input.first().cloned().unwrap_or_default();
+            }
+            _ => return Ok(None),
+        }
+    };
+    let Some(mut moved) = raw.filter(|x| !x.is_empty()) else {
+        return Ok(None);
+    };
+    // the same layout ops, replayed on the logits
+    for &n in layout.iter().rev() {
+        let mut node = index.graph.node[n].clone();
+        node.input[0] = moved;
+        moved = b.fresh("raw_logits_moved");
+        node.output = vec![moved.clone()];
+        node.name = Some(b.fresh("raw_logits_layout"));
+        b.nodes.push(node);
     }
-    if index.elem_type(&site.labels).is_some_and(|t| t != INT64) {
-        labels = b.cast(&labels, INT64, "labels_i64");
-    }
-    Ok(FlatInputs {
-        logits,
-        labels,
-        ignore_index: site.ignore_index,
-    })
+    rows(b, index, site, &moved, false, width).map(Some)
 }
 
 /// The flat labels with every position a mask drops set to -100 (no number token), for the
@@ -160,6 +218,22 @@ fn back_to_positions(
         vec![int_attr("axis", 0)],
     );
     b.cast(&back, BOOL, "mask_kept_positions")
+}
+
+/// The flat inputs with labels equal to a non-negative ignore index set to -100 (no token),
+/// so a loss that looks up token ids skips them as the cross-entropy does. Unchanged where
+/// the ignore index is negative (it can never be a token id) or absent.
+pub fn drop_ignored(b: &mut Builder, flat: &FlatInputs) -> FlatInputs {
+    let Some(ignore) = flat.ignore_index.filter(|&i| i >= 0) else {
+        return flat.clone();
+    };
+    let ignore = b.const_i64("ignored_label", &[], &[ignore]);
+    let ignored = b.equal(&flat.labels, &ignore, "label_is_ignored");
+    let none = b.const_i64("no_label", &[], &[-100]);
+    FlatInputs {
+        labels: b.where_(&ignored, &none, &flat.labels, "labels_kept"),
+        ..flat.clone()
+    }
 }
 
 /// Regroups the flat inputs by sequence for the per-sequence losses: finds the labels tensor

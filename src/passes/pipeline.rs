@@ -16,7 +16,7 @@ use crate::vocab::number_table::{NumberSet, Vocab};
 use ntl_ops::builder::MIN_OPSET;
 use ntl_ops::names::PREFIX;
 use ntl_ops::numbers::NumberTokens;
-use ntl_ops::options::LossOptions;
+use ntl_ops::options::{LossKind, LossOptions};
 
 pub struct PatchRequest {
     pub model: PathBuf,
@@ -205,6 +205,23 @@ pub fn number_tokens(
     width: usize,
     total_type: i32,
 ) -> Result<(NumberTokens, Option<String>), Error> {
+    if opts.kind == LossKind::Smmd {
+        let table = vocab.number_table(opts.numbers(), width)?;
+        if table.len() > ntl_ops::losses::smmd::MAX_TOKENS {
+            return Err(Error::Usage(format!(
+                "SMMD would read {} integer tokens (0..{}), more than the {} its [N, N] kernel matrix is built for; lower --max-value",
+                table.len(),
+                opts.smmd.max_value,
+                ntl_ops::losses::smmd::MAX_TOKENS
+            )));
+        }
+        let tokens = NumberTokens {
+            table,
+            digits: None,
+            dot: None,
+        };
+        return Ok((tokens, None));
+    }
     if !opts.kind.is_sequence_level() {
         let limit = ntl_ops::losses::ntl::value_limit(opts.kind, opts.weight, total_type);
         let (table, left_out) = vocab.number_table_within(opts.number_set, width, limit)?;
@@ -218,6 +235,11 @@ pub fn number_tokens(
     let digits = vocab.digit_ids(width)?;
     let dot = if opts.float_level {
         Some(vocab.id_of(".").ok_or(Error::NoDotToken)?)
+    } else if opts.kind == LossKind::Del {
+        // DEL joins decimals where the tokenizer has a "."; without one, numbers are digit runs
+        vocab
+            .id_of(".")
+            .filter(|&id| id >= 0 && (id as usize) < width)
     } else {
         None
     };

@@ -6,7 +6,7 @@ use ntl_ops::combine;
 use ntl_ops::losses::{self, FlatInputs};
 use ntl_ops::names::{CE_OUTPUT, NUMBER_OUTPUT, PREFIX};
 use ntl_ops::numbers::NumberTokens;
-use ntl_ops::options::LossOptions;
+use ntl_ops::options::{LossKind, LossOptions};
 use ntl_ops::Builder;
 
 use super::loss_inputs;
@@ -77,7 +77,7 @@ pub fn build_patch(
             metadata(
                 site,
                 &forward.flat,
-                &forward.number_labels,
+                (&forward.number_labels, forward.number_logits.as_deref()),
                 tokens,
                 opts,
                 &reported,
@@ -199,6 +199,8 @@ pub struct Forward {
     /// The labels the number loss reads: `flat.labels` with the positions the graph's masks
     /// drop set to -100 (the same tensor where nothing is masked).
     pub number_labels: String,
+    /// The `[M, V]` logits the number loss reads where they are not `flat.logits`.
+    pub number_logits: Option<String>,
     /// Element type of the cross-entropy (the logits' type).
     pub loss_type: i32,
 }
@@ -266,6 +268,24 @@ pub fn build_forward(
         labels: loss_inputs::masked_labels(b, index, &site.loss_output, &flat.labels, masks),
         ..flat.clone()
     };
+    let mut number_flat = number_flat;
+    if opts.kind.skips_ignore_index() {
+        number_flat = losses::drop_ignored(b, &number_flat);
+    }
+    // the logits the number loss reads, where they are not `flat.logits`: DEL's BCE reads the
+    // logits, not the log-probabilities a LogSoftmax + NLL cross-entropy reads
+    let mut number_logits = None;
+    if opts.kind == LossKind::Del {
+        if let Some(raw) = loss_inputs::raw_logit_rows(b, index, site, tokens.table.width())? {
+            if !peel {
+                return Err(Error::Usage(
+                    "--loss del reads the raw logits, and this training graph's cross-entropy reads log-probabilities (LogSoftmax before it), whose gradient artifacts mode cannot extend; patch the forward graph instead (ntl-patch MODEL, then generate_artifacts, or ntl-patch step)".into(),
+                ));
+            }
+            number_logits = Some(raw.clone());
+            number_flat.logits = raw;
+        }
+    }
     let seq = match opts.kind.is_sequence_level() {
         true => Some(loss_inputs::sequence_inputs(b, index, site, &number_flat)?),
         false => None,
@@ -283,6 +303,7 @@ pub fn build_forward(
         ce_count,
         nodes,
         number_labels: number_flat.labels,
+        number_logits,
         flat,
         loss_type,
     })
@@ -301,7 +322,7 @@ pub fn added_outputs(loss_type: i32) -> Vec<crate::onnx::ValueInfoProto> {
 pub fn metadata(
     site: &CeSite,
     flat: &FlatInputs,
-    number_labels: &str,
+    (number_labels, number_logits): (&str, Option<&str>),
     tokens: &NumberTokens,
     opts: &LossOptions,
     loss_output: &str,
@@ -323,6 +344,9 @@ pub fn metadata(
     });
     for (k, x) in extra.as_object().expect("object") {
         v[k] = x.clone();
+    }
+    if let Some(logits) = number_logits {
+        v["number_logits"] = logits.into();
     }
     v.to_string()
 }

@@ -27,6 +27,9 @@ use crate::vocab::python_float::parse_python_float;
 
 /// The numeric value of `token` if it is a number token of `set`.
 pub fn number_value(set: NumberSet, token: &str) -> Option<f64> {
+    if let NumberSet::Integers { max } = set {
+        return integer_value(token, max);
+    }
     let x = parse_python_float(token)?;
     match set {
         NumberSet::AllNumbers => Some(x),
@@ -36,7 +39,18 @@ pub fn number_value(set: NumberSet, token: &str) -> Option<f64> {
             let ok = token.is_ascii() && (-1.0..=9.0).contains(&x) && token.len() == 1;
             ok.then_some(x)
         }
+        NumberSet::Integers { .. } => unreachable!("handled above"),
     }
+}
+
+/// `v` when `token` is exactly Python's `str(v)` for an integer `0 <= v <= max` (SMMD).
+fn integer_value(token: &str, max: u32) -> Option<f64> {
+    let canonical = !token.is_empty()
+        && token.len() <= 10
+        && token.bytes().all(|c| c.is_ascii_digit())
+        && (token == "0" || !token.starts_with('0'));
+    let v: u64 = token.parse().ok().filter(|_| canonical)?;
+    (v <= max as u64).then_some(v as f64)
 }
 
 /// Errors building a vocab or a number table. Each message is one line that
@@ -113,6 +127,7 @@ fn left_out_note(left_out: usize) -> String {
 
 fn no_number_fix(set: NumberSet, all_numbers_found: usize) -> String {
     match set {
+        NumberSet::Integers { .. } => "SMMD needs integer tokens (\"0\", \"1\", ..., each its own token); pass the model's own tokenizer or raise --max-value".to_string(),
         NumberSet::DigitLevel if all_numbers_found > 0 => format!(
             "the tokenizer has {all_numbers_found} other number token(s) (e.g. multi-digit \
              or space-prefixed), so try --all-numbers"
@@ -124,7 +139,9 @@ fn no_number_fix(set: NumberSet, all_numbers_found: usize) -> String {
 fn all_numbers_fix(set: NumberSet) -> &'static str {
     match set {
         NumberSet::AllNumbers => "use the digit-level set (drop --all-numbers)",
-        NumberSet::DigitLevel => "check --vocab-size and the tokenizer",
+        NumberSet::DigitLevel | NumberSet::Integers { .. } => {
+            "check --vocab-size and the tokenizer"
+        }
     }
 }
 
@@ -443,6 +460,24 @@ mod tests {
         for t in [" 3", "12", "-1", "٣", "３", "1.", ".5", "+2", "a", ""] {
             assert_eq!(number_value(NumberSet::DigitLevel, t), None, "{t}");
         }
+    }
+
+    #[test]
+    fn integer_set_takes_exactly_str_v() {
+        let set = NumberSet::Integers { max: 999 };
+        for (t, v) in [("0", 0.0), ("7", 7.0), ("12", 12.0), ("999", 999.0)] {
+            assert_eq!(number_value(set, t), Some(v), "{t}");
+        }
+        for t in [
+            "1000", "007", "00", " 3", "-1", "+2", "1.5", "1e3", "1_0", "٣", "", "12a", "Ġ3",
+        ] {
+            assert_eq!(number_value(set, t), None, "{t}");
+        }
+        assert_eq!(number_value(NumberSet::Integers { max: 9 }, "10"), None);
+        assert_eq!(
+            number_value(NumberSet::Integers { max: 1 << 24 }, "99999999999"),
+            None
+        );
     }
 
     #[test]

@@ -1,9 +1,10 @@
 """examples/arithmetic in --smoke mode: the whole study pipeline runs, so it cannot rot.
 
-Export a (tiny) causal transformer with its CE, patch it with ntl-patch for every loss, generate
-ORT Training artifacts, train a few AdamW steps, decode greedily from the saved checkpoint (the
-study itself asserts that the checkpoint's weights loaded into torch give the inference graph's
-logits), and write results.json, table.md and the two PNGs. Takes well under 60 s.
+Export a (tiny) causal transformer with its CE, write its training step with `ntl-patch step` for
+every loss, train a few AdamW steps with the step graph in onnxruntime (ntl_patch.StepRunner),
+decode greedily with the trained weights (the study itself asserts that those weights loaded into
+torch give the inference graph's logits), and write results.json, table.md and the two PNGs.
+Takes well under 60 s.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from conftest import REPO, patch_command
 
 STUDY = REPO / "examples" / "arithmetic" / "study.py"
-LOSSES = ["ce", "wasserstein", "mse", "ntil", "ntil-add"]
+LOSSES = ["ce", "wasserstein", "mse", "ntil", "dist2", "smmd", "del"]
 
 
 def test_arithmetic_study_smoke(tmp_path):
@@ -36,9 +37,14 @@ def test_arithmetic_study_smoke(tmp_path):
     assert res["final"] and res["smoke"]
     runs = {r["loss"]: r for r in res["runs"]}
     assert sorted(runs) == sorted(LOSSES)
-    # every patched graph was written by ntl-patch with 10 digit tokens
-    for name in LOSSES[1:]:
-        assert "10 number tokens of 15 logits" in res["patch_summaries"][name], res["patch_summaries"][name]
+    # every step graph was written by ntl-patch with the 10 digit tokens (SMMD's integers are the
+    # digits of this tokenizer) and the loss's default λ (the CE baseline: λ = 0)
+    for name in LOSSES:
+        summary = res["patch_summaries"][name]
+        assert summary["number_tokens"] == 10, (name, summary)
+    weights = {n: res["patch_summaries"][n]["weight"] for n in LOSSES}
+    assert weights == {"ce": 0.0, "wasserstein": 0.3, "mse": 0.3, "ntil": 0.3, "dist2": 0.1,
+                       "smmd": 0.3, "del": 1.0}, weights
     for name, run in runs.items():
         assert run["torch_vs_ort_max_abs_logit_diff"] < 1e-4, name
         assert run["ms_per_step_median"] > 0

@@ -100,6 +100,10 @@ LOSSES = [
     ["--loss", "emd"],
     ["--loss", "number-level"],
     ["--loss", "number-level", "--float-level", "--reweigh"],
+    ["--loss", "dist2"],
+    ["--loss", "del"],
+    ["--loss", "smmd"],
+    ["--loss", "smmd", "--kernel", "laplace", "--sigma", "1", "--sigma", "4", "--smmd-terms", "smooth"],
 ]
 CASES = [(m, a) for m in ("lm_flat", "lm_bvt") for a in LOSSES]
 
@@ -133,6 +137,17 @@ def test_artifacts_equal_forward_patch_and_torch(case, base_artifacts, tmp_path,
                                                    torch.from_numpy(labels), loss, weight=WEIGHT,
                                                    **settings)
         np.testing.assert_allclose(got_out["number_loss"], ntl, rtol=1e-5)
+        assert _norm_rel(got, {k: ref[k] for k in got}) <= TOL
+    if loss in ("dist2", "del", "smmd"):
+        import torch
+        import dist2_smmd_del_torch
+
+        settings = {}
+        if "--kernel" in args:
+            settings = {"kernel": "laplace", "sigmas": (1.0, 4.0), "terms": "smooth"}
+        _, _, num, ref = dist2_smmd_del_torch.model_reference(
+            weights, torch.from_numpy(ids), torch.from_numpy(labels), loss, **settings)
+        np.testing.assert_allclose(got_out["number_loss"], num, rtol=1e-5)
         assert _norm_rel(got, {k: ref[k] for k in got}) <= TOL
 
 
@@ -173,7 +188,8 @@ def _fd_case():
 
 @pytest.mark.parametrize("opset", [15, 17])
 @pytest.mark.parametrize("args", [["--loss", "wasserstein"], ["--loss", "huber", "--reweigh"],
-                                  ["--loss", "emd"], ["--loss", "number-level"]])
+                                  ["--loss", "emd"], ["--loss", "number-level"], ["--loss", "dist2"],
+                                  ["--loss", "del"], ["--loss", "smmd"]])
 def test_spliced_backward_finite_differences(args, opset, tmp_path):
     """The backward ntl-patch writes, alone: (artifacts grad − CE-only grad)/λ against central
     differences of number_loss. Opset 15 exercises the ScatterElements-without-reduction path."""
@@ -277,3 +293,43 @@ def test_artifacts_with_external_data(base_artifacts, tmp_path):
         assert got.keys() == want.keys()
         for k in want:
             np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_del_on_log_probabilities_is_refused_in_artifacts_mode(tmp_path):
+    """DEL reads the raw logits; a training graph whose cross-entropy reads LogSoftmax output
+    cannot take its gradient there, so artifacts mode refuses it (one line, no output) while
+    the shift-invariant losses patch it."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    logits, labels = _fd_case()
+    b, t, v = logits.shape
+    graph = helper.make_graph(
+        [helper.make_node("LogSoftmax", ["logits"], ["log_probs"], axis=-1),
+         helper.make_node("Reshape", ["log_probs", "shape_nv"], ["scores"]),
+         helper.make_node("Reshape", ["labels", "shape_n"], ["labels_flat"]),
+         helper.make_node("SoftmaxCrossEntropyLoss", ["scores", "labels_flat"], ["loss"],
+                          ignore_index=-100, reduction="mean")],
+        "log_probs_ce", [helper.make_tensor_value_info("labels", TensorProto.INT64, [b, t])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        [numpy_helper.from_array(logits, "logits"),
+         numpy_helper.from_array(np.array([-1, v], np.int64), "shape_nv"),
+         numpy_helper.from_array(np.array([-1], np.int64), "shape_n")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    base = _generate(model, tmp_path / "base")
+    _fails([base, "--tokenizer", str(TOKENIZER), "--loss", "del"], "reads the raw logits",
+           tmp_path / "o_del")
+    _, labels_grad = _step(_artifacts(base, tmp_path / "o_dist2", ["--loss", "dist2"]), labels)
+    assert np.isfinite(labels_grad["logits"]).all()
+
+
+@pytest.mark.parametrize("loss", ["wasserstein", "dist2", "del", "smmd"])
+def test_number_gradient_is_one_sparse_update(loss, base_artifacts, tmp_path):
+    """The number loss's gradient joins the CE gradient as one ScatterElements(add) of its K
+    number-token columns; no dense [N, V] update."""
+    import json
+
+    r = run_patch(["artifacts", base_artifacts["lm_flat"], "--tokenizer", TOKENIZER, "--loss", loss,
+                   "-o", tmp_path / "art", "--json"])
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert (summary["sparse_gradient_updates"], summary["dense_gradient_updates"]) == (1, 0), summary

@@ -47,6 +47,16 @@ for _model in ("lm_flat", "lm_bvt", "lm_nll"):
         (_model, "number-level", [], "add", {"float_level": False, "reweigh": False}),
         (_model, "number-level", ["--float-level"], "add", {"float_level": True, "reweigh": False}),
     ]
+# DIST2Loss, DEL, SMMD (CE + λ·L; references: fixtures/dist2_smmd_del_torch.py, checked against the
+# authors' code by test_dist2_smmd_del_reference.py)
+for _model in ("lm_flat", "lm_bvt", "lm_nll"):
+    CASES += [(_model, loss, [], "add", {}) for loss in ("dist2", "del", "smmd")]
+CASES += [
+    ("lm_flat", "dist2", ["--dist2-tau", "2"], "add", {"tau": 2.0}),
+    ("lm_flat", "smmd", ["--kernel", "laplace", "--sigma", "1", "--sigma", "4", "--squash", "1",
+                         "--smmd-alpha", "0.5"],
+     "add", {"kernel": "laplace", "sigmas": (1.0, 4.0), "squash": 1.0, "alpha": 0.5}),
+]
 CASES += [
     # every NTIL knob moved; no --combine: ntil defaults to scaled
     ("lm_flat", "ntil", NTIL_CUSTOM_CLI, "scaled", NTIL_CUSTOM),
@@ -143,8 +153,14 @@ def test_patched_model_trains_in_ort(case, weights, tmp_path):
 
     # -- one training step vs torch autograd (float64)
     got_total, got_ce, got_num = _outputs(module, input_ids, labels, len(patched.graph.output))
-    want_total, want_ce, want_num, want_grads = ntil_torch.model_reference(
-        weights, torch.from_numpy(input_ids), torch.from_numpy(labels), loss, how, WEIGHT, **settings)
+    if loss in ("dist2", "del", "smmd"):
+        import dist2_smmd_del_torch
+
+        want_total, want_ce, want_num, want_grads = dist2_smmd_del_torch.model_reference(
+            weights, torch.from_numpy(input_ids), torch.from_numpy(labels), loss, WEIGHT, **settings)
+    else:
+        want_total, want_ce, want_num, want_grads = ntil_torch.model_reference(
+            weights, torch.from_numpy(input_ids), torch.from_numpy(labels), loss, how, WEIGHT, **settings)
     assert want_num > 0, "the batch must exercise the number loss"
     np.testing.assert_allclose(got_ce, want_ce, rtol=FWD_RTOL, err_msg="ce_loss")
     np.testing.assert_allclose(got_num, want_num, rtol=FWD_RTOL, err_msg="number_loss")
@@ -171,7 +187,12 @@ def test_patched_model_trains_in_ort(case, weights, tmp_path):
     if how == "scaled":
         np.testing.assert_allclose(losses, (1 + WEIGHT) * np.array(ces), rtol=FWD_RTOL)
     assert losses[-1] < 0.7 * losses[0], f"loss did not go down clearly: {losses}"
-    assert nums[-1] < nums[0], f"number loss did not go down: {nums}"
+    # DEL is not monotone in the prediction's confidence: its BCE reads the raw digit logits, and
+    # while CE training lifts p(label digit) from 0.02 to 0.6 it rises (0.0029 -> 0.0046 in torch
+    # at λ 0.3) before it falls (with λ 30 it falls by 40 % in the same 30 steps); so for DEL
+    # only the total must go down here.
+    if loss != "del":
+        assert nums[-1] < nums[0], f"number loss did not go down: {nums}"
     print(f"{_case_id(case)}: grad err {total_err:.2e} (worst {worst} {worst_err:.2e}); "
           f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; number {nums[0]:.4f} -> {nums[-1]:.4f}; "
           f"{time.perf_counter() - t0:.1f}s")

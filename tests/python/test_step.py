@@ -30,7 +30,8 @@ GRAD_RTOL = 1e-5
 TRAJ_RTOL = 1e-4
 STEPS = 20
 
-GRAD_CASES = [(m, l) for m in ("lm_flat", "lm_bvt", "lm_nll") for l in ("wasserstein", "mse", "ntil")]
+GRAD_CASES = [(m, l) for m in ("lm_flat", "lm_bvt", "lm_nll")
+              for l in ("wasserstein", "mse", "ntil", "dist2", "del", "smmd")]
 NTIL_ARGS = ["--gumbel-noise", "0", "--combine", "add"]
 # the dense LM head, and the fused one (passes/fused_head) over chunks of 3 positions: chunk
 # borders fall inside sequences and the last chunk is padded
@@ -52,6 +53,11 @@ def _session(path: Path):
 
 
 def _reference(loss: str, weights, input_ids, labels):
+    if loss in ("dist2", "del", "smmd"):
+        import dist2_smmd_del_torch
+
+        return dist2_smmd_del_torch.model_reference(weights, torch.from_numpy(input_ids),
+                                                    torch.from_numpy(labels), loss, weight=WEIGHT)
     if loss == "ntil":
         import ntil_torch
 

@@ -2,10 +2,13 @@
 //! [`number_loss`]), each emitting its forward nodes through a [`Builder`] from the logits and
 //! labels the cross-entropy reads.
 
+pub mod del;
+pub mod dist2;
 pub mod ntil;
 pub mod ntl;
 pub mod number_level;
 pub mod runs;
+pub mod smmd;
 
 use crate::numbers::NumberTokens;
 use crate::options::{LossKind, LossOptions};
@@ -45,5 +48,25 @@ pub fn number_loss(
         }
         LossKind::Ntil | LossKind::Emd => ntil::build(b, seq(), tokens, opts),
         LossKind::NumberLevel => number_level::build(b, seq(), tokens, opts),
+        LossKind::Dist2 => dist2::build(b, seq(), tokens, opts),
+        LossKind::Del => del::build(b, seq(), tokens),
+        LossKind::Smmd => smmd::build(b, flat, &tokens.table, &opts.smmd),
+    }
+}
+
+/// The flat inputs with labels equal to a non-negative ignore index set to -100 (no token), for
+/// the losses that skip the ignore index like the cross-entropy even where it is a token id
+/// (their references drop -100 labels before they look: DIST2, DEL, SMMD). Unchanged where the
+/// ignore index is negative (never a token id) or absent.
+pub fn drop_ignored(b: &mut Builder, flat: &FlatInputs) -> FlatInputs {
+    let Some(ignore) = flat.ignore_index.filter(|&i| i >= 0) else {
+        return flat.clone();
+    };
+    let ignore = b.const_i64("ignored_label", &[], &[ignore]);
+    let ignored = b.equal(&flat.labels, &ignore, "label_is_ignored");
+    let none = b.const_i64("no_label", &[], &[-100]);
+    FlatInputs {
+        labels: b.where_(&ignored, &none, &flat.labels, "labels_kept"),
+        ..flat.clone()
     }
 }

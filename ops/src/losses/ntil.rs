@@ -46,7 +46,7 @@ pub fn build(
     let n = &opts.ntil;
     let ids = b.const_i64("ntil_digit_ids", &[10], &digit_ids);
     let digit_logits = b.gather(&seq.logits, &ids, 1, "digit_logits");
-    let shape = digit_shape(b, seq);
+    let shape = runs::digit_shape(b, seq);
     let z = b.node(
         "Reshape",
         &[&digit_logits, &shape],
@@ -103,12 +103,6 @@ pub fn build(
     let batch = b.cast(&seq.batch, FLOAT, "ntil_batch_f");
     let batch = b.reshape(&batch, &[], "ntil_batch");
     b.binary("Div", &total, &batch, "ntil")
-}
-
-/// `[3]` int64 `[B, -1, 10]`.
-fn digit_shape(b: &mut Builder, seq: &SeqInputs) -> String {
-    let rest = b.const_i64("digit_shape_rest", &[2], &[-1, 10]);
-    b.concat(&[&seq.batch, &rest], 0, "digit_shape")
 }
 
 fn scale(b: &mut Builder, x: &str, factor: f64, hint: &str) -> String {

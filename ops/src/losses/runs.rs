@@ -6,7 +6,7 @@
 //! Runs never cross sequences: everything is computed on `[B, T]` labels, along T.
 
 use crate::losses::SeqInputs;
-use crate::onnx::{FLOAT, INT64};
+use crate::onnx::{int_attr, FLOAT, INT64};
 use crate::Builder;
 
 /// Digits of the labels, `[B, T]` (and `[B, T, 10]` for the one-hot).
@@ -140,6 +140,12 @@ pub fn runs(b: &mut Builder, seq: &SeqInputs, digits: &Digits, dot: Option<i64>)
     }
 }
 
+/// `[3]` int64 `[B, -1, 10]`: the gathered `[B·T, 10]` digit logits regrouped by sequence.
+pub fn digit_shape(b: &mut Builder, seq: &SeqInputs) -> String {
+    let rest = b.const_i64("digit_shape_rest", &[2], &[-1, 10]);
+    b.concat(&[&seq.batch, &rest], 0, "digit_shape")
+}
+
 /// `[B, 1]` int64 zeros shaped like the first column of `x`.
 fn zero_column(b: &mut Builder, x: &str) -> String {
     let first = b.slice(x, 0, 1, 1, "zero_col_src");
@@ -208,4 +214,97 @@ pub fn magnitude_scale(b: &mut Builder, runs: &Runs, max_exp: i64) -> String {
     let clamped = b.binary("Max", &clamped, &one, "magnitude_clamped_at_least_1");
     let root = b.unary("Sqrt", &clamped, "magnitude_clamped_root");
     b.binary("Div", &scale, &root, "magnitude_scale")
+}
+
+/// Maximal groups of consecutive member positions of each sequence (DIST2's digit runs, DEL's
+/// numbers of digits and dots), indexed in O(B·T): per-group facts are written at one chosen
+/// position of each group and read back at every member (`spread`), with ScatterElements and
+/// GatherElements rather than NTIL's `[B, R, T]` membership matrix.
+pub struct Groups {
+    /// `[B, T]` int64: 1..G for the members of group g of the sequence, 0 elsewhere.
+    id: String,
+    /// `[B, T]` int64: t.
+    pos: String,
+    /// `[B, T]` float: t.
+    pub pos_f: String,
+    /// `[B, T]` int64: T + 1 + t, a slot of its own for every position (no collisions).
+    spare: String,
+    /// `[B, 2T + 1]` float zeros: slot 0 for non-members, 1..T for groups, then the spares.
+    slots: String,
+    /// `[B, T]` int64 (0/1): the first and the last member of each group.
+    pub first: String,
+    pub last: String,
+}
+
+/// Groups of `member` (`[B, T]` int64, 0/1).
+pub fn groups(b: &mut Builder, member: &str) -> Groups {
+    let zero_col = zero_column(b, member);
+    let prev = shift(b, member, &zero_col, 1, "group_prev");
+    let next = shift(b, member, &zero_col, -1, "group_next");
+    let one = b.const_i64("group_one", &[], &[1]);
+    let not_prev = b.binary("Sub", &one, &prev, "group_not_prev");
+    let not_next = b.binary("Sub", &one, &next, "group_not_next");
+    let first = b.binary("Mul", member, &not_prev, "group_first");
+    let last = b.binary("Mul", member, &not_next, "group_last");
+    let axis = b.const_i64("group_axis", &[], &[1]);
+    let id = b.node("CumSum", &[&first, &axis], "group_count", vec![]);
+    let id = b.binary("Mul", &id, member, "group_id");
+
+    let zero = b.const_i64("group_zero", &[], &[0]);
+    let zeros = b.binary("Mul", member, &zero, "group_zeros");
+    let ones = b.binary("Add", &zeros, &one, "group_ones");
+    let counted = b.node("CumSum", &[&ones, &axis], "group_counted", vec![]);
+    let pos = b.binary("Sub", &counted, &one, "group_pos");
+    let pos_f = b.cast(&pos, FLOAT, "group_pos_f");
+    let shape = b.node("Shape", &[member], "group_shape", vec![]);
+    let len = b.slice(&shape, 1, 2, 0, "group_len");
+    let spare = b.binary("Add", &counted, &len, "group_spare");
+    let zeros_f = b.cast(&zeros, FLOAT, "group_zeros_f");
+    let zero_col_f = b.cast(&zero_col, FLOAT, "group_zero_col_f");
+    let slots = b.concat(&[&zeros_f, &zeros_f, &zero_col_f], 1, "group_slots");
+    Groups {
+        id,
+        pos,
+        pos_f,
+        spare,
+        slots,
+        first,
+        last,
+    }
+}
+
+impl Groups {
+    /// `[B, T]` float: at every member of a group, `value` (float `[B, T]`) at the group's
+    /// position where `chosen` (int64 0/1, at most one per group) is 1; 0 at non-members and
+    /// in groups with no chosen position.
+    pub fn spread(&self, b: &mut Builder, value: &str, chosen: &str, hint: &str) -> String {
+        let one = b.const_i64(&format!("{hint}_one"), &[], &[1]);
+        let not_chosen = b.binary("Sub", &one, chosen, &format!("{hint}_not_chosen"));
+        let own = b.binary("Mul", chosen, &self.id, &format!("{hint}_own"));
+        let spare = b.binary("Mul", &not_chosen, &self.spare, &format!("{hint}_spare"));
+        let slot = b.binary("Add", &own, &spare, &format!("{hint}_slot"));
+        let axis = vec![int_attr("axis", 1)];
+        let table = b.node(
+            "ScatterElements",
+            &[&self.slots, &slot, value],
+            &format!("{hint}_table"),
+            axis.clone(),
+        );
+        b.node(
+            "GatherElements",
+            &[&table, &self.id],
+            &format!("{hint}_spread"),
+            axis,
+        )
+    }
+
+    /// `[B, T]` float: the position of the group's last member, at every member.
+    pub fn last_pos(&self, b: &mut Builder, hint: &str) -> String {
+        self.spread(b, &self.pos_f, &self.last, hint)
+    }
+
+    /// `[B, T]` int64 positions (for label-side arithmetic in integers).
+    pub fn pos(&self) -> &str {
+        &self.pos
+    }
 }

@@ -29,6 +29,8 @@ pub struct ValidationCopy {
     pub flat_labels: String,
     /// Output name of the number loss's labels where they differ from `flat_labels`.
     pub number_labels: Option<String>,
+    /// The number loss's own logits, where they are not `flat_logits`.
+    pub number_logits: Option<String>,
     pub total: String,
     pub class_weights: Option<String>,
     /// The tensor the CE node reads its labels from (to find the labels graph input).
@@ -90,6 +92,7 @@ pub fn build(
         .into_iter()
         .chain([&meta.flat_labels])
         .chain(meta.number_labels.as_ref())
+        .chain(meta.number_logits.as_ref())
     {
         if index.producer(t).is_none() && !index.is_graph_input(t) {
             return Err(Error::Validation(format!(
@@ -120,6 +123,10 @@ pub fn build(
         .number_labels
         .as_ref()
         .map(|n| export(&mut e, n, "number_labels"));
+    let number_logits = meta
+        .number_logits
+        .as_ref()
+        .map(|n| export(&mut e, n, "number_logits"));
     let total_out = export(&mut e, total, "total_loss");
     let class_weights = match (&ce, &fused) {
         (Some((_, node)), _) => node.input.get(2).filter(|w| !w.is_empty()).cloned(),
@@ -203,6 +210,7 @@ pub fn build(
         .into_iter()
         .chain(class_weights.as_ref())
         .chain(number_labels.as_ref())
+        .chain(number_logits.as_ref())
     {
         graph.output.push(ValueInfoProto {
             name: Some(name.clone()),
@@ -218,6 +226,7 @@ pub fn build(
         flat_logits,
         flat_labels,
         number_labels,
+        number_logits,
         total: total_out,
         class_weights,
         ce_labels,

@@ -6,7 +6,9 @@ use crate::error::Error;
 use crate::graph::patch::METADATA_KEY;
 use crate::onnx::ModelProto;
 use crate::tools::validate::reference::{NtlKind, NtlSettings};
+use crate::tools::validate::reference_del::DigitLoss;
 use crate::tools::validate::reference_ntil::{NtilSettings, NumberLevelSettings, SeqLoss};
+use crate::tools::validate::reference_smmd::SmmdSettings;
 use crate::vocab::number_table::NumberSet;
 
 /// The number loss a patch computes, as the independent references name it.
@@ -16,6 +18,10 @@ pub enum LossSpec {
     Ntl(NtlSettings),
     /// NTIL, EMD, number-level: per sequence (`reference_ntil`).
     Sequence(SeqLoss),
+    /// DIST2, DEL: per digit label, numbers grouped per sequence (`reference_del`).
+    Digits(DigitLoss),
+    /// SMMD, per position over the flat batch (`reference_smmd`).
+    Smmd(SmmdSettings),
 }
 
 #[derive(Debug, Clone)]
@@ -40,6 +46,9 @@ pub struct PatchMeta {
     /// The labels the number loss reads where the graph's masks drop positions (`flat_labels`
     /// with those positions set to -100); None where it reads `flat_labels`.
     pub number_labels: Option<String>,
+    /// The `[M, V]` logits the number loss reads where they are not `flat_logits` (DEL on a
+    /// cross-entropy of log-probabilities reads the logits before the LogSoftmax).
+    pub number_logits: Option<String>,
     pub vocab_width: usize,
     pub ce_node: String,
     /// The tensor holding the total (the original loss output's name); older patches did not
@@ -107,10 +116,41 @@ impl PatchMeta {
                 float_level: v["float_level"].as_bool().unwrap_or(false),
                 reweigh,
             })),
+            "dist2" => LossSpec::Digits(DigitLoss::Dist2 {
+                tau: f(&v["dist2"], "tau")?,
+            }),
+            "del" => LossSpec::Digits(DigitLoss::Del),
+            "smmd" => {
+                let m = &v["smmd"];
+                let max_value = m["max_value"]
+                    .as_u64()
+                    .filter(|&x| x <= ntl_ops::options::MAX_SMMD_VALUE as u64)
+                    .ok_or_else(|| bad("smmd.max_value"))? as u32;
+                let sigmas: Vec<f64> = m["sigmas"]
+                    .as_array()
+                    .map(|a| a.iter().filter_map(|x| x.as_f64()).collect())
+                    .filter(|s: &Vec<f64>| !s.is_empty())
+                    .ok_or_else(|| bad("smmd.sigmas"))?;
+                LossSpec::Smmd(SmmdSettings {
+                    max_value,
+                    laplace: match m["kernel"].as_str() {
+                        Some("gaussian") => false,
+                        Some("laplace") => true,
+                        _ => return Err(bad("smmd.kernel")),
+                    },
+                    sigmas,
+                    squash: f(m, "squash")?,
+                    alpha: m["alpha"].as_f64(),
+                    terms: match m["terms"].as_str() {
+                        Some(t @ ("smmd" | "mmd" | "smooth")) => t.to_string(),
+                        _ => return Err(bad("smmd.terms")),
+                    },
+                })
+            }
             name => LossSpec::Ntl(NtlSettings {
                 kind: NtlKind::parse(name).ok_or_else(|| {
                     Error::Validation(format!(
-                        "this graph's loss '{name}' is not one validate knows (wasserstein, mse, l1, huber, ntil, emd, number-level); validate it with the ntl-patch that wrote it"
+                        "this graph's loss '{name}' is not one validate knows (wasserstein, mse, l1, huber, ntil, emd, number-level, dist2, smmd, del); validate it with the ntl-patch that wrote it"
                     ))
                 })?,
                 reweigh,
@@ -122,9 +162,10 @@ impl PatchMeta {
             "scaled" => Combine::Scaled,
             _ => return Err(bad("combine")),
         };
-        let numbers = match s("numbers")?.as_str() {
-            "digit-level" => NumberSet::DigitLevel,
-            "all-numbers" => NumberSet::AllNumbers,
+        let numbers = match (s("numbers")?.as_str(), &loss) {
+            ("digit-level", _) => NumberSet::DigitLevel,
+            ("all-numbers", _) => NumberSet::AllNumbers,
+            ("integers", LossSpec::Smmd(m)) => NumberSet::Integers { max: m.max_value },
             _ => return Err(bad("numbers")),
         };
         let vocab_width = v["vocab_width"]
@@ -146,6 +187,7 @@ impl PatchMeta {
                 .as_str()
                 .filter(|n| Some(*n) != v["flat_labels"].as_str())
                 .map(str::to_string),
+            number_logits: v["number_logits"].as_str().map(str::to_string),
             vocab_width,
             ce_node: v["ce_node"].as_str().unwrap_or_default().to_string(),
             loss_output: v["loss_output"].as_str().map(str::to_string),
@@ -158,6 +200,12 @@ impl PatchMeta {
                 })
                 .unwrap_or_default(),
         })
+    }
+
+    /// DIST2, DEL and SMMD drop labels equal to the ignore index before looking them up (the
+    /// NTL family masks it itself; NTIL and number-level read it as any other label).
+    pub fn skips_ignore_index(&self) -> bool {
+        matches!(self.loss, LossSpec::Smmd(_) | LossSpec::Digits(_))
     }
 
     /// The total the graph should output, from independent CE and number-loss values.
@@ -200,14 +248,13 @@ impl PatchMeta {
                     parts.push("reweigh".into());
                 }
             }
+            LossSpec::Digits(d) => parts.push(d.describe()),
+            LossSpec::Smmd(m) => parts.push(m.describe()),
         }
-        parts.push(
-            match self.numbers {
-                NumberSet::DigitLevel => "digit-level",
-                NumberSet::AllNumbers => "all-numbers",
-            }
-            .into(),
-        );
+        parts.push(match self.numbers {
+            NumberSet::Integers { max } => format!("integers 0..{max}"),
+            set => set.name().into(),
+        });
         parts.push(format!("λ = {}", self.weight));
         if self.combine == Combine::Scaled {
             parts.push("combine scaled".into());

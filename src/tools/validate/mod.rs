@@ -8,8 +8,9 @@
 //! - `inputs`, `testdata`, `tensor`: the values fed and read back;
 //! - `tract_run`, `ort_run` (+ `ort_lib`): the runtimes;
 //! - `noise`: takes NTIL's random Gumbel noise out of the copy (validation runs at noise 0);
-//! - `reference` (NTL) and `reference_ntil` (NTIL, EMD, number-level): the independent f64
-//!   losses; `report`: the checks and their rendering.
+//! - `reference` (NTL), `reference_ntil` (NTIL, EMD, number-level), `reference_del` (DIST2,
+//!   DEL) and `reference_smmd` (SMMD): the independent f64 losses; `report`: the checks and
+//!   their rendering.
 
 mod copy;
 mod emit;
@@ -20,7 +21,9 @@ mod ort_lib;
 mod ort_run;
 mod primitive_ce;
 pub mod reference;
+pub mod reference_del;
 pub mod reference_ntil;
+pub mod reference_smmd;
 pub mod report;
 mod steps;
 pub mod tensor;
@@ -123,8 +126,8 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
         &copy.ce_labels,
     );
     let style = match &meta.loss {
-        LossSpec::Ntl(_) => LabelStyle::Tokens,
-        LossSpec::Sequence(_) => LabelStyle::DigitRuns {
+        LossSpec::Ntl(_) | LossSpec::Smmd(_) => LabelStyle::Tokens,
+        LossSpec::Sequence(_) | LossSpec::Digits(_) => LabelStyle::DigitRuns {
             dot: vocab.id_of("."),
         },
     };
@@ -147,8 +150,8 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
     let outputs = Outputs(outputs);
 
     let sequences = match &meta.loss {
-        LossSpec::Ntl(_) => None,
-        LossSpec::Sequence(_) => Some(SequenceSetup {
+        LossSpec::Ntl(_) | LossSpec::Smmd(_) => None,
+        LossSpec::Sequence(_) | LossSpec::Digits(_) => Some(SequenceSetup {
             batch: sequence_count(&feeds.inputs, label_input.as_deref())?,
             tokens: DigitTokens::from_vocab(&vocab).map_err(|why| {
                 Error::Validation(format!(
@@ -380,15 +383,28 @@ fn independent(
         .ok_or_else(|| Error::Validation("the flat labels are not integers".into()))?;
     let batch = Batch::new(&logits, &labels, meta.vocab_width).map_err(flat_mismatch)?;
     // the number loss skips what the graph's masks drop (reported-loss forms)
-    let number_labels = match &copy.number_labels {
+    let mut number_labels = match &copy.number_labels {
         Some(n) => outputs
             .get(n)?
             .to_i64()
             .ok_or_else(|| Error::Validation("the number-loss labels are not integers".into()))?,
         None => labels.clone(),
     };
+    if meta.skips_ignore_index() {
+        // these losses skip the ignore index even where it is a token id
+        for l in number_labels.iter_mut() {
+            if Some(*l) == meta.ignore_index {
+                *l = -100;
+            }
+        }
+    }
+    // DEL on log-probabilities reads the logits before the LogSoftmax
+    let number_logits = match &copy.number_logits {
+        Some(n) => outputs.get(n)?.to_f64(),
+        None => logits.clone(),
+    };
     let number_batch =
-        Batch::new(&logits, &number_labels, meta.vocab_width).map_err(flat_mismatch)?;
+        Batch::new(&number_logits, &number_labels, meta.vocab_width).map_err(flat_mismatch)?;
     let weights = match &copy.class_weights {
         Some(w) => Some(outputs.get(w)?.to_f64()),
         None => None,
@@ -415,6 +431,16 @@ fn independent(
             .copied()
             .unwrap_or(f64::NAN);
     }
+    // the flat rows regrouped as the per-sequence losses read them
+    let regroup = |setup: &SequenceSetup| {
+        Sequences::new(
+            &number_logits,
+            &number_labels,
+            setup.batch,
+            meta.vocab_width,
+        )
+        .map_err(flat_mismatch)
+    };
     let (number_loss, number_positions, numbers) = match (&meta.loss, sequences) {
         (LossSpec::Ntl(settings), _) => {
             let ntl =
@@ -423,13 +449,23 @@ fn independent(
             (ntl.value, ntl.positions, None)
         }
         (LossSpec::Sequence(loss), Some(setup)) => {
-            let seqs = Sequences::new(&logits, &number_labels, setup.batch, meta.vocab_width)
-                .map_err(flat_mismatch)?;
+            let seqs = regroup(setup)?;
             let v =
                 reference_ntil::sequence_loss(&seqs, &setup.tokens, loss).map_err(flat_mismatch)?;
             (v.value, v.digit_positions, Some(v.numbers))
         }
-        (LossSpec::Sequence(_), None) => unreachable!("sequence setup made for sequence losses"),
+        (LossSpec::Digits(loss), Some(setup)) => {
+            let seqs = regroup(setup)?;
+            let v = reference_del::digit_loss(&seqs, &setup.tokens, loss).map_err(flat_mismatch)?;
+            (v.value, v.digit_positions, Some(v.numbers))
+        }
+        (LossSpec::Smmd(settings), _) => {
+            let v = reference_smmd::smmd(&number_batch, table, settings).map_err(flat_mismatch)?;
+            (v.value, v.positions, None)
+        }
+        (LossSpec::Sequence(_) | LossSpec::Digits(_), None) => {
+            unreachable!("sequence setup made for sequence losses")
+        }
     };
     Ok(Independent {
         ce,

@@ -106,7 +106,7 @@ impl DigitTokens {
     }
 
     /// The digit a label stands for (None for every other label, the ignore index included).
-    fn digit_of(&self, label: i64) -> Option<usize> {
+    pub(super) fn digit_of(&self, label: i64) -> Option<usize> {
         self.digits.iter().position(|&id| id == label)
     }
 }
@@ -152,11 +152,11 @@ impl<'a> Sequences<'a> {
         })
     }
 
-    fn labels_of(&self, b: usize) -> &'a [i64] {
+    pub(super) fn labels_of(&self, b: usize) -> &'a [i64] {
         &self.labels[b * self.seq..(b + 1) * self.seq]
     }
 
-    fn row(&self, b: usize, t: usize) -> &'a [f64] {
+    pub(super) fn row(&self, b: usize, t: usize) -> &'a [f64] {
         let i = b * self.seq + t;
         &self.logits[i * self.width..(i + 1) * self.width]
     }
@@ -174,21 +174,27 @@ pub struct SeqValue {
     pub parts: Vec<f64>,
 }
 
+/// Errors unless every digit id lies inside the logits width.
+pub fn check_digit_ids(seqs: &Sequences, tokens: &DigitTokens) -> Result<(), String> {
+    match tokens
+        .digits
+        .iter()
+        .find(|&&id| id < 0 || id as usize >= seqs.width)
+    {
+        Some(id) => Err(format!(
+            "digit token id {id} is outside the logits width {}",
+            seqs.width
+        )),
+        None => Ok(()),
+    }
+}
+
 pub fn sequence_loss(
     seqs: &Sequences,
     tokens: &DigitTokens,
     loss: &SeqLoss,
 ) -> Result<SeqValue, String> {
-    if let Some(&id) = tokens
-        .digits
-        .iter()
-        .find(|&&id| id < 0 || id as usize >= seqs.width)
-    {
-        return Err(format!(
-            "digit token id {id} is outside the logits width {}",
-            seqs.width
-        ));
-    }
+    check_digit_ids(seqs, tokens)?;
     match loss {
         SeqLoss::Ntil(s) => Ok(ntil(seqs, tokens, s, true)),
         SeqLoss::Emd { digit_exp } => {
