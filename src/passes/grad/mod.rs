@@ -120,7 +120,8 @@ impl<'a> Ctx<'a> {
         self.op("Expand", &[&zero, shape], "grad/zeros")
     }
 
-    /// 0.0 as the sum over an empty slice of the loss: no constant, and never NaN.
+    /// 0.0 as `Less(l, l)` of the loss's first element, cast to float: no constant, never NaN
+    /// (every comparison with NaN is false), and no empty tensor (tract cannot run those).
     fn zero_from_loss(&mut self) -> String {
         if let Some(z) = &self.runtime_zero {
             return z.clone();
@@ -130,9 +131,10 @@ impl<'a> Ctx<'a> {
         };
         let minus_one = self.i64s(&[-1]);
         let flat = self.op("Reshape", &[&loss, &minus_one], "grad/loss_flat");
-        let none = self.b.slice(&flat, 0, 0, 0, "grad/loss_none");
-        let sum = self.b.reduce_sum(&none, &[], false, "grad/zero_sum");
-        let zero = self.b.cast(&sum, crate::onnx::FLOAT, "grad/zero");
+        let first = self.b.const_i64("grad/c", &[], &[0]);
+        let l = self.op("Gather", &[&flat, &first], "grad/loss_first");
+        let never = self.op("Less", &[&l, &l], "grad/never");
+        let zero = self.b.cast(&never, crate::onnx::FLOAT, "grad/zero");
         self.ranks.set(&zero, 0);
         self.runtime_zero = Some(zero.clone());
         zero
