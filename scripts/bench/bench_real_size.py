@@ -222,7 +222,12 @@ def prepare(args, work: Path) -> dict:
             old.unlink()
         print(f"export ({args.exporter}) ...", flush=True)
         t0 = time.perf_counter()
-        how = export(spec, args.exporter, work / "model.onnx")
+        # in a child process: the driver stays small while the runs measure their memory
+        r = subprocess.run([sys.executable, __file__, "export", json.dumps(spec), args.exporter,
+                            str(work / "model.onnx")], capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(f"export failed: {r.stderr.strip()[-2000:]}")
+        how = r.stdout.strip().splitlines()[-1]
         meta = {"spec": spec, "exporter": how, "export_s": time.perf_counter() - t0, "step_graphs": {}}
     for name in [c for c in args.config_list if c != "torch"]:
         extra = args.step_configs[name]
@@ -276,12 +281,13 @@ def worker(argv) -> None:
     else:
         step, extra = runner_step(work / argv[5], Path(argv[6]), ids, labels, threads, device)
     load_s = time.perf_counter() - t_load
-    times, losses = [], []
+    times, cpu, losses = [], [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         losses.append(step())
         times.append(time.perf_counter() - t0)
-    print(json.dumps({"load_s": load_s, "times": times, "losses": losses,
+        cpu.append(time.process_time() - c0)
+    print(json.dumps({"load_s": load_s, "times": times, "cpu": cpu, "losses": losses,
                       "mem": {**proc_status(), **extra.get("mem", lambda: {})()},
                       "versions": extra.get("versions", {})}), flush=True)
 
@@ -430,10 +436,12 @@ def summarize(runs: list[dict]) -> dict:
     if not ok:
         return {"error": runs[0]["error"] if runs else "not run"}
     later = [t for r in ok for t in r["times"][1:]] or [t for r in ok for t in r["times"]]
+    cpu = [t for r in ok for t in r["cpu"][1:]] or [t for r in ok for t in r["cpu"]]
     hwm = [r["mem"]["VmHWM"] for r in ok]
     return {
         "runs": len(ok), "first_s": statistics.median(r["times"][0] for r in ok),
         "median_s": statistics.median(later), "min_s": min(later), "max_s": max(later),
+        "cpu_s": statistics.median(cpu),
         "peak_mib": statistics.median(hwm), "peak_min_mib": min(hwm), "peak_max_mib": max(hwm),
         "anon_end_mib": statistics.median(r["mem"]["RssAnon"] for r in ok),
         "file_end_mib": statistics.median(r["mem"]["RssFile"] for r in ok),
@@ -458,20 +466,20 @@ def markdown(args, meta: dict, res: dict, env: dict) -> str:
         else:
             lines.append(f"- `{name}` (extra arguments {extra}): {g['parameters']} trained tensors, "
                          f"{g['parameter_elements'] / 1e6:.1f} M elements; `ntl-patch step` {g['step_s']:.1f} s")
-    lines += ["", "| configuration | runs | s/step (median of steps 2+) | min – max | first step s | "
+    lines += ["", "| configuration | runs | s/step (median of steps 2+) | min – max | CPU s/step | first step s | "
               "peak RSS MiB (median, min – max) | × torch | at the end: anon / file MiB | losses (total, run 1) |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     torch_peak = res.get("torch", {}).get("peak_mib")
     torch_gpu = res.get("torch", {}).get("gpu_peak_mib")
     for kind in args.config_list:
         c = res.get(kind, {"error": "not run"})
         if "error" in c:
-            lines.append(f"| `{kind}` | cannot run: {c['error']} | | | | | | | |")
+            lines.append(f"| `{kind}` | cannot run: {c['error']} | | | | | | | | |")
             continue
         ratio = f"{c['peak_mib'] / torch_peak:.2f}" if torch_peak and kind != "torch" else "-"
         losses = ", ".join(f"{x[0]:.6f}" for x in c["losses"])
         lines.append(f"| `{kind}` | {c['runs']} | {c['median_s']:.3f} | {c['min_s']:.3f} – {c['max_s']:.3f} | "
-                     f"{c['first_s']:.3f} | {c['peak_mib']:.0f} ({c['peak_min_mib']:.0f} – {c['peak_max_mib']:.0f}) | "
+                     f"{c['cpu_s']:.3f} | {c['first_s']:.3f} | {c['peak_mib']:.0f} ({c['peak_min_mib']:.0f} – {c['peak_max_mib']:.0f}) | "
                      f"{ratio} | {c['anon_end_mib']:.0f} / {c['file_end_mib']:.0f} | {losses} |")
     if args.device == "cuda":
         lines += ["", "| configuration | GPU memory MiB (peak memory.used above the start, largest run) | × torch | "
@@ -499,6 +507,9 @@ def markdown(args, meta: dict, res: dict, env: dict) -> str:
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
         worker(sys.argv[2:])
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "export":  # export SPEC_JSON EXPORTER PATH
+        print(export(json.loads(sys.argv[2]), sys.argv[3], Path(sys.argv[4])), flush=True)
         return
     args = parse_args()
     work = Path(args.workdir)
