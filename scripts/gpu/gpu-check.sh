@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check for a machine with an NVIDIA GPU. Four parts, each in its own Python environment:
+# GPU check for a machine with an NVIDIA GPU. Five parts, each in its own Python environment:
 #
 #   scripts/gpu/gpu-check.sh [gpu_check.py options: --steps N --models lm_flat --losses ntil ...]
 #   scripts/gpu/gpu-check.sh --step [gpu_check_step.py options: --models gpt2_ts --losses ntil --self-test ...]
