@@ -29,9 +29,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from . import _dlpack, _onnx_wire, _safetensors
+from . import _dlpack, _onnx_wire, _safetensors, _state
 
-METADATA_KEY = "ntl_step"
 LOSS_SCALE_STATE = "ntl/state/loss_scale"
 CHECKPOINT_FORMAT = "ntl_patch.DataParallel/1"
 _GPU_PROVIDERS = {"CUDAExecutionProvider", "ROCMExecutionProvider", "MIGraphXExecutionProvider"}
@@ -43,16 +42,11 @@ def _update_path(grad_graph: Path) -> Path:
     return grad_graph.with_name(f"{stem}.update.onnx")
 
 
-def _metadata(session, path: Path) -> dict:
-    raw = session.get_modelmeta().custom_metadata_map.get(METADATA_KEY)
+def _metadata(path: Path) -> dict:
     try:
-        meta = json.loads(raw) if raw is not None else None
-    except ValueError:
-        meta = None
-    keys = ("state", "parameters", "lr_input", "losses", "data_inputs")
-    if not isinstance(meta, dict) or any(k not in meta for k in keys):
-        raise ValueError(f"{path}: no usable '{METADATA_KEY}' metadata; write the graphs with "
-                         f"`ntl-patch step MODEL --split`")
+        meta = _state.read_metadata(path)
+    except ValueError as e:
+        raise ValueError(f"{e}; write the graphs with `ntl-patch step MODEL --split`") from None
     if not meta.get("split"):
         raise ValueError(f"{path}: a single step graph, not the split form: write MODEL.grad.onnx "
                          f"and MODEL.update.onnx with `ntl-patch step MODEL --split` (a single "
@@ -107,14 +101,21 @@ class DataParallel:
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
 
-        if session_options is None:
-            session_options = ort.SessionOptions()
-            session_options.log_severity_level = 3  # state inputs have initializers by contract
-            session_options.enable_mem_pattern = False
-        self.grad_session = ort.InferenceSession(str(self.grad_path), session_options, providers=providers)
-        self.update_session = ort.InferenceSession(str(self.update_path), session_options, providers=providers)
+        meta = _metadata(self.grad_path)
+        umeta = _metadata(self.update_path)
+        if meta["state"] != umeta["state"] or meta["parameters"] != umeta["parameters"]:
+            raise ValueError(f"{self.grad_path} and {self.update_path} come from different "
+                             f"`ntl-patch step --split` runs (their state differs)")
+        self.metadata: dict = meta
+        state_inputs = [str(i) for i, _ in meta["state"]]
+        # neither session keeps the state: the parameters (the gradient graph's initializers)
+        # and the optimizer state (the update graph's) live once, in self._state
+        self.grad_session = _state.session_without(self.grad_path, state_inputs, session_options, providers)
+        self.update_session = _state.session_without(self.update_path, state_inputs, session_options,
+                                                     providers)
         self._check_graphs()
         self._state = self._initial_state()
+        self._broken: str | None = None
         self._steps = int(np.asarray(self._state_host(self.step_input)))
         self.skipped_steps = 0
         self.last_step_skipped = False
@@ -137,12 +138,7 @@ class DataParallel:
         return providers, "cpu", 0
 
     def _check_graphs(self) -> None:
-        meta = _metadata(self.grad_session, self.grad_path)
-        umeta = _metadata(self.update_session, self.update_path)
-        if meta["state"] != umeta["state"] or meta["parameters"] != umeta["parameters"]:
-            raise ValueError(f"{self.grad_path} and {self.update_path} come from different "
-                             f"`ntl-patch step --split` runs (their state differs)")
-        self.metadata: dict = meta
+        meta = self.metadata
         self.parameter_names: list[str] = list(meta["parameters"])
         self.data_inputs: list[str] = list(meta["data_inputs"])
         self.losses: list[str] = list(meta["losses"])
@@ -157,6 +153,8 @@ class DataParallel:
         self._scale_input = LOSS_SCALE_STATE if LOSS_SCALE_STATE in gin else None
         self.step_input = next((i for i, _ in self.state_names if i == "ntl/state/step"),
                                self.state_names[-1][0])
+        # the update graph may write each listed tensor's next value over the tensor itself
+        self._in_place: set[str] = set(meta.get("in_place", [])) & {i for i, _ in self.state_names}
         outs = [o.name for o in self.grad_session.get_outputs()]
         self.grad_names = outs[3:]
         if outs[:3] != self.losses or len(self.grad_names) != len(self.parameter_names):
@@ -179,13 +177,13 @@ class DataParallel:
     def _initial_state(self) -> dict:
         params = set(self.parameter_names)
         names = [i for i, _ in self.state_names]
-        host = _onnx_wire.read_initializers(self.grad_path, [n for n in names if n in params])
-        host.update(_onnx_wire.read_initializers(self.update_path, [n for n in names if n not in params]))
-        return {n: self._upload(host[n]) for n in names}
-
-    def _upload(self, arr: np.ndarray) -> ort.OrtValue:
-        arr = np.array(arr, copy=True, order="C")  # not ascontiguousarray: it makes scalars [1]
-        return ort.OrtValue.ortvalue_from_numpy(arr, self.device, self.device_id)
+        try:
+            return _state.initial_state([(self.grad_path, [n for n in names if n in params]),
+                                         (self.update_path, [n for n in names if n not in params])],
+                                        self.device, self.device_id)
+        except KeyError as e:
+            raise ValueError(f"{e.args[0]}: every state tensor needs its initial value as an "
+                             f"initializer (docs/STEP_GRAPH.md)") from None
 
     # --- training ----------------------------------------------------------------------------
 
@@ -208,15 +206,23 @@ class DataParallel:
         graph's learning rate for this step (the same on every rank). Returns (total, ce_loss,
         number_loss), each the mean over micro-batches and ranks."""
         torch = self._torch
+        self._check_usable()
         micro = [batch] if isinstance(batch, dict) else batch
         if not isinstance(micro, (list, tuple)) or len(micro) != self.accumulation_steps \
                 or not all(isinstance(b, dict) for b in micro):
             raise TypeError(f"step() takes a dict of data inputs (accumulation_steps=1) or a list of "
                             f"{self.accumulation_steps} such dicts, not {type(batch).__name__}"
                             + (f" of length {len(batch)}" if isinstance(batch, (list, tuple)) else ""))
-        flat = torch.zeros(self._numel + 3, dtype=torch.float32, device=self.torch_device)
-        for b in micro:
-            self._accumulate(b, flat)
+        # the averaged gradient (and the 3 losses): the first micro-batch's gradient graph writes
+        # its gradients into it directly, later ones through a scratch buffer
+        flat = torch.empty(self._numel + 3, dtype=torch.float32, device=self.torch_device)
+        flat[self._numel:] = 0
+        scratch = None
+        for i, b in enumerate(micro):
+            if i == 1:
+                scratch = torch.empty(self._numel, dtype=torch.float32, device=self.torch_device)
+            self._accumulate(b, flat, scratch)
+        del scratch
         if self.world_size > 1:
             self._dist.all_reduce(flat, op=self._dist.ReduceOp.SUM, group=self.group)
         flat.div_(self.world_size * self.accumulation_steps)
@@ -251,7 +257,14 @@ class DataParallel:
         if self.device != "cpu":
             self._torch.cuda.current_stream(self.torch_device).synchronize()
 
-    def _accumulate(self, batch: dict, flat) -> None:
+    def _views(self, buffer) -> list:
+        """OrtValues over buffer's spans, one per gradient, in the gradients' shapes."""
+        return [_dlpack.from_torch(buffer[off:off + n].view(shape))
+                for (off, n), shape in zip(self._spans, self._shapes)]
+
+    def _accumulate(self, batch: dict, flat, scratch) -> None:
+        """Runs the gradient graph on batch; its gradients go into flat (scratch None) or are
+        added to flat through scratch."""
         b = self.grad_session.io_binding()
         keep: list = []
         self._bind_data(b, batch, keep)
@@ -259,23 +272,25 @@ class DataParallel:
             b.bind_ortvalue_input(p, self._state[p])
         if self._scale_input:
             b.bind_ortvalue_input(self._scale_input, self._state[self._scale_input])
-        for name in (*self.losses, *self.grad_names):
+        for name in self.losses:
             b.bind_output(name, self.device, self.device_id)
+        grads = self._views(flat if scratch is None else scratch)
+        for name, g in zip(self.grad_names, grads):
+            b.bind_ortvalue_output(name, g)
         self._sync_torch()
         self.grad_session.run_with_iobinding(b)
         b.synchronize_outputs()
         outs = b.get_outputs()
-        for (off, n), g in zip(self._spans, outs[3:]):
-            flat[off:off + n].add_(_dlpack.to_torch(g).reshape(-1))
+        if scratch is not None:
+            flat[:self._numel].add_(scratch)
         for j, v in enumerate(outs[:3]):
             flat[self._numel + j].add_(_dlpack.to_torch(v).reshape(()).to(flat.dtype))
-        del keep
+        del keep, grads
 
     def _update(self, flat, lr) -> bool:
         """Runs the update graph; True when it skipped the step (fp16, an inf/NaN gradient)."""
         b = self.update_session.io_binding()
-        grads = [_dlpack.from_torch(flat[off:off + n].view(shape))
-                 for (off, n), shape in zip(self._spans, self._shapes)]
+        grads = self._views(flat)
         for name, _ in self.state_names:
             b.bind_ortvalue_input(name, self._state[name])
         for name, g in zip(self.grad_names, grads):
@@ -284,54 +299,56 @@ class DataParallel:
             if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating, np.integer)):
                 raise TypeError(f"lr must be a number, not {type(lr).__name__}")
             b.bind_ortvalue_input(self.lr_input, ort.OrtValue.ortvalue_from_numpy(np.array(lr, np.float32)))
-        for _, out in self.state_names:
-            b.bind_output(out, self.device, self.device_id)
+        _state.bind_next(b, self.state_names, self._state, self._in_place, self.device, self.device_id)
         if self.skip_output:
             b.bind_output(self.skip_output, "cpu")
         self._sync_torch()
-        self.update_session.run_with_iobinding(b)
+        try:
+            self.update_session.run_with_iobinding(b)
+        except Exception as e:
+            if self._in_place:
+                self._broken = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            raise
         b.synchronize_outputs()
         values = b.get_outputs()
         b.clear_binding_inputs()
-        self._state = {name: v for (name, _), v in zip(self.state_names, values)}
+        _state.take_next(self.state_names, self._state, self._in_place, values)
         del grads
         if not self.skip_output:
             return False
         return bool(np.asarray(values[len(self.state_names)].numpy()).reshape(-1)[0])
 
-    # --- state -------------------------------------------------------------------------------
+    # --- state ---------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"{self.update_path}: an update failed while it wrote the state in "
+                               f"place ({self._broken}), so the state may be partly updated; "
+                               f"load_state() a checkpoint to go on")
 
     def _state_host(self, name: str) -> np.ndarray:
-        v = self._state[name]
-        arr = v.numpy()  # a copy from a device, a view on CPU
-        return arr.copy() if v.device_name().lower() == "cpu" else arr
+        return _state.host(self._state[name])
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Parameters, optimizer moments and the step count, copied to host (state input names)."""
+        self._check_usable()
         return {n: self._state_host(n) for n, _ in self.state_names}
 
     def parameters(self) -> dict[str, np.ndarray]:
         """The trained parameters, copied to host."""
+        self._check_usable()
         return {n: self._state_host(n) for n in self.parameter_names}
 
     def load_state_dict(self, state: dict) -> None:
-        """Upload a state (e.g. from state_dict()); names, dtypes and shapes must match."""
+        """Upload a state (e.g. from state_dict()); names, dtypes and shapes must match. Each old
+        tensor is released as its new one arrives."""
+        self._load(state, copy=True)
+
+    def _load(self, state: dict, copy: bool) -> None:
         names = [n for n, _ in self.state_names]
-        missing = [n for n in names if n not in state]
-        extra = [n for n in state if n not in names]
-        if missing or extra:
-            raise ValueError(f"state must have exactly the state tensors: missing {missing[:5]}, "
-                             f"unexpected {extra[:5]}")
-        new = {}
-        for n in names:
-            arr = np.asarray(state[n])
-            want = self._state[n]
-            dtype = self._state_host(n).dtype
-            if tuple(arr.shape) != tuple(want.shape()) or arr.dtype != dtype:
-                raise ValueError(f"state[{n!r}] is {arr.dtype}{list(arr.shape)}, expected "
-                                 f"{dtype}{list(want.shape())}")
-            new[n] = self._upload(arr)
-        self._state = new
+        _state.check_state(names, self._state, state)
+        _state.replace_state(names, self._state, state, self.device, self.device_id, copy=copy)
+        self._broken = None
         self._steps = int(np.asarray(state[self.step_input]))
 
     def _barrier(self) -> None:
@@ -350,7 +367,10 @@ class DataParallel:
                     "parameters": json.dumps(self.parameter_names),
                     "optimizer": json.dumps(self.metadata.get("optimizer")),
                     "steps": str(self._steps)}
-            _safetensors.save(path, self.state_dict(), meta)
+            self._check_usable()
+            # straight from the state's memory on CPU, one tensor at a time off a GPU
+            _safetensors.save(path, {n: _state.host_bytes(self._state[n]) for n, _ in self.state_names},
+                              meta)
         self._barrier()
         return path
 
@@ -359,13 +379,17 @@ class DataParallel:
         tensors, meta = _safetensors.load(path)
         if meta.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: not a DataParallel checkpoint (format {meta.get('format')!r})")
-        self.load_state_dict(tensors)
+        self._load(tensors, copy=False)  # the arrays are fresh: the state may keep them
 
-    def save_inference_model(self, original_model, out, strict: bool = True) -> Path:
-        """original_model with the trained parameters (see StepRunner.save_inference_model).
-        Call it on every rank: rank 0 writes."""
+    def save_inference_model(self, original_model, out, strict: bool = True,
+                             external_data: bool | None = None) -> Path:
+        """original_model with the trained parameters (see StepRunner.save_inference_model,
+        external data included). Call it on every rank: rank 0 writes."""
         if self.rank == 0:
-            _onnx_wire.replace_initializers(original_model, out, self.parameters(), strict=strict)
+            self._check_usable()
+            values = {n: _state.host_bytes(self._state[n]) for n in self.parameter_names}
+            _onnx_wire.replace_initializers(original_model, out, values, strict=strict,
+                                            external_data=external_data)
         self._barrier()
         return Path(out)
 

@@ -24,18 +24,15 @@ counts the skipped steps (``steps_taken`` counts the applied ones, as the optimi
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
-from . import _onnx_wire
+from . import _onnx_wire, _state
 
-METADATA_KEY = "ntl_step"
 LOSS_SCALE_STATE = "ntl/state/loss_scale"
-_REQUIRED_KEYS = ("state", "parameters", "lr_input", "losses", "data_inputs")
 
 # execution provider -> IOBinding device type of its memory
 _PROVIDER_DEVICE = {
@@ -53,13 +50,6 @@ _PROVIDER_DEVICE = {
 _DEFAULT_PROVIDERS = ("CUDAExecutionProvider", "ROCMExecutionProvider", "MIGraphXExecutionProvider",
                       "DmlExecutionProvider")
 
-_ORT_TYPES = {
-    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
-    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int16)": np.int16,
-    "tensor(int8)": np.int8, "tensor(uint8)": np.uint8, "tensor(uint16)": np.uint16,
-    "tensor(uint32)": np.uint32, "tensor(uint64)": np.uint64, "tensor(bool)": np.bool_,
-}
-
 
 def _default_providers() -> list[str]:
     available = ort.get_available_providers()
@@ -73,34 +63,21 @@ class StepRunner:
     ``onnxruntime.InferenceSession`` (default: CUDA, ROCm, MIGraphX or DirectML when this
     onnxruntime build has it, else CPU). device / device_id: where the state lives (default: the
     first provider's memory, e.g. ``"cuda"``; override for providers not listed in
-    ``_PROVIDER_DEVICE``). Without session_options, ORT logs errors only (it would warn about
-    every state input having an initializer, which the contract requires) and its memory
-    pattern is off: with it, the second step plans a second full-size block that stays
-    (measured: peak RSS 1.3–1.7x lower without it, step time unchanged; bench/README.md).
+    ``_PROVIDER_DEVICE``). Without session_options, ORT logs errors only and its memory pattern
+    is off: with it, the second step plans a second full-size block that stays (measured: peak
+    RSS 1.3-1.7x lower without it, step time unchanged; bench/README.md).
+
+    The state lives once, in OrtValues this runner owns: the session is built without the
+    state's initializers (their values are uploaded once), and each step writes the next value
+    of every tensor the graph marks ``in_place`` (the optimizer moments, the step count) into
+    that tensor's own memory; the trained parameters get new memory, and the old values are
+    released when the step returns.
     """
 
     def __init__(self, path, providers=None, session_options=None, *, device: str | None = None,
                  device_id: int | None = None):
         self.path = Path(os.fspath(path))
-        if session_options is None:
-            # every state input has an initializer by contract: ORT warns about each one
-            session_options = ort.SessionOptions()
-            session_options.log_severity_level = 3
-            session_options.enable_mem_pattern = False
-        self.session = ort.InferenceSession(
-            str(self.path), sess_options=session_options,
-            providers=list(providers) if providers is not None else _default_providers())
-        raw = self.session.get_modelmeta().custom_metadata_map.get(METADATA_KEY)
-        if raw is None:
-            raise ValueError(f"{self.path}: not a step graph (no '{METADATA_KEY}' metadata); "
-                             f"write one with `ntl-patch step MODEL`")
-        try:
-            meta = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{self.path}: '{METADATA_KEY}' metadata is not JSON ({e})") from None
-        missing = [k for k in _REQUIRED_KEYS if not isinstance(meta, dict) or k not in meta]
-        if missing:
-            raise ValueError(f"{self.path}: '{METADATA_KEY}' metadata lacks {', '.join(missing)}")
+        meta = _state.read_metadata(self.path)
         self.metadata: dict = meta
         self.state_names: list[tuple[str, str]] = [(str(i), str(o)) for i, o in meta["state"]]
         self.parameter_names: list[str] = list(meta["parameters"])
@@ -109,22 +86,27 @@ class StepRunner:
         self.lr_input: str | None = meta["lr_input"]
         # fp16: the bool output telling a skipped step (None for graphs without loss scaling)
         self.skip_output: str | None = meta.get("skip_output")
+        state_inputs = [i for i, _ in self.state_names]
+        self._in_place: set[str] = set(meta.get("in_place", [])) & set(state_inputs)
 
-        # inputs with an initializer (the state, ntl/lr) are "overridable initializers" to ORT
+        self.session = _state.session_without(
+            self.path, state_inputs, session_options,
+            list(providers) if providers is not None else _default_providers())
+        # ntl/lr keeps its initializer: an "overridable initializer" to ORT
         inputs = {i.name: i for i in (*self.session.get_inputs(),
                                       *self.session.get_overridable_initializers())}
         outputs = {o.name for o in self.session.get_outputs()}
-        want_in = self.data_inputs + [i for i, _ in self.state_names]
+        want_in = self.data_inputs + state_inputs
         want_out = self.losses + [o for _, o in self.state_names] + \
             ([self.skip_output] if self.skip_output else [])
         absent = [n for n in want_in if n not in inputs] + [n for n in want_out if n not in outputs]
         if absent or len(self.losses) != 3:
-            raise ValueError(f"{self.path}: graph does not match its '{METADATA_KEY}' metadata "
+            raise ValueError(f"{self.path}: graph does not match its 'ntl_step' metadata "
                              f"(missing {absent[:5]}, losses {self.losses}); split-form graphs "
                              f"(--split) are not run by StepRunner")
         if self.lr_input is not None and self.lr_input not in inputs:
             raise ValueError(f"{self.path}: lr input {self.lr_input!r} is not a graph input")
-        self._input_types = {n: _ORT_TYPES.get(i.type) for n, i in inputs.items()}
+        self._input_types = {n: _state.ORT_TYPES.get(i.type) for n, i in inputs.items()}
 
         provider = self.session.get_providers()[0]
         self.device = device or _PROVIDER_DEVICE.get(provider, "cpu")
@@ -133,8 +115,15 @@ class StepRunner:
             device_id = int(opts.get("device_id", 0) or 0)
         self.device_id = device_id
 
-        self._state: dict[str, ort.OrtValue] | None = None  # None: the initializer defaults
-        self._steps = 0
+        try:
+            self._state: dict[str, ort.OrtValue] = _state.initial_state(
+                [(self.path, state_inputs)], self.device, self.device_id)
+        except KeyError as e:
+            raise ValueError(f"{e.args[0]}: every state input needs its initial value as an "
+                             f"initializer (docs/STEP_GRAPH.md)") from None
+        step = next((i for i in state_inputs if i == "ntl/state/step"), None)
+        self._steps = int(np.asarray(_state.host(self._state[step]))) if step else 0
+        self._broken: str | None = None
         self.skipped_steps = 0
         self.last_step_skipped = False
 
@@ -149,15 +138,19 @@ class StepRunner:
     @property
     def loss_scale(self) -> float | None:
         """fp16: the current loss scale (state ``ntl/state/loss_scale``); None without one."""
-        if not any(i == LOSS_SCALE_STATE for i, _ in self.state_names):
+        if LOSS_SCALE_STATE not in self._state:
             return None
-        if self._state is None:
-            return float(_onnx_wire.read_initializers(self.path, [LOSS_SCALE_STATE])[LOSS_SCALE_STATE])
-        return float(np.asarray(self._host(LOSS_SCALE_STATE)).reshape(-1)[0])
+        return float(np.asarray(_state.host(self._state[LOSS_SCALE_STATE])).reshape(-1)[0])
+
+    @property
+    def in_place(self) -> list[str]:
+        """The state inputs each step updates in their own memory (the graph's ``in_place``)."""
+        return [n for n, _ in self.state_names if n in self._in_place]
 
     def step(self, batch: dict, lr: float | None = None) -> tuple[float, float, float]:
         """One training step on batch (data input name -> array); lr overrides the graph's
         learning rate for this step. Returns (total, ce_loss, number_loss)."""
+        self._check_usable()
         arrays = self._check_batch(batch)
         # A new binding per step: the output OrtValues reference the binding that made them
         # (onnxruntime <= 1.19 frees them if that binding is cleared or reused).
@@ -169,9 +162,8 @@ class StepRunner:
             else:
                 keep.append(value)
                 b.bind_cpu_input(name, value)
-        if self._state is not None:  # the first step uses the initializers
-            for name, _ in self.state_names:
-                b.bind_ortvalue_input(name, self._state[name])
+        for name, _ in self.state_names:
+            b.bind_ortvalue_input(name, self._state[name])
         if lr is not None:
             if self.lr_input is None:
                 raise ValueError(f"{self.path}: the graph has no lr input; step(lr=...) is not possible")
@@ -180,16 +172,20 @@ class StepRunner:
             b.bind_ortvalue_input(self.lr_input, ort.OrtValue.ortvalue_from_numpy(lr_arr))
         for name in self.losses:
             b.bind_output(name, "cpu")
-        for _, out in self.state_names:
-            b.bind_output(out, self.device, self.device_id)
+        _state.bind_next(b, self.state_names, self._state, self._in_place, self.device, self.device_id)
         if self.skip_output:
             b.bind_output(self.skip_output, "cpu")
-        self.session.run_with_iobinding(b)
+        try:
+            self.session.run_with_iobinding(b)
+        except Exception as e:
+            if self._in_place:
+                self._broken = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            raise
         values = b.get_outputs()
-        b.clear_binding_inputs()  # release the previous state; the outputs stay with b
+        b.clear_binding_inputs()  # release the previous parameters; the outputs stay with b
         losses = tuple(float(np.asarray(v.numpy()).reshape(-1)[0]) for v in values[:3])
         n = len(self.state_names)
-        self._state = {name: v for (name, _), v in zip(self.state_names, values[3:3 + n])}
+        _state.take_next(self.state_names, self._state, self._in_place, values[3:3 + n])
         self.last_step_skipped = bool(self.skip_output) and bool(np.asarray(values[3 + n].numpy()).reshape(-1)[0])
         if self.last_step_skipped:
             self.skipped_steps += 1
@@ -197,6 +193,12 @@ class StepRunner:
             self._steps += 1
         del keep
         return losses  # type: ignore[return-value]
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"{self.path}: a step failed while it updated the state in place "
+                               f"({self._broken}), so the state may be partly updated; "
+                               f"load_state_dict() a saved state to go on")
 
     def _check_batch(self, batch) -> dict:
         if not isinstance(batch, dict):
@@ -223,57 +225,43 @@ class StepRunner:
     def state_dict(self) -> dict[str, np.ndarray]:
         """Every state tensor (parameters, optimizer state, step count) copied to host, keyed by
         its state input name."""
-        names = [n for n, _ in self.state_names]
-        if self._state is None:
-            return _onnx_wire.read_initializers(self.path, names)
-        return {n: self._host(n) for n in names}
+        self._check_usable()
+        return {n: _state.host(self._state[n]) for n, _ in self.state_names}
 
     def parameters(self) -> dict[str, np.ndarray]:
         """The trained parameters copied to host, keyed by initializer name."""
-        if self._state is None:
-            return _onnx_wire.read_initializers(self.path, self.parameter_names)
-        return {n: self._host(n) for n in self.parameter_names}
-
-    def _host(self, name: str) -> np.ndarray:
-        value = self._state[name]
-        arr = value.numpy()  # a copy from a device; a view of the state's memory on CPU
-        return arr.copy() if value.device_name().lower() == "cpu" else arr
+        self._check_usable()
+        return {n: _state.host(self._state[n]) for n in self.parameter_names}
 
     def load_state_dict(self, state: dict) -> None:
-        """Upload a state from state_dict() (e.g. a checkpoint) to the device."""
+        """Upload a state from state_dict() (e.g. a checkpoint) to the device, one tensor at a
+        time (each old tensor is released as its new one arrives)."""
         names = [n for n, _ in self.state_names]
-        missing = [n for n in names if n not in state]
-        extra = [n for n in state if n not in names]
-        if missing or extra:
-            raise ValueError(f"state must have exactly the state tensors: missing {missing[:5]}, "
-                             f"unexpected {extra[:5]}")
-        if self._state is None:
-            ref = {n: (a.dtype, a.shape) for n, a in self.state_dict().items()}
-        else:
-            ref = {n: (np.dtype(_ORT_TYPES.get(v.data_type(), np.float32)), tuple(v.shape()))
-                   for n, v in self._state.items()}
-        uploaded = {}
-        for n in names:
-            arr = np.array(state[n], copy=True, order="C")
-            dtype, shape = ref[n]
-            if arr.shape != tuple(shape) or arr.dtype != dtype:
-                raise ValueError(f"state[{n!r}] is {arr.dtype}{list(arr.shape)}, expected "
-                                 f"{dtype}{list(shape)}")
-            uploaded[n] = ort.OrtValue.ortvalue_from_numpy(arr, self.device, self.device_id)
-        self._state = uploaded
+        _state.check_state(names, self._state, state)
+        _state.replace_state(names, self._state, state, self.device, self.device_id)
+        self._broken = None
         if "ntl/state/step" in state:
             self._steps = int(np.asarray(state["ntl/state/step"]))
 
     # --- export -------------------------------------------------------------------------------
 
-    def save_inference_model(self, original_model, out, strict: bool = True) -> Path:
+    def save_inference_model(self, original_model, out, strict: bool = True,
+                             external_data: bool | None = None) -> Path:
         """Write original_model (an ONNX file whose initializers carry the parameter names, e.g.
         the exported training graph or a logits-only model) to out with each trained parameter's
-        initializer replaced by its trained value (raw_data); every other byte is kept. Atomic.
-        strict=False skips parameters the model does not hold. Parameters stored as external data
-        are written inline; NotImplementedError if that reaches protobuf's 2 GB limit. The float32
-        master copies of a float16/bfloat16 export (`--precision`) are rounded to its type."""
-        _onnx_wire.replace_initializers(original_model, out, self.parameters(), strict=strict)
+        initializer replaced by its trained value; every other byte is kept. Atomic.
+        strict=False skips parameters the model does not hold.
+
+        external_data: None (default) writes the weights as ONNX external data, in
+        ``<out name>.data`` beside out, when original_model has external data or would not fit
+        protobuf's 2 GB inline; True always, False never (ValueError when it would not fit).
+        With external data, out and its data file are all the model needs (the original's
+        other external initializers are copied into the data file). The float32 master copies
+        of a float16/bfloat16 export (`--precision`) are rounded to its type."""
+        self._check_usable()
+        values = {n: _state.host_bytes(self._state[n]) for n in self.parameter_names}
+        _onnx_wire.replace_initializers(original_model, out, values, strict=strict,
+                                        external_data=external_data)
         return Path(out)
 
     def __repr__(self) -> str:

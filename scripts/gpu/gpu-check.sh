@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# GPU check for a machine with an NVIDIA GPU. Four parts, each in its own Python environment:
+# GPU check for a machine with an NVIDIA GPU. Five parts, each in its own Python environment:
 #
 #   scripts/gpu/gpu-check.sh [gpu_check.py options: --steps N --models lm_flat --losses ntil ...]
 #   scripts/gpu/gpu-check.sh --step [gpu_check_step.py options: --models gpt2_ts --losses ntil --self-test ...]
 #   scripts/gpu/gpu-check.sh --dp [--cpu] [gpu_check_dp.py options: --steps N --rtol R]
 #   scripts/gpu/gpu-check.sh --precision [--cpu] [gpu_check_precision.py options: --models gpt2_ts --steps N]
+#   scripts/gpu/gpu-check.sh --memory [bench_real_size.py options: --preset qwen0.5b --configs ...]
 #
 # Default (ORT Training, scripts/gpu/gpu_check.py): patch every fixture with every loss, train the
 # patched graphs with ONNX Runtime Training on CUDAExecutionProvider and on the CPU, and compare
@@ -41,6 +42,12 @@
 # where bf16 numerics are checked at all (no CPU runtime here runs bfloat16). `--precision
 # --cpu`: a dry run on the CPU (fp32 and fp16; onnxruntime's CPU provider computes float16
 # nodes in float32).
+# --memory (GPU memory, scripts/bench/bench_real_size.py --device cuda): StepRunner on onnxruntime-gpu's
+# CUDA provider against torch on CUDA, the same Qwen2-shaped model (random weights, dynamo export),
+# CE + 0.3·NTL-WAS and AdamW, each run its own process: peak GPU memory (nvidia-smi memory.used
+# above the value before the run), time per step, losses. Default `--preset qwen0.5b --configs
+# dense,default,torch --rounds 2` (dense: `ntl-patch step --fused-head off`; a configuration whose
+# step graph the binary cannot write is reported, not fatal). Report OUT/gpu-memory.{md,json}.
 # Run the parts one after the other for the full check.
 # NOTE: PyPI's onnxruntime-gpu 1.31.1 is a CUDA 13.0 build (its build_and_package_info says
 # cuda_version 13.0; libonnxruntime_providers_cuda.so needs libcublas.so.13, libcudart.so.13): it
@@ -80,8 +87,12 @@
 #                    venv-precision; venv-precision-cpu with --cpu): the --dp packages plus
 #                    transformers==5.24.0, tokenizers==0.23.3 and ntloss==0.3.2 (the reference
 #                    models and losses, tests/python/requirements.txt's pins)
+#   GPU_CHECK_MEM_VENV  --memory: the environment to make or reuse (default
+#                    ~/.cache/ntl-patch-gpu-check/venv-mem); it gets the --dp packages (torch 2.7.1
+#                    CUDA 12.6, onnxruntime-gpu 1.22.0) and the exporter's: transformers, tokenizers,
+#                    onnx, onnxscript, onnx-ir and ntloss at tests/python/requirements.txt's versions
 #   OUT              report folder (default target/gpu-check/): gpu-check.json, gpu-check-step.json,
-#                    gpu-check-dp.json
+#                    gpu-check-dp.json, gpu-memory.md
 # pip reads its usual variables (PIP_INDEX_URL, PIP_FIND_LINKS, PIP_NO_INDEX) for offline
 # machines. Without a usable GPU it says so and checks the CPU side only (exit 0; pass
 # --require-gpu to make that exit 2). Exit 1 when a comparison fails.
@@ -240,6 +251,22 @@ getattr(o, "preload_dlls", lambda: None)()
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")' "$root/scripts/gpu/gpu_check_precision.py" --bin "$bin" \
     --out "${OUT:-$root/target/gpu-check}" "$@"
+fi
+
+# -- GPU memory of StepRunner against torch (--memory)
+if [[ "${1:-}" == "--memory" ]]; then
+  shift
+  mem_venv="${GPU_CHECK_MEM_VENV:-$cache/venv-mem}"
+  ensure_venv "$mem_venv" "torch==2.7.1" "onnxruntime-gpu==1.22.0" "numpy==2.2.6" "transformers==5.24.0" \
+    "tokenizers==0.23.3" "onnx==1.17.0" "onnxscript==0.3.1" "onnx-ir==1.1.0" "ntloss==0.3.2"
+  find_bin
+  command -v nvidia-smi >/dev/null || { say "--memory needs nvidia-smi (an NVIDIA GPU)" >&2; exit 2; }
+  say "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -n 1)"
+  out="${OUT:-$root/target/gpu-check}"
+  mkdir -p "$out"
+  exec "$mem_venv/bin/python" "$root/scripts/bench/bench_real_size.py" --device cuda --python "$mem_venv/bin/python" \
+    --bin "$bin" --preset qwen0.5b --rounds 2 --force --workdir "$out/memory" \
+    --markdown "$out/gpu-memory.md" --json "$out/gpu-memory.json" "$@"
 fi
 
 # -- 1. Python environment

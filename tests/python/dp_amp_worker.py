@@ -38,8 +38,8 @@ def main() -> None:
     dp = DataParallel(grad, providers=["CPUExecutionProvider"], session_options=so)
     accumulate, at = dp._accumulate, {"step": 0}
 
-    def poisoned(batch, flat):
-        accumulate(batch, flat)
+    def poisoned(batch, flat, *rest):
+        accumulate(batch, flat, *rest)
         if rank == 1 and at["step"] == INF_STEP:
             flat[0] = float("inf")
     dp._accumulate = poisoned

@@ -32,6 +32,9 @@ pub struct Ctx<'a> {
     pub types: &'a crate::graph::elem_types::ElemTypes,
     pub opset: i64,
     scalars: HashMap<(u32, &'static str), String>,
+    /// The loss being differentiated (a run-time value), and the float32 zero read from it.
+    loss: Option<String>,
+    runtime_zero: Option<String>,
     /// Sparse contributions a rule hands back instead of a dense gradient (see `Scatter`).
     scatters: Vec<(String, Scatter)>,
 }
@@ -61,6 +64,8 @@ impl<'a> Ctx<'a> {
             types,
             opset,
             scalars: HashMap::new(),
+            loss: None,
+            runtime_zero: None,
             scatters: Vec::new(),
         }
     }
@@ -106,10 +111,33 @@ impl<'a> Ctx<'a> {
     }
 
     /// Zeros of a run-time shape (float32). Expand of a scalar rather than ConstantOfShape:
-    /// onnxruntime-rocm 1.22 registers no ConstantOfShape for opsets 20 and 21.
+    /// onnxruntime-rocm 1.22 registers no ConstantOfShape for opsets 20 and 21. The scalar is
+    /// read from the loss, so a runtime cannot fold the zeros into a constant where the shape
+    /// is static: onnxruntime would keep the embedding gradient's [V, d] base as an initializer
+    /// for the session's life (545 MB at Qwen2-0.5B's shape).
     pub fn zeros(&mut self, shape: &str) -> String {
-        let zero = self.f32(0.0);
+        let zero = self.zero_from_loss();
         self.op("Expand", &[&zero, shape], "grad/zeros")
+    }
+
+    /// 0.0 as `Less(l, l)` of the loss's first element, cast to float: no constant, never NaN
+    /// (every comparison with NaN is false), and no empty tensor (tract cannot run those).
+    fn zero_from_loss(&mut self) -> String {
+        if let Some(z) = &self.runtime_zero {
+            return z.clone();
+        }
+        let Some(loss) = self.loss.clone() else {
+            return self.f32(0.0);
+        };
+        let minus_one = self.i64s(&[-1]);
+        let flat = self.op("Reshape", &[&loss, &minus_one], "grad/loss_flat");
+        let first = self.b.const_i64("grad/c", &[], &[0]);
+        let l = self.op("Gather", &[&flat, &first], "grad/loss_first");
+        let never = self.op("Less", &[&l, &l], "grad/never");
+        let zero = self.b.cast(&never, crate::onnx::FLOAT, "grad/zero");
+        self.ranks.set(&zero, 0);
+        self.runtime_zero = Some(zero.clone());
+        zero
     }
 
     /// The gradient `g` of the forward output `y`, summed down to the shape of its operand `x`:
@@ -331,6 +359,10 @@ fn backward(
     seed: String,
     params: &[String],
 ) -> Result<BTreeMap<String, Parts>, Error> {
+    if ctx.loss.as_deref() != Some(loss) {
+        ctx.loss = Some(loss.to_string());
+        ctx.runtime_zero = None;
+    }
     let live = live_tensors(nodes, params);
     let needed = needed_tensors(nodes, loss, &live);
     let mut grads: BTreeMap<String, Parts> = BTreeMap::new();

@@ -5,6 +5,7 @@
 //! between the two).
 
 mod copies;
+mod in_place;
 pub mod loss_scale;
 pub mod optimizer;
 pub mod precision;
@@ -562,7 +563,6 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
     if let Some(view) = &fused {
         meta["fused_head"] = view.to_json();
     }
-    let meta = meta.to_string();
 
     let update = if req.split {
         let grad_names: Vec<String> = params
@@ -581,7 +581,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
             (&step_in, &step_out),
             &lr,
             scale_state.as_ref(),
-            &meta,
+            &mut meta,
             &mut zeros,
         )?;
         let graph = model.graph.as_mut().expect("graph");
@@ -641,9 +641,20 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         None
     };
     fused_head::lower::lower(model);
+    if update.is_none() {
+        // the parameters are read by the backward pass too: only the optimizer's own state
+        let params: BTreeSet<&str> = updates.iter().map(|u| u.param.as_str()).collect();
+        let candidates: Vec<(&str, &str)> = state
+            .iter()
+            .filter(|(i, _, _, _)| !params.contains(i.as_str()))
+            .map(|(i, o, _, _)| (i.as_str(), o.as_str()))
+            .collect();
+        let graph = model.graph.as_ref().expect("graph");
+        meta["in_place"] = in_place::in_place_inputs(graph, &candidates).into();
+    }
     model.metadata_props.push(StringStringEntryProto {
         key: Some(STEP_METADATA_KEY.into()),
-        value: Some(meta),
+        value: Some(meta.to_string()),
     });
     crate::graph::patch::check_consistency(model).map_err(Error::Inconsistent)?;
     Ok(Built {
@@ -821,7 +832,7 @@ fn update_model(
     step: (&str, &str),
     lr: &str,
     scale_state: Option<&ScaleState>,
-    meta: &str,
+    meta: &mut serde_json::Value,
     zeros: &mut ZeroState,
 ) -> Result<ModelProto, Error> {
     let opset = default_opset(model).expect("checked");
@@ -882,6 +893,12 @@ fn update_model(
         .map(|(_, o, d, t)| tensor_info(o, *t, d))
         .chain(skip_output(scale_state))
         .collect();
+    // only the optimizer reads the state here: every tensor may be updated in place
+    let pairs: Vec<(&str, &str)> = state
+        .iter()
+        .map(|(i, o, _, _)| (i.as_str(), o.as_str()))
+        .collect();
+    meta["in_place"] = in_place::in_place_inputs(&graph, &pairs).into();
     let update = ModelProto {
         ir_version: model.ir_version,
         opset_import: model

@@ -1,0 +1,178 @@
+"""The training state of a step graph as OrtValues that the trainer owns, held once.
+
+A step graph holds the initial state as initializers of its state inputs (docs/STEP_GRAPH.md).
+A session built from the file would keep them for the session's whole life, beside the state the
+trainer feeds: one more copy of every parameter and moment. So the trainers build the session from
+the file's bytes *without* those initializers (session_without) and upload the initial values
+themselves, one tensor at a time (initial_state). Each step then writes the next value of every
+state tensor the graph lists under ``in_place`` into that tensor's own memory (bind_next): a
+moment or parameter is updated where it lies, and the old value is never held beside the new
+one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from . import _onnx_wire
+
+METADATA_KEY = "ntl_step"
+REQUIRED_KEYS = ("state", "parameters", "lr_input", "losses", "data_inputs")
+# the session config key that points a model loaded from bytes at its external data (ORT >= 1.21)
+_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
+
+ORT_TYPES = {
+    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int16)": np.int16,
+    "tensor(int8)": np.int8, "tensor(uint8)": np.uint8, "tensor(uint16)": np.uint16,
+    "tensor(uint32)": np.uint32, "tensor(uint64)": np.uint64, "tensor(bool)": np.bool_,
+}
+
+
+def read_metadata(path: Path) -> dict:
+    """The graph's ``ntl_step`` metadata (ValueError naming what is wrong)."""
+    raw = _onnx_wire.read_metadata(path).get(METADATA_KEY)
+    if raw is None:
+        raise ValueError(f"{path}: not a step graph (no '{METADATA_KEY}' metadata); write one with "
+                         f"`ntl-patch step MODEL`")
+    try:
+        meta = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: '{METADATA_KEY}' metadata is not JSON ({e})") from None
+    missing = [k for k in REQUIRED_KEYS if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise ValueError(f"{path}: '{METADATA_KEY}' metadata lacks {', '.join(missing)}")
+    return meta
+
+
+def default_session_options() -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    # With the memory pattern, the second step plans a second full-size block that stays
+    # (measured: peak RSS 1.3-1.7x lower without it, step time unchanged; bench/README.md).
+    so.enable_mem_pattern = False
+    return so
+
+
+def _ort_version() -> tuple[int, int]:
+    try:
+        major, minor = ort.__version__.split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return 0, 0
+
+
+def session_without(path: Path, drop, session_options, providers) -> ort.InferenceSession:
+    """An InferenceSession of the graph at path that holds none of the initializers in drop.
+    session_options None: default_session_options().
+
+    The other initializers that live in external data are put inline into the bytes the session
+    reads; where that would reach protobuf's 2 GB limit (large frozen weights), onnxruntime >= 1.21
+    reads them from the model's folder instead (a session config entry, taken back afterwards
+    from options the caller passed)."""
+    so = session_options if session_options is not None else default_session_options()
+    try:
+        model = _onnx_wire.session_model(path, drop)
+        return ort.InferenceSession(model, sess_options=so, providers=providers)
+    except _onnx_wire.TooLarge:
+        if _ort_version() < (1, 21):
+            raise ValueError(f"{path}: its frozen weights and constants exceed 2 GB; loading them "
+                             f"from external data without the state needs onnxruntime >= 1.21 "
+                             f"(this is {ort.__version__})") from None
+    model = _onnx_wire.session_model(path, drop, inline_external=False)
+    try:
+        previous = so.get_session_config_entry(_FOLDER_KEY)
+    except RuntimeError:  # not set
+        previous = ""
+    so.add_session_config_entry(_FOLDER_KEY, str(path.resolve().parent))
+    try:
+        return ort.InferenceSession(model, sess_options=so, providers=providers)
+    finally:
+        if session_options is not None:  # the caller's options stay as they were
+            so.add_session_config_entry(_FOLDER_KEY, previous)
+
+
+def upload(arr: np.ndarray, device: str, device_id: int) -> ort.OrtValue:
+    """A new OrtValue on the device holding arr's values (on CPU it keeps arr itself)."""
+    arr = np.asarray(arr)
+    if not arr.flags.c_contiguous:
+        arr = np.array(arr, order="C")  # not ascontiguousarray: it makes scalars [1]
+    return ort.OrtValue.ortvalue_from_numpy(arr, device, device_id)
+
+
+def initial_state(sources: list[tuple[Path, list[str]]], device: str, device_id: int) -> dict:
+    """name -> OrtValue of each named initializer of each (graph, names) source: read, uploaded
+    and the host copy dropped one tensor at a time. A tensor that is a hole of a sparse file
+    (the optimizer's zero moments) becomes lazily allocated zeros."""
+    state = {}
+    for path, names in sources:
+        for name, arr in _onnx_wire.each_initializer(path, names):
+            state[name] = upload(arr, device, device_id)
+    return state
+
+
+def host(value: ort.OrtValue) -> np.ndarray:
+    """A host copy of value (never a view of the state's memory)."""
+    arr = value.numpy()  # a copy from a device; a view of the state's memory on CPU
+    return arr.copy() if value.device_name().lower() == "cpu" else arr
+
+
+def host_bytes(value: ort.OrtValue) -> _onnx_wire.ArrayBytes:
+    """value's bytes for a file writer, copied off the device only when written; on CPU the
+    writer reads the state's memory directly (no copy)."""
+    dtype = ORT_TYPES.get(value.data_type())
+    if dtype is None:
+        raise NotImplementedError(f"state tensor of type {value.data_type()} cannot be written")
+    return _onnx_wire.ArrayBytes(dtype, value.shape(), value.numpy)
+
+
+def describe(value: ort.OrtValue) -> tuple[np.dtype, tuple[int, ...]]:
+    return np.dtype(ORT_TYPES.get(value.data_type(), np.float32)), tuple(value.shape())
+
+
+def check_state(names: list[str], current: dict, state: dict) -> None:
+    """state (name -> array) matches current (name -> OrtValue) in names, dtypes and shapes."""
+    missing = [n for n in names if n not in state]
+    extra = [n for n in state if n not in names]
+    if missing or extra:
+        raise ValueError(f"state must have exactly the state tensors: missing {missing[:5]}, "
+                         f"unexpected {extra[:5]}")
+    for n in names:
+        arr = np.asarray(state[n])
+        dtype, shape = describe(current[n])
+        if tuple(arr.shape) != shape or arr.dtype != dtype:
+            raise ValueError(f"state[{n!r}] is {arr.dtype}{list(arr.shape)}, expected "
+                             f"{dtype}{list(shape)}")
+
+
+def replace_state(names: list[str], current: dict, state: dict, device: str, device_id: int,
+                  copy: bool = True) -> None:
+    """Upload state (checked by check_state) into current, releasing each old tensor as its new
+    one arrives. copy=False: on CPU the state may keep the given arrays themselves."""
+    for n in names:
+        arr = np.array(state[n], copy=True, order="C") if copy else np.asarray(state[n])
+        current[n] = upload(arr, device, device_id)
+
+
+def bind_next(binding, state_names, state: dict, in_place: set, device: str, device_id: int) -> None:
+    """Binds each state output: into its input's own memory where the graph allows it (the
+    metadata's ``in_place``), else to new memory the session allocates as the value is written
+    (measured: lower peaks than a second buffer per parameter made ahead, which exists before
+    the activations are freed)."""
+    for name, out in state_names:
+        if name in in_place:
+            binding.bind_ortvalue_output(out, state[name])
+        else:
+            binding.bind_output(out, device, device_id)
+
+
+def take_next(state_names, state: dict, in_place: set, outputs) -> None:
+    """After a run: the state inputs not written in place take their new values (the in-place
+    ones already hold theirs, and keep their own OrtValue, which owns the memory)."""
+    for (name, _), value in zip(state_names, outputs):
+        if name not in in_place:
+            state[name] = value

@@ -1,0 +1,543 @@
+#!/usr/bin/env python3
+"""Real-size benchmark: the step graph (StepRunner, onnxruntime) against torch eager on the shape
+of Qwen2-0.5B, in time per step, peak RSS and losses (bench/README.md, section "Real size").
+
+    .venv/bin/python scripts/bench/bench_real_size.py --preset qwen0.5b      # 24 layers, B=1, T=128
+    .venv/bin/python scripts/bench/bench_real_size.py --preset wide4         # 4 layers, B=4, T=1024
+    .venv/bin/python scripts/bench/bench_real_size.py --preset small         # 2 layers, d 128: a check
+
+The model: transformers' Qwen2ForCausalLM from a Qwen2Config (random weights, seed --seed, no
+download): d 896, 14 query / 2 key-value heads, MLP 4864, vocab 151 936, tied embeddings, eager
+attention; exported with its own loss (`labels=`) by torch's dynamo exporter (opset 18,
+optimize=False, external data; --exporter torchscript for the TorchScript exporter). The
+tokenizer: a WordLevel tokenizer.json of --vocab tokens with "0".."9" at scattered ids. The
+batch: random ids, labels 30 % digit tokens and 2 % -100.
+
+Configurations (--configs, default `dense,default,torch`):
+  a step configuration NAME: `ntl-patch step model.onnx --loss wasserstein --weight 0.3
+         [its --step-config arguments]` trained by python/ntl_patch StepRunner on onnxruntime
+         (.venv-rt: onnxruntime 1.31.1 + numpy). Built in: `dense` = `--fused-head off`,
+         `default` = no extra argument; `--step-config NAME=ARGS` adds or replaces one. A
+         configuration whose step graph cannot be written is reported, not fatal.
+  torch  torch eager: the same Qwen2ForCausalLM (same seed, so the same weights), its own loss
+         + 0.3·ntloss.NTLoss(digit_level=True) on the shifted logits, torch.optim.AdamW (the
+         step graph's defaults: lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01).
+Each run is its own process (a worker mode of this script) that loads, trains --steps steps and
+reports its step times, losses and peak RSS (VmHWM, with the resident anonymous and file-backed
+parts at the end): no run shares memory with another. The runs are interleaved: --rounds rounds,
+each one run per configuration in a rotated order, so slow drifts of the machine's load touch
+all configurations alike. Threads: --threads in torch (intra-op, 1 inter-op) and onnxruntime
+(intra_op_num_threads, 1 inter-op).
+
+--device cuda (scripts/gpu/gpu-check.sh --memory): the same on GPU 0, onnxruntime's CUDA provider
+(use_tf32=0) against torch on CUDA, both workers in one environment (--python); each run's GPU
+memory is the peak of nvidia-smi's memory.used for that GPU while it runs, above the value
+before it starts (the process's whole use: CUDA context, allocator caches; torch's own
+max_memory_allocated/reserved are reported beside it).
+
+Memory: a real-size run needs ~20 GB (the issue measured torch at ~10 GB and the old StepRunner
+at ~19 GB for qwen0.5b). The script refuses to start a run when /proc/meminfo's MemAvailable is
+below --min-available-gib (presets qwen0.5b and wide4: 21) or the 1-minute load is above
+--max-load (presets: 1.5); --force skips both checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+WEIGHT = 0.3
+LR = 1e-3
+
+PRESETS = {
+    # Qwen2-0.5B: 494 M parameters (tied embeddings)
+    "qwen0.5b": dict(layers=24, dim=896, heads=14, kv_heads=2, mlp=4864, vocab=151936, batch=1, seq=128,
+                     min_available_gib=21, max_load=1.5),
+    # the same width with 4 layers and 4096 tokens per step: the logits dominate
+    "wide4": dict(layers=4, dim=896, heads=14, kv_heads=2, mlp=4864, vocab=151936, batch=4, seq=1024,
+                  min_available_gib=21, max_load=1.5),
+    # a quick check of the script itself
+    "small": dict(layers=2, dim=128, heads=4, kv_heads=2, mlp=256, vocab=4096, batch=2, seq=64,
+                  min_available_gib=0, max_load=None),
+}
+STEP_CONFIGS = {"dense": "--fused-head off", "default": ""}
+PYTHONS = {"step": REPO / ".venv-rt/bin/python", "torch": REPO / ".venv/bin/python"}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    for k in ("layers", "dim", "heads", "kv_heads", "mlp", "vocab", "batch", "seq"):
+        p.add_argument(f"--{k.replace('_', '-')}", type=int, help=f"override the preset's {k}")
+    p.add_argument("--configs", default="dense,default,torch",
+                   help="comma-separated: step configurations (see --step-config) and `torch`")
+    p.add_argument("--step-config", action="append", default=[], metavar="NAME=ARGS",
+                   help="extra `ntl-patch step` arguments of a step configuration (repeatable)")
+    p.add_argument("--steps", type=int, default=3, help="training steps per run")
+    p.add_argument("--rounds", type=int, default=3, help="runs per configuration, interleaved")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--python", help="the interpreter of every run (default: .venv-rt for the step "
+                                     "runs, .venv for torch)")
+    p.add_argument("--exporter", choices=("dynamo", "torchscript"), default="dynamo")
+    p.add_argument("--bin", default=os.environ.get("NTL_PATCH_BIN", str(REPO / "target/release/ntl-patch")))
+    p.add_argument("--runner-python", default=str(REPO / "python"),
+                   help="folder holding the ntl_patch package the step runs import (e.g. another "
+                        "checkout's python/, to compare StepRunner versions)")
+    p.add_argument("--workdir", default=None, help="default: target/bench-real-size/<preset>")
+    p.add_argument("--reuse", action="store_true", help="reuse the work dir's export and step graphs")
+    p.add_argument("--min-available-gib", type=float, help="preset qwen0.5b/wide4: 21, small: 0")
+    p.add_argument("--max-load", type=float, help="1-minute load average limit (preset default)")
+    p.add_argument("--force", action="store_true", help="skip the memory and load checks")
+    p.add_argument("--json")
+    p.add_argument("--markdown")
+    p.add_argument("--seed", type=int, default=20240917)
+    args = p.parse_args(argv)
+    spec = dict(PRESETS[args.preset])
+    for k in ("layers", "dim", "heads", "kv_heads", "mlp", "vocab", "batch", "seq"):
+        if getattr(args, k) is not None:
+            spec[k] = getattr(args, k)
+    if args.min_available_gib is not None:
+        spec["min_available_gib"] = args.min_available_gib
+    if args.max_load is not None:
+        spec["max_load"] = args.max_load
+    spec["seed"] = args.seed
+    args.spec = spec
+    args.step_configs = dict(STEP_CONFIGS)
+    for item in args.step_config:
+        name, sep, extra = item.partition("=")
+        if not sep or not name or name == "torch" or "," in name:
+            p.error(f"--step-config wants NAME=ARGS (NAME not 'torch'), not {item!r}")
+        args.step_configs[name] = extra
+    args.config_list = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in args.config_list if c != "torch" and c not in args.step_configs]
+    if unknown:
+        p.error(f"unknown configurations {unknown}: add them with --step-config NAME=ARGS")
+    if args.workdir is None:
+        args.workdir = str(REPO / "target" / "bench-real-size" / args.preset)
+    return args
+
+
+# ----------------------------------------------------------------------------- model and data
+
+
+def qwen2(spec: dict):
+    """Qwen2ForCausalLM with random weights (seeded), eager attention, no dropout."""
+    import torch
+    import transformers
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    cfg = Qwen2Config(vocab_size=spec["vocab"], hidden_size=spec["dim"], intermediate_size=spec["mlp"],
+                      num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
+                      num_key_value_heads=spec["kv_heads"], tie_word_embeddings=True,
+                      max_position_embeddings=max(2048, spec["seq"]), rms_norm_eps=1e-6, rope_theta=1e6,
+                      attention_dropout=0.0, attn_implementation="eager", use_cache=False,
+                      bos_token_id=2, eos_token_id=3, pad_token_id=0)
+    torch.manual_seed(spec["seed"])
+    model = Qwen2ForCausalLM(cfg)
+    assert model.config._attn_implementation == "eager"
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model.train()
+
+
+class WithLoss:
+    """forward(input_ids, labels) -> the model's own loss (Hugging Face's shifted CE)."""
+
+    @staticmethod
+    def wrap(model):
+        import torch
+
+        class M(torch.nn.Module):
+            def __init__(self, inner):
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, input_ids, labels):
+                return self.inner(input_ids=input_ids, labels=labels).loss
+
+        return M(model)
+
+
+def export(spec: dict, exporter: str, path: Path) -> str:
+    import torch
+
+    sys.path.insert(0, str(REPO / "fixtures"))
+    model = WithLoss.wrap(qwen2(spec))
+    g = torch.Generator().manual_seed(spec["seed"] + 1)
+    ids = torch.randint(4, spec["vocab"], (spec["batch"], spec["seq"]), generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if exporter == "dynamo":
+            import dynamo_compat  # fixtures/: torch 2.7.1's version-converter work-around
+
+            dynamo_compat.patch_dynamo_version_conversion()
+            prog = torch.onnx.export(model, (ids, ids.clone()), dynamo=True, opset_version=18,
+                                     optimize=False, external_data=True, verbose=False,
+                                     training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+                                     input_names=["input_ids", "labels"], output_names=["loss"])
+            prog.save(str(path), external_data=True)
+            return "dynamo (torch.onnx.export dynamo=True, opset 18, optimize=False, external data)"
+        import generate_step  # transformers' packed-sequence check does not trace
+
+        with generate_step._NoPackedSequenceCheck():
+            torch.onnx.export(model, (ids, ids.clone()), str(path), dynamo=False, opset_version=17,
+                              training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+                              input_names=["input_ids", "labels"], output_names=["loss"],
+                              external_data=True)
+        return "TorchScript (torch.onnx.export dynamo=False, opset 17, external data)"
+
+
+def prepare(args, work: Path) -> dict:
+    import numpy as np
+
+    sys.path.insert(0, str(REPO / "scripts" / "bench"))
+    import bench_training_step as bts
+
+    spec = args.spec
+    work.mkdir(parents=True, exist_ok=True)
+    meta_path = work / "meta.json"
+    if args.reuse and meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        if {k: meta["spec"].get(k) for k in spec if k not in ("min_available_gib", "max_load")} != \
+                {k: v for k, v in spec.items() if k not in ("min_available_gib", "max_load")}:
+            sys.exit(f"{work}: --reuse, but its model was made with {meta['spec']}")
+    else:
+        vocab = bts.make_tokenizer(work / "tokenizer.json", spec["vocab"], spec["seed"])
+        digit_ids = [vocab[str(d)] for d in range(10)]
+        ns = argparse.Namespace(batch=spec["batch"], seq=spec["seq"], vocab=spec["vocab"], seed=spec["seed"],
+                                digit_frac=0.3, ignore_frac=0.02)
+        ids, labels = bts.make_batch(ns, digit_ids)
+        np.savez(work / "batch.npz", input_ids=ids, labels=labels)
+        for old in work.glob("model.onnx*"):
+            old.unlink()
+        print(f"export ({args.exporter}) ...", flush=True)
+        t0 = time.perf_counter()
+        # in a child process: the driver stays small while the runs measure their memory
+        r = subprocess.run([sys.executable, __file__, "export", json.dumps(spec), args.exporter,
+                            str(work / "model.onnx")], capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(f"export failed: {r.stderr.strip()[-2000:]}")
+        how = r.stdout.strip().splitlines()[-1]
+        meta = {"spec": spec, "exporter": how, "export_s": time.perf_counter() - t0, "step_graphs": {}}
+    for name in [c for c in args.config_list if c != "torch"]:
+        extra = args.step_configs[name]
+        done = meta["step_graphs"].get(name)
+        if args.reuse and done and done.get("args") == extra and (done.get("error") or
+                                                                  (work / done["path"]).exists()):
+            continue
+        out = work / f"model.{name}.step.onnx"
+        cmd = [args.bin, "step", str(work / "model.onnx"), "--tokenizer", str(work / "tokenizer.json"),
+               "--loss", "wasserstein", "--weight", str(WEIGHT), "--lr", str(LR), "-o", str(out),
+               "--json", *shlex.split(extra)]
+        print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        entry = {"args": extra, "path": out.name, "step_s": time.perf_counter() - t0}
+        if r.returncode != 0:
+            entry["error"] = (r.stderr.strip() or f"exit {r.returncode}").splitlines()[-1][:500]
+            print(f"  cannot write the {name} step graph: {entry['error']}", flush=True)
+        else:
+            summary = json.loads(r.stdout)
+            entry["parameters"] = len(summary.get("parameters", []))
+            entry["parameter_elements"] = summary.get("parameter_elements")
+        meta["step_graphs"][name] = entry
+    meta_path.write_text(json.dumps(meta, indent=1))
+    return meta
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def proc_status() -> dict:
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+            out[key] = int(rest.split()[0]) / 1024  # MiB
+    return out
+
+
+def worker(argv) -> None:
+    """KIND WORKDIR STEPS THREADS DEVICE [STEP_GRAPH RUNNER_PYTHON]: one run; prints one JSON
+    line."""
+    kind, work, steps, threads, device = argv[0], Path(argv[1]), int(argv[2]), int(argv[3]), argv[4]
+    import numpy as np
+
+    z = np.load(work / "batch.npz")
+    ids, labels = z["input_ids"], z["labels"]
+    t_load = time.perf_counter()
+    if kind == "torch":
+        step, extra = torch_step(work, ids, labels, threads, device)
+    else:
+        step, extra = runner_step(work / argv[5], Path(argv[6]), ids, labels, threads, device)
+    load_s = time.perf_counter() - t_load
+    times, cpu, losses = [], [], []
+    for _ in range(steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        losses.append(step())
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    print(json.dumps({"load_s": load_s, "times": times, "cpu": cpu, "losses": losses,
+                      "mem": {**proc_status(), **extra.get("mem", lambda: {})()},
+                      "versions": extra.get("versions", {})}), flush=True)
+
+
+def runner_step(graph: Path, runner_python: Path, ids, labels, threads: int, device: str):
+    if device == "cuda":  # onnxruntime-gpu 1.22 uses torch's CUDA 12 / cuDNN 9 libraries
+        import torch  # noqa: F401
+
+        import onnxruntime as ort
+
+        if hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()
+    import onnxruntime as ort
+
+    sys.path.insert(0, str(runner_python))
+    from ntl_patch import StepRunner
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    so.enable_mem_pattern = False  # StepRunner's default (it changes nothing else of it)
+    providers = ["CPUExecutionProvider"]
+    if device == "cuda":
+        providers.insert(0, ("CUDAExecutionProvider", {"device_id": 0, "use_tf32": 0}))
+    runner = StepRunner(graph, providers=providers, session_options=so)
+    want = providers[0] if isinstance(providers[0], str) else providers[0][0]
+    if runner.session.get_providers()[0] != want:
+        raise RuntimeError(f"the session runs on {runner.session.get_providers()}, not {want}")
+    batch = dict(zip(runner.data_inputs, (ids, labels)))
+    return (lambda: list(runner.step(batch))), {"versions": {"onnxruntime": ort.__version__}}
+
+
+def torch_step(work: Path, ids, labels, threads: int, device: str):
+    import ntloss
+    import torch
+    from transformers import PreTrainedTokenizerFast
+
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+    meta = json.loads((work / "meta.json").read_text())
+    spec = meta["spec"]
+    model = qwen2(spec).to(device)
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(work / "tokenizer.json"))
+    ntl = ntloss.NTLoss(tok, vocab_size=spec["vocab"], digit_level=True, reweigh=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    x, y = torch.from_numpy(ids).to(device), torch.from_numpy(labels).to(device)
+
+    def step():
+        out = model(input_ids=x, labels=y)
+        ce = out.loss
+        number = ntl(out.logits[:, :-1, :], y[:, 1:], reduction="mean")
+        total = ce + WEIGHT * number
+        total.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return [float(total), float(ce), float(number)]
+
+    def mem():
+        if device != "cuda":
+            return {}
+        return {"torch_max_allocated": torch.cuda.max_memory_allocated() / 2**20,
+                "torch_max_reserved": torch.cuda.max_memory_reserved() / 2**20}
+
+    return step, {"mem": mem, "versions": {"torch": torch.__version__}}
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def mem_available_gib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def check_machine(args) -> None:
+    if args.force:
+        return
+    need, max_load = args.spec["min_available_gib"], args.spec["max_load"]
+    avail, load = mem_available_gib(), os.getloadavg()[0]
+    if need and avail < need:
+        sys.exit(f"only {avail:.1f} GiB available, this preset needs {need} GiB: run it on a quiet "
+                 f"machine (or --force)")
+    if max_load is not None and load > max_load:
+        sys.exit(f"load average {load:.2f} is above {max_load}: the timings would be noise; wait or --force")
+
+
+def gpu_used_mib() -> float:
+    """memory.used of GPU 0 (MiB), as nvidia-smi reports it."""
+    r = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                       capture_output=True, text=True, timeout=30)
+    return float(r.stdout.strip().splitlines()[0])
+
+
+class GpuPeak:
+    """The highest memory.used of GPU 0 while a run is in progress, polled every 0.2 s."""
+
+    def __init__(self):
+        import threading
+
+        self.base = self.peak = gpu_used_mib()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self):
+        while not self._stop.wait(0.2):
+            self.peak = max(self.peak, gpu_used_mib())
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.peak - self.base
+
+
+def run_one(args, work: Path, meta: dict, kind: str) -> dict:
+    check_machine(args)
+    python = args.python or str(PYTHONS["torch" if kind == "torch" else "step"])
+    cmd = [python, __file__, "worker", "torch" if kind == "torch" else "step", str(work), str(args.steps),
+           str(args.threads), args.device]
+    if kind != "torch":
+        cmd += [meta["step_graphs"][kind]["path"], args.runner_python]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONDONTWRITEBYTECODE": "1"}
+    gpu = GpuPeak() if args.device == "cuda" else None
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    gpu_peak = gpu.stop() if gpu else None
+    if r.returncode != 0:
+        tail = r.stderr.strip().splitlines()[-1:] or [f"exit {r.returncode}"]
+        return {"error": f"exit {r.returncode}: {tail[0][:500]}", "wall_s": wall}
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out["wall_s"] = wall
+    if gpu_peak is not None:
+        out["mem"]["gpu_peak"] = gpu_peak
+    return out
+
+
+def summarize(runs: list[dict]) -> dict:
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return {"error": runs[0]["error"] if runs else "not run"}
+    later = [t for r in ok for t in r["times"][1:]] or [t for r in ok for t in r["times"]]
+    cpu = [t for r in ok for t in r["cpu"][1:]] or [t for r in ok for t in r["cpu"]]
+    hwm = [r["mem"]["VmHWM"] for r in ok]
+    return {
+        "runs": len(ok), "first_s": statistics.median(r["times"][0] for r in ok),
+        "median_s": statistics.median(later), "min_s": min(later), "max_s": max(later),
+        "cpu_s": statistics.median(cpu),
+        "peak_mib": statistics.median(hwm), "peak_min_mib": min(hwm), "peak_max_mib": max(hwm),
+        "anon_end_mib": statistics.median(r["mem"]["RssAnon"] for r in ok),
+        "file_end_mib": statistics.median(r["mem"]["RssFile"] for r in ok),
+        "losses": ok[0]["losses"], "load_s": statistics.median(r["load_s"] for r in ok),
+        "gpu_peak_mib": max((r["mem"].get("gpu_peak", 0) for r in ok), default=0),
+        "torch_reserved_mib": max((r["mem"].get("torch_max_reserved", 0) for r in ok), default=0),
+    }
+
+
+def markdown(args, meta: dict, res: dict, env: dict) -> str:
+    s = meta["spec"]
+    lines = [f"Preset `{args.preset}`: Qwen2 shape, {s['layers']} layers, d {s['dim']}, {s['heads']}/"
+             f"{s['kv_heads']} heads, MLP {s['mlp']}, V {s['vocab']}, tied embeddings, B={s['batch']}, "
+             f"T={s['seq']}; export: {meta['exporter']}; {args.steps} steps per run, {args.rounds} "
+             f"interleaved rounds, {args.threads} threads; load average {env['load_start']:.1f} → "
+             f"{env['load_end']:.1f}.", ""]
+    for name, g in meta["step_graphs"].items():
+        extra = f"`{g['args']}`" if g["args"] else "(none)"
+        if "error" in g:
+            lines.append(f"- `{name}` (extra `ntl-patch step` arguments {extra}): cannot write the step "
+                         f"graph: {g['error']}")
+        else:
+            lines.append(f"- `{name}` (extra arguments {extra}): {g['parameters']} trained tensors, "
+                         f"{g['parameter_elements'] / 1e6:.1f} M elements; `ntl-patch step` {g['step_s']:.1f} s")
+    lines += ["", "| configuration | runs | s/step (median of steps 2+) | min – max | CPU s/step | first step s | "
+              "peak RSS MiB (median, min – max) | × torch | at the end: anon / file MiB | losses (total, run 1) |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    torch_peak = res.get("torch", {}).get("peak_mib")
+    torch_gpu = res.get("torch", {}).get("gpu_peak_mib")
+    for kind in args.config_list:
+        c = res.get(kind, {"error": "not run"})
+        if "error" in c:
+            lines.append(f"| `{kind}` | cannot run: {c['error']} | | | | | | | | |")
+            continue
+        ratio = f"{c['peak_mib'] / torch_peak:.2f}" if torch_peak and kind != "torch" else "-"
+        losses = ", ".join(f"{x[0]:.6f}" for x in c["losses"])
+        lines.append(f"| `{kind}` | {c['runs']} | {c['median_s']:.3f} | {c['min_s']:.3f} – {c['max_s']:.3f} | "
+                     f"{c['cpu_s']:.3f} | {c['first_s']:.3f} | {c['peak_mib']:.0f} ({c['peak_min_mib']:.0f} – {c['peak_max_mib']:.0f}) | "
+                     f"{ratio} | {c['anon_end_mib']:.0f} / {c['file_end_mib']:.0f} | {losses} |")
+    if args.device == "cuda":
+        lines += ["", "| configuration | GPU memory MiB (peak memory.used above the start, largest run) | × torch | "
+                  "torch max_memory_reserved MiB |", "| --- | ---: | ---: | ---: |"]
+        for kind in args.config_list:
+            c = res.get(kind, {})
+            if "error" in c or not c:
+                continue
+            ratio = f"{c['gpu_peak_mib'] / torch_gpu:.2f}" if torch_gpu and kind != "torch" else "-"
+            reserved = f"{c['torch_reserved_mib']:.0f}" if kind == "torch" else "-"
+            lines.append(f"| `{kind}` | {c['gpu_peak_mib']:.0f} | {ratio} | {reserved} |")
+    t = res.get("torch")
+    if t and "error" not in t:
+        for kind in args.config_list:
+            c = res.get(kind)
+            if kind == "torch" or not c or "error" in c:
+                continue
+            diff = max(abs(a - b) / max(abs(b), 1e-12) for x, y in zip(c["losses"], t["losses"])
+                       for a, b in zip(x, y))
+            lines.append(f"\n`{kind}` vs torch: largest relative difference of the three losses over "
+                         f"{len(c['losses'])} steps: {diff:.2e}")
+    return "\n".join(lines)
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        worker(sys.argv[2:])
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "export":  # export SPEC_JSON EXPORTER PATH
+        print(export(json.loads(sys.argv[2]), sys.argv[3], Path(sys.argv[4])), flush=True)
+        return
+    args = parse_args()
+    work = Path(args.workdir)
+    env = {"load_start": os.getloadavg()[0]}
+    check_machine(args)
+    meta = prepare(args, work)
+    kinds = [k for k in args.config_list if k == "torch" or "error" not in meta["step_graphs"][k]]
+    runs: dict[str, list] = {k: [] for k in args.config_list}
+    for rnd in range(args.rounds):
+        order = kinds[rnd % len(kinds):] + kinds[: rnd % len(kinds)] if kinds else []
+        for kind in order:
+            r = run_one(args, work, meta, kind)
+            runs[kind].append(r)
+            what = r.get("error") or (f"{statistics.median(r['times']):.2f} s/step, peak "
+                                      f"{r['mem']['VmHWM']:.0f} MiB, loss {r['losses'][0][0]:.5f}")
+            print(f"round {rnd + 1}/{args.rounds} {kind}: {what}", flush=True)
+    res = {k: summarize(v) for k, v in runs.items()}
+    for k in args.config_list:
+        if k != "torch" and "error" in meta["step_graphs"].get(k, {}):
+            res[k] = {"error": "no step graph: " + meta["step_graphs"][k]["error"]}
+    env["load_end"] = os.getloadavg()[0]
+    md = markdown(args, meta, res, env)
+    print(md)
+    if args.markdown:
+        Path(args.markdown).write_text(md + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "env": env, "runs": runs, "summary": res}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
