@@ -541,7 +541,8 @@ fn number_table(
             let graph = model.graph.as_ref().expect("checked on load");
             ntl_ops::losses::ntl::value_limit(kind, meta.weight, copy::ce_loss_type(graph))
         }
-        LossSpec::Sequence(_) => f32::MAX as f64,
+        // digits 0..9 and SMMD's integers 0..max_value are always within range
+        LossSpec::Sequence(_) | LossSpec::Digits(_) | LossSpec::Smmd(_) => f32::MAX as f64,
     };
     let (table, _) = vocab.number_table_within(meta.numbers, meta.vocab_width, limit)?;
     Ok((vocab, table))
