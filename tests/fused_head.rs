@@ -99,11 +99,14 @@ fn step(src: &std::path::Path, out: &std::path::Path, args: &[&str]) -> std::pro
 #[test]
 fn fused_step_graphs_have_gpu_kernels_at_opsets_13_to_20() {
     let tmp = tempfile::tempdir().unwrap();
-    let losses: [&[&str]; 4] = [
+    let losses: [&[&str]; 7] = [
         &["--loss", "wasserstein", "--reweigh"],
         &["--loss", "ntil"],
         &["--loss", "number-level", "--label-smoothing", "0.1"],
         &["--loss", "mse", "--combine", "scaled"],
+        &["--loss", "dist2"],
+        &["--loss", "del"],
+        &["--loss", "smmd", "--max-value", "9"],
     ];
     for opset in 13..=20 {
         let src = write(

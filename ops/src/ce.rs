@@ -47,18 +47,12 @@ pub fn cross_entropy_node(b: &mut Builder, ce: &CeNode, ce_loss: &str) -> NodePr
     }
 }
 
-/// Label smoothing as torch defines it, on the node's outputs: `out = (1−ε)·loss + ε·S` with
-/// S the same reduction of `−mean_c log p_c` over the positions the loss counts (not the
-/// ignore index). `loss` and `log_prob` are the node's outputs; `t` is the scores' element type.
-pub fn smooth(
-    b: &mut Builder,
-    ce: &CeNode,
-    t: i32,
-    loss: &str,
-    log_prob: &str,
-    out: &str,
-    eps: f64,
-) {
+/// Label smoothing as torch defines it: `out = (1−ε)·loss + ε·S` with S the same reduction of
+/// `−mean_c log p_c` over the positions the loss counts (not the ignore index). `loss` is the
+/// node's first output; `t` is the scores' element type. The log-probabilities come from a
+/// `LogSoftmax` of their own, not from the node's `log_prob` output: ONNX Runtime's gradient
+/// of `SoftmaxCrossEntropyLoss` ignores whatever flows back into `log_prob`.
+pub fn smooth(b: &mut Builder, ce: &CeNode, t: i32, loss: &str, out: &str, eps: f64) {
     let typed = |b: &mut Builder, hint: &str, v: f32| {
         let c = b.scalar_f32(hint, v);
         if t == FLOAT {
@@ -67,7 +61,13 @@ pub fn smooth(
             b.cast(&c, t, hint)
         }
     };
-    let mean_lp = b.reduce("ReduceMean", log_prob, &[1], false, "smooth_mean_log_prob");
+    let log_prob = b.node(
+        "LogSoftmax",
+        &[ce.scores],
+        "smooth_log_prob",
+        vec![int_attr("axis", 1)],
+    );
+    let mean_lp = b.reduce("ReduceMean", &log_prob, &[1], false, "smooth_mean_log_prob");
     let per_position = b.unary("Neg", &mean_lp, "smooth_per_position");
     let kept = match ce.ignore_index {
         Some(ignore) => {

@@ -250,8 +250,7 @@ pub fn build_forward(
         let unsmoothed = b.fresh("ce_unsmoothed");
         let node = ce::cross_entropy_node(b, &site.ce_node(), &unsmoothed);
         let scores_type = index.elem_type(&site.scores).unwrap_or(FLOAT);
-        let (loss, log_prob) = (&unsmoothed, &node.output[1]);
-        ce::smooth(b, &site.ce_node(), scores_type, loss, log_prob, ce_out, eps);
+        ce::smooth(b, &site.ce_node(), scores_type, &unsmoothed, ce_out, eps);
         node
     } else {
         ce::cross_entropy_node(b, &site.ce_node(), ce_out)

@@ -1,7 +1,8 @@
 """`--label-smoothing ε`: the cross-entropy ntl-patch writes equals torch's
-`F.cross_entropy(label_smoothing=ε)` (value and, through the step graph, every parameter's
-gradient of CE_ε + λ·NTL), for a mean CE with ignored positions and for a per-position
-(`reduction='none'`) CE that the graph masks and reduces itself."""
+`F.cross_entropy(label_smoothing=ε)` (value and, through ORT Training's artifacts of the patched
+graph and through the step graph, every parameter's gradient of CE_ε + λ·NTL), for a mean CE
+with ignored positions and for a per-position (`reduction='none'`) CE that the graph masks and
+reduces itself."""
 
 from __future__ import annotations
 
@@ -91,21 +92,37 @@ def test_label_smoothing_matches_torch(name, model, masked, weights, tmp_path):
     total, ce, grads = _torch_reference(model, weights, input_ids, labels, mask)
     assert abs(float(got["ce_loss"]) - ce) <= 1e-5 * abs(ce)
     assert abs(float(got[names[0]]) - total) <= 1e-5 * abs(total)
-
-    step = tmp_path / "step.onnx"
-    r = run_patch(["step", model, "--tokenizer", TOKENIZER, "--weight", str(WEIGHT), "--label-smoothing",
-                   str(EPS), "--split", "-o", step, "--json"])
-    assert r.returncode == 0, r.stderr
-    grad_graph = json.loads(r.stdout)["outputs"][0]  # --split: the gradient graph first
-    sess = ort.InferenceSession(grad_graph, providers=["CPUExecutionProvider"])
-    outs = [o.name for o in sess.get_outputs()]
-    got = dict(zip(outs, sess.run(None, {k: v for k, v in feeds.items() if k in
-                                         {i.name for i in sess.get_inputs()}})))
     floor = 1e-3 * np.sqrt(sum(float(np.sum(g ** 2)) for g in grads.values()))
+
+    # ORT Training differentiates the patched graph itself; its SoftmaxCrossEntropyLoss gradient
+    # ignores the log_prob output, so the smoothing term must not read it
+    import onnx
+    from test_artifacts import _generate, _step
+
+    patched = onnx.load(str(out))
+    art = _generate(patched, tmp_path / "artifacts")
+    user_inputs = [i.name for i in patched.graph.input
+                   if i.name not in {t.name for t in patched.graph.initializer}]
+    losses, ort_grads = _step(art, *[feeds[n] for n in user_inputs])
+    assert abs(losses[names[0]] - total) <= 1e-5 * abs(total)
     for p, g in grads.items():
-        key = f"ntl/grad/{p}"
-        assert key in got, f"no gradient output {key}: {outs}"
-        assert _norm_rel(got[key], g, floor) <= 1e-5, p
+        assert _norm_rel(ort_grads[p], g, floor) <= 1e-5, f"ORT Training gradient of {p}"
+
+    # the step graph, with the dense LM head and the fused one (its row mean of the logits)
+    for head in (["--fused-head", "off"], ["--fused-head", "on", "--head-chunk-tokens", "3"]):
+        step = tmp_path / f"step_{head[1]}.onnx"
+        r = run_patch(["step", model, "--tokenizer", TOKENIZER, "--weight", str(WEIGHT),
+                       "--label-smoothing", str(EPS), "--split", *head, "-o", step, "--json"])
+        assert r.returncode == 0, r.stderr
+        grad_graph = json.loads(r.stdout)["outputs"][0]  # --split: the gradient graph first
+        sess = ort.InferenceSession(grad_graph, providers=["CPUExecutionProvider"])
+        outs = [o.name for o in sess.get_outputs()]
+        got = dict(zip(outs, sess.run(None, {k: v for k, v in feeds.items() if k in
+                                             {i.name for i in sess.get_inputs()}})))
+        for p, g in grads.items():
+            key = f"ntl/grad/{p}"
+            assert key in got, f"no gradient output {key}: {outs}"
+            assert _norm_rel(got[key], g, floor) <= 1e-5, f"{head}: {p}"
 
 
 def test_label_smoothing_out_of_range_is_refused(tmp_path):

@@ -7,8 +7,8 @@
 //! projection (`MatMul`, `Gemm` or `MatMul` + `Add`, the weight as is or a tied embedding
 //! through a `Transpose`), the layout ops between it and the cross-entropy (reshapes, slices
 //! on position axes, the transpose that puts the classes on axis 1), and what reads the logits:
-//! the `SoftmaxCrossEntropyLoss` ntl-patch wrote, label smoothing's row mean of its
-//! log-probabilities, and the number loss's column gathers (and `--reweigh`'s full softmax).
+//! the `SoftmaxCrossEntropyLoss` ntl-patch wrote, label smoothing's row mean (or sum) of the
+//! scores' `LogSoftmax`, and the number loss's column gathers (and `--reweigh`'s full softmax).
 //! Everything else that follows the cross-entropy stays as the graph wrote it; the
 //! cross-entropy becomes `lse − z[label]` per position, reduced as the node reduced it.
 //! [`lower::lower`] expands the node and its gradient into `Scan`s after differentiation.
@@ -172,6 +172,8 @@ pub fn fuse(model: &mut ModelProto, opts: &FusedHeadOptions) -> Result<Outcome, 
 /// What the patch recorded (`ntl_patch` metadata): the flat logits the number loss reads and
 /// the logits width.
 struct PatchMeta {
+    /// The `[M, V]` view of the logits the number loss reads: the patch's `number_logits` where
+    /// it has them (DEL reads the logits before a LogSoftmax), else its `flat_logits`.
     flat_logits: String,
     width: i64,
 }
@@ -185,8 +187,9 @@ fn patch_metadata(model: &ModelProto) -> Result<PatchMeta, Error> {
         .ok_or_else(|| Error::Inconsistent("the patched graph has no ntl_patch metadata".into()))?;
     let v: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| Error::Inconsistent(format!("ntl_patch metadata: {e}")))?;
+    let view = v["number_logits"].as_str().or(v["flat_logits"].as_str());
     Ok(PatchMeta {
-        flat_logits: v["flat_logits"].as_str().unwrap_or_default().to_string(),
+        flat_logits: view.unwrap_or_default().to_string(),
         width: v["vocab_width"].as_i64().unwrap_or(0),
     })
 }
@@ -220,7 +223,9 @@ struct Region {
     /// `Shape` nodes reading the logits where their classes are last.
     shape_reads: Vec<usize>,
     reads: Vec<Read>,
-    /// `ReduceMean(log_prob, axis=1)` nodes (label smoothing).
+    /// Label smoothing's `LogSoftmax(scores, axis=1)` nodes (removed) and the
+    /// `ReduceMean(·, axis=1)` nodes that read them (`ce::smooth`).
+    smoothing: Vec<usize>,
     log_prob_means: Vec<usize>,
     /// Tensors that stop existing.
     tensors: BTreeSet<String>,
@@ -293,10 +298,11 @@ fn find_region(index: &GraphIndex, meta: &PatchMeta) -> Result<Region, String> {
     // the number loss's view joins the scores' chain where it branches off
     let (joint, branch) = walk_back(index, &meta.flat_logits, &|t| scores_tensors.contains(t));
     flat_chain.retain(|i| branch.contains(i));
-    // whether that view is of log-probabilities: a LogSoftmax on its way from the logits
+    // whether that view is of log-probabilities: a LogSoftmax on its way from the logits (none
+    // of the scores' chain where the view branches off at the logits themselves)
     let up_to_joint = scores_chain
         .iter()
-        .take_while(|&&i| graph.node[i].output[0] != joint)
+        .take_while(|&&i| joint != root && graph.node[i].output[0] != joint)
         .chain(
             scores_chain
                 .iter()
@@ -337,6 +343,8 @@ fn find_region(index: &GraphIndex, meta: &PatchMeta) -> Result<Region, String> {
     // Shape (answered from the hidden states' shape)
     let mut reads = Vec::new();
     let mut shape_reads = Vec::new();
+    let mut smoothing = Vec::new();
+    let mut log_prob_means = Vec::new();
     for t in &tensors {
         for &c in index.consumers(t) {
             if layout_set.contains(&c) || c == ce {
@@ -346,6 +354,13 @@ fn find_region(index: &GraphIndex, meta: &PatchMeta) -> Result<Region, String> {
             if n.op_type() == "Shape" && class_last_tensors.contains(t) {
                 shape_reads.push(c);
                 continue;
+            }
+            if *t == ce_node.input[0] {
+                if let Some(means) = smoothing_means(index, c) {
+                    smoothing.push(c);
+                    log_prob_means.extend(means);
+                    continue;
+                }
             }
             if *t != meta.flat_logits {
                 return Err(format!(
@@ -357,18 +372,11 @@ fn find_region(index: &GraphIndex, meta: &PatchMeta) -> Result<Region, String> {
             reads.push(loss_read(index, c)?);
         }
     }
-    let log_prob_means = match ce_node.output.get(1).filter(|o| !o.is_empty()) {
-        Some(lp) => index
-            .consumers(lp)
-            .iter()
-            .map(|&c| class_mean(index, c).ok_or(()))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|_| {
-                "the cross-entropy's log-probabilities are read by more than label smoothing"
-                    .to_string()
-            })?,
-        None => Vec::new(),
-    };
+    if let Some(lp) = ce_node.output.get(1).filter(|o| !o.is_empty()) {
+        if !index.consumers(lp).is_empty() {
+            return Err("the cross-entropy's log-probabilities are read by the graph".into());
+        }
+    }
     let (hidden, weight, trans_weight, bias, projection_nodes) = projection;
     Ok(Region {
         ce,
@@ -382,6 +390,7 @@ fn find_region(index: &GraphIndex, meta: &PatchMeta) -> Result<Region, String> {
         layout,
         shape_reads,
         reads,
+        smoothing,
         log_prob_means,
         tensors,
     })
@@ -564,12 +573,27 @@ fn loss_read(index: &GraphIndex, c: usize) -> Result<Read, String> {
     ))
 }
 
-/// `ReduceMean(x, axis=1, keepdims=0)` (label smoothing's mean log-probability): its index.
+/// Label smoothing's read of the scores (`ce::smooth`): node `c` is `LogSoftmax(scores,
+/// axis=1)` read only by `ReduceMean(·, axis=1, keepdims=0)` nodes; those nodes.
+fn smoothing_means(index: &GraphIndex, c: usize) -> Option<Vec<usize>> {
+    let n = &index.graph.node[c];
+    if n.op_type() != "LogSoftmax" || attr_i(n, "axis") != Some(1) {
+        return None;
+    }
+    let readers = index.consumers(&n.output[0]);
+    let means: Option<Vec<usize>> = readers.iter().map(|&m| class_mean(index, m)).collect();
+    means.filter(|m| !m.is_empty() && !index.is_graph_output(&n.output[0]))
+}
+
+/// `ReduceMean(x, axis=1, keepdims=0)` (label smoothing's mean log-probability) or
+/// `ReduceSum(x, axis=1, keepdims=0)` (the smoothed cross-entropy forms rewrite): its index.
 fn class_mean(index: &GraphIndex, c: usize) -> Option<usize> {
     let n = &index.graph.node[c];
     let axes = attr_ints(n, "axes").or_else(|| n.input.get(1).and_then(|a| index.constant_i64(a)));
-    (n.op_type() == "ReduceMean" && axes == Some(vec![1]) && attr_i(n, "keepdims") == Some(0))
-        .then_some(c)
+    (matches!(n.op_type(), "ReduceMean" | "ReduceSum")
+        && axes == Some(vec![1])
+        && attr_i(n, "keepdims") == Some(0))
+    .then_some(c)
 }
 
 /// The fused node and everything it replaces, as a patch; the value infos of its outputs, and
@@ -708,7 +732,11 @@ fn replacement(
     replacements.insert(r.ce, std::mem::take(&mut b.nodes));
     for &m in &r.log_prob_means {
         let mean = mean.as_deref().expect("a mean output with smoothing");
-        let lp = b.binary("Sub", mean, &lse, "fused/mean_log_prob");
+        let mut lp = b.binary("Sub", mean, &lse, "fused/mean_log_prob");
+        if graph.node[m].op_type() == "ReduceSum" {
+            let width = b.scalar_f32("fused/width", meta.width as f32);
+            lp = b.binary("Mul", &lp, &width, "fused/sum_log_prob");
+        }
         let labels_shape = b.node(
             "Shape",
             &[&per_position_shape],
@@ -748,7 +776,7 @@ fn replacement(
             }
         }
     }
-    for &i in r.projection.iter().chain(&r.layout) {
+    for &i in r.projection.iter().chain(&r.layout).chain(&r.smoothing) {
         replacements.insert(i, Vec::new());
     }
     let patch = Patch {
