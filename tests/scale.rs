@@ -327,6 +327,20 @@ fn the_patched_copy_validates_with_onnx_runtime() {
 }
 
 /// Writes a model whose first initializer lives at `location` (relative to `dir`).
+/// Patches `model` to `out` expecting a refusal: exit code 1, no output; its stderr.
+fn refused(model: &Path, out: &Path) -> String {
+    let assert = bin()
+        .arg(model)
+        .arg("--tokenizer")
+        .arg(tokenizer())
+        .arg("-o")
+        .arg(out)
+        .assert()
+        .code(1);
+    assert!(!out.exists(), "{}: no output", model.display());
+    String::from_utf8_lossy(&assert.get_output().stderr).to_string()
+}
+
 fn model_with_location(dir: &Path, location: &str) -> PathBuf {
     let mut m = read_model(&model("lm_flat"));
     let t = &mut m.graph.as_mut().unwrap().initializer[0];
@@ -375,20 +389,11 @@ fn escaping_locations_are_refused_wherever_the_output_goes() {
             root.path().join("x/out.onnx"),
         ] {
             std::fs::create_dir_all(out.parent().unwrap()).unwrap();
-            let assert = bin()
-                .arg(&m)
-                .arg("--tokenizer")
-                .arg(tokenizer())
-                .arg("-o")
-                .arg(&out)
-                .assert()
-                .code(1);
-            let stderr = String::from_utf8_lossy(&assert.get_output().stderr).to_string();
+            let stderr = refused(&m, &out);
             assert!(
                 stderr.contains("external data location"),
                 "{location}: {stderr}"
             );
-            assert!(!out.exists(), "{location}: no output");
         }
     }
     assert!(!root.path().join("x/outside.bin").exists());
@@ -425,21 +430,11 @@ fn escaping_locations_in_subgraphs_are_refused() {
     assert_eq!(external_locations(&m).len(), 1);
     let path = dir.path().join("model.onnx");
     std::fs::write(&path, m.encode_to_vec()).unwrap();
-    let out = dir.path().join("out.onnx");
-    let assert = bin()
-        .arg(&path)
-        .arg("--tokenizer")
-        .arg(tokenizer())
-        .arg("-o")
-        .arg(&out)
-        .assert()
-        .code(1);
-    let stderr = String::from_utf8_lossy(&assert.get_output().stderr).to_string();
+    let stderr = refused(&path, &dir.path().join("out.onnx"));
     assert!(
         stderr.contains("external data location '../../etc/passwd'"),
         "{stderr}"
     );
-    assert!(!out.exists());
 }
 
 /// A symlink may lead out of the folder on the way as long as the file it ends at is inside
@@ -499,7 +494,7 @@ fn symlinks_ending_inside_the_folder_or_in_the_hub_cache_blobs_are_read() {
 
     // outside and not that layout: refused
     let another = format!("../../../models--org--other/blobs/{sha}");
-    let refused = [
+    let refused_models = [
         hub("other--org--tiny", &sha, &format!("../../blobs/{sha}")).1,
         hub(
             "models--org--named",
@@ -512,22 +507,12 @@ fn symlinks_ending_inside_the_folder_or_in_the_hub_cache_blobs_are_read() {
             hub("models--org--thief", "unused", &another).1
         },
     ];
-    for m in refused {
-        let out = root.join("refused.onnx");
-        let assert = bin()
-            .arg(&m)
-            .arg("--tokenizer")
-            .arg(tokenizer())
-            .arg("-o")
-            .arg(&out)
-            .assert()
-            .code(1);
-        let stderr = String::from_utf8_lossy(&assert.get_output().stderr).to_string();
+    for m in refused_models {
+        let stderr = refused(&m, &root.join("refused.onnx"));
         assert!(
             stderr.contains("resolves (through a symlink) outside"),
             "{}: {stderr}",
             m.display()
         );
-        assert!(!out.exists());
     }
 }

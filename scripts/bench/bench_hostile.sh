@@ -12,25 +12,9 @@
 # CHAIN (1000000). Needs the .venv of scripts/setup/setup-python.sh (onnx).
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-PY="$ROOT/.venv/bin/python"
-BIN="${NTL_PATCH_BIN:-$ROOT/target/release/ntl-patch}"
-RUNS="${RUNS:-3}"
-[ -x /usr/bin/time ] || { echo "needs /usr/bin/time (apt-get install time)" >&2; exit 1; }
-[ -x "$PY" ] || { echo "needs $PY: run scripts/setup/setup-python.sh" >&2; exit 1; }
-if [ ! -x "$BIN" ]; then
-  (cd "$ROOT" && cargo build --release --bin ntl-patch >&2)
-fi
-
-WORK="${1:-}"
-if [ -z "$WORK" ]; then
-  WORK="$(mktemp -d /var/tmp/ntl-hostile.XXXXXX)"
-fi
-mkdir -p "$WORK"
-cleanup() {
-  if [ "${KEEP:-0}" != 1 ]; then rm -rf "$WORK"; fi
-}
-trap cleanup EXIT
+# shellcheck source=timing_setup.sh
+source "$(dirname "${BASH_SOURCE[0]}")/timing_setup.sh"
+timing_setup hostile "${1:-}"
 
 if [ ! -f "$WORK/identity_chain.onnx" ]; then
   echo "generating models in $WORK ..." >&2

@@ -98,6 +98,8 @@ def parse_args(argv=None):
     p.add_argument("--min-available-gib", type=float, help="preset qwen0.5b/wide4: 21, small: 0")
     p.add_argument("--max-load", type=float, help="1-minute load average limit (preset default)")
     p.add_argument("--force", action="store_true", help="skip the memory and load checks")
+    p.add_argument("--no-cpu-arena", action="store_true",
+                   help="step configurations: SessionOptions.enable_cpu_mem_arena = False")
     p.add_argument("--json")
     p.add_argument("--markdown")
     p.add_argument("--seed", type=int, default=20240917)
@@ -310,6 +312,7 @@ def runner_step(graph: Path, runner_python: Path, ids, labels, threads: int, dev
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
     so.enable_mem_pattern = False  # StepRunner's default (it changes nothing else of it)
+    so.enable_cpu_mem_arena = os.environ.get("NTL_BENCH_NO_CPU_ARENA") != "1"  # --no-cpu-arena
     providers = ["CPUExecutionProvider"]
     if device == "cuda":
         providers.insert(0, ("CUDAExecutionProvider", {"device_id": 0, "use_tf32": 0}))
@@ -416,6 +419,8 @@ def run_one(args, work: Path, meta: dict, kind: str) -> dict:
     if kind != "torch":
         cmd += [meta["step_graphs"][kind]["path"], args.runner_python]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONDONTWRITEBYTECODE": "1"}
+    if args.no_cpu_arena:
+        env["NTL_BENCH_NO_CPU_ARENA"] = "1"
     gpu = GpuPeak() if args.device == "cuda" else None
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -457,7 +462,8 @@ def markdown(args, meta: dict, res: dict, env: dict) -> str:
              f"{s['kv_heads']} heads, MLP {s['mlp']}, V {s['vocab']}, tied embeddings, B={s['batch']}, "
              f"T={s['seq']}; export: {meta['exporter']}; {args.steps} steps per run, {args.rounds} "
              f"interleaved rounds, {args.threads} threads; load average {env['load_start']:.1f} → "
-             f"{env['load_end']:.1f}.", ""]
+             f"{env['load_end']:.1f}" + ("; step configurations without onnxruntime's CPU arena"
+                                        if args.no_cpu_arena else "") + ".", ""]
     for name, g in meta["step_graphs"].items():
         extra = f"`{g['args']}`" if g["args"] else "(none)"
         if "error" in g:

@@ -14,26 +14,10 @@
 # "cp + fsync" column is given too.
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-PY="$ROOT/.venv/bin/python"
-BIN="${NTL_PATCH_BIN:-$ROOT/target/release/ntl-patch}"
-RUNS="${RUNS:-3}"
+# shellcheck source=timing_setup.sh
+source "$(dirname "${BASH_SOURCE[0]}")/timing_setup.sh"
+timing_setup bench "${1:-}"
 TOKENIZER="$ROOT/fixtures/tokenizer.json"
-[ -x /usr/bin/time ] || { echo "needs /usr/bin/time (apt-get install time)" >&2; exit 1; }
-[ -x "$PY" ] || { echo "needs $PY: run scripts/setup/setup-python.sh" >&2; exit 1; }
-if [ ! -x "$BIN" ]; then
-  (cd "$ROOT" && cargo build --release --bin ntl-patch >&2)
-fi
-
-WORK="${1:-}"
-if [ -z "$WORK" ]; then
-  WORK="$(mktemp -d /var/tmp/ntl-bench.XXXXXX)"
-fi
-mkdir -p "$WORK"
-cleanup() {
-  if [ "${KEEP:-0}" != 1 ]; then rm -rf "$WORK"; fi
-}
-trap cleanup EXIT
 
 echo "generating models in $WORK ..." >&2
 # shellcheck disable=SC2086

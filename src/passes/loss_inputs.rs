@@ -220,22 +220,6 @@ fn back_to_positions(
     b.cast(&back, BOOL, "mask_kept_positions")
 }
 
-/// The flat inputs with labels equal to a non-negative ignore index set to -100 (no token),
-/// so a loss that looks up token ids skips them as the cross-entropy does. Unchanged where
-/// the ignore index is negative (it can never be a token id) or absent.
-pub fn drop_ignored(b: &mut Builder, flat: &FlatInputs) -> FlatInputs {
-    let Some(ignore) = flat.ignore_index.filter(|&i| i >= 0) else {
-        return flat.clone();
-    };
-    let ignore = b.const_i64("ignored_label", &[], &[ignore]);
-    let ignored = b.equal(&flat.labels, &ignore, "label_is_ignored");
-    let none = b.const_i64("no_label", &[], &[-100]);
-    FlatInputs {
-        labels: b.where_(&ignored, &none, &flat.labels, "labels_kept"),
-        ..flat.clone()
-    }
-}
-
 /// Regroups the flat inputs by sequence for the per-sequence losses: finds the labels tensor
 /// of rank >= 2 the CE labels were flattened from (`[B, T]`) and reads B from its shape at
 /// run time, so symbolic batch and sequence dims work.
