@@ -172,13 +172,26 @@ def test_patched_forward_matches_framework(name, tmp_path):
 # ----------------------------------------------------------------------------- (b) ntl-patch step
 
 
+# the dense LM head, and the fused one over chunks of 3 positions (tf2onnx's Tensordot head and
+# jax2onnx's [1, 1, V] bias included); Keras's ignore_class selects on the logits before the
+# cross-entropy, which the fused head refuses by name
+HEADS = {"dense": ["--fused-head", "off"], "fused": ["--fused-head", "on", "--head-chunk-tokens", "3"]}
+NOT_FUSED = {"tf_sparse_ignore"}
+
+
+@pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("name", NAMES)
-def test_step_gradients_match_framework(name, tmp_path):
+def test_step_gradients_match_framework(name, head, tmp_path):
     ref = _ref(name)
     out = tmp_path / "step.onnx"
     r = run_patch(["step", _model_path(name), "--tokenizer", TOKENIZER, "--weight", str(WEIGHT), "--split",
-                   "-o", out, "--json"])
+                   *HEADS[head], "-o", out, "--json"])
+    if head == "fused" and name in NOT_FUSED:
+        assert r.returncode == 1 and "the LM head cannot be fused" in r.stderr, r.stderr
+        assert not out.exists()
+        return
     assert r.returncode == 0, f"ntl-patch step exited {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    assert (json.loads(r.stdout)["fused_head"] is not None) == (head == "fused")
     g = onnx.load(str(out))
     assert {n.domain for n in g.graph.node} <= {"", "ai.onnx"}, "non-default domain in the gradient graph"
     sess = _session(out)

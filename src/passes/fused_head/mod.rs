@@ -144,14 +144,14 @@ pub fn fuse(model: &mut ModelProto, opts: &FusedHeadOptions) -> Result<Outcome, 
         .chunk_tokens
         .unwrap_or_else(|| auto_chunk_tokens(meta.width));
     let mut b = Builder::new(PREFIX, opset, index.taken_names());
-    let (patch, infos, hidden) = replacement(&mut b, &index, &region, &meta, chunk_tokens);
+    let (patch, infos, hidden, bias) = replacement(&mut b, &index, &region, &meta, chunk_tokens);
     let ce = &graph.node[region.ce];
     let view = FusedView {
         chunk_tokens,
         hidden,
         weight: region.weight.clone(),
         trans_weight: region.trans_weight,
-        bias: region.bias.clone(),
+        bias,
         labels: ce.input[1].clone(),
         class_weights: ce.input.get(2).filter(|w| !w.is_empty()).cloned(),
     };
@@ -211,8 +211,12 @@ struct Region {
     /// `MatMul`), then a `MatMul` under an `Add`, then an absorbed `Transpose` of the weight.
     projection: Vec<usize>,
     hidden: String,
+    /// The `Reshape` between a `[N, d] × [d, V]` MatMul and the bias `Add` (tf2onnx's
+    /// Tensordot), replayed on `hidden` to lay the hidden states out like the logits.
+    hidden_reshape: Option<usize>,
     weight: String,
     trans_weight: bool,
+    /// A vector `[V]`, or `[1, .., 1, V]` (flattened before the fused node).
     bias: String,
     /// Layout ops from the logits to the cross-entropy's scores, in order, without a final
     /// class-to-axis-1 transpose: the row moves among them are replayed on the hidden states.
@@ -377,12 +381,20 @@ fn find_region(index: &GraphIndex, meta: &PatchMeta) -> Result<Region, String> {
             return Err("the cross-entropy's log-probabilities are read by the graph".into());
         }
     }
-    let (hidden, weight, trans_weight, bias, projection_nodes) = projection;
+    let Projection {
+        hidden,
+        hidden_reshape,
+        weight,
+        trans_weight,
+        bias,
+        nodes: projection_nodes,
+    } = projection;
     Ok(Region {
         ce,
         flat_log_probs,
         projection: projection_nodes,
         hidden,
+        hidden_reshape,
         weight,
         trans_weight,
         bias,
@@ -470,9 +482,24 @@ fn class_last_ops(
     Ok((chain.to_vec(), None))
 }
 
-type Projection = (String, String, bool, String, Vec<usize>);
+/// `z = h·W (+ b)` producing the logits.
+struct Projection {
+    hidden: String,
+    /// See [`Region::hidden_reshape`].
+    hidden_reshape: Option<usize>,
+    weight: String,
+    /// The weight is `[V, d]` (a Gemm's `transB`, or a tied embedding read through a Transpose).
+    trans_weight: bool,
+    /// Empty without one.
+    bias: String,
+    /// The producer of the logits first (`Add`/`Gemm`/`MatMul`), then a `MatMul` under an
+    /// `Add`, then an absorbed `Transpose` of the weight.
+    nodes: Vec<usize>,
+}
 
-/// `z = h·W (+ b)` producing the logits: (h, weight, weight transposed, bias, nodes).
+/// `z = h·W (+ b)` producing the logits: `MatMul`, `Gemm` (α = β = 1), or `MatMul` + a bias
+/// `Add`, the `MatMul` possibly behind a `Reshape` (tf2onnx's Tensordot: `[N, d] × [d, V]`
+/// reshaped to `[B, T, V]`).
 fn find_projection(index: &GraphIndex, logits: &str) -> Result<Projection, String> {
     let graph = index.graph;
     let (p, node) = index
@@ -480,16 +507,37 @@ fn find_projection(index: &GraphIndex, logits: &str) -> Result<Projection, Strin
         .ok_or("the logits are no node's output")?;
     let only_reader = |t: &str, reader: usize| index.consumers(t) == [reader];
     let rank1 = |t: &str| static_rank(index, t) == Some(1);
-    let (matmul, bias) = match node.op_type() {
-        "MatMul" => (p, String::new()),
+    // a bias that broadcasts along the classes only: [V] or [1, .., 1, V] (jax2onnx)
+    let bias_like = |t: &str| {
+        rank1(t)
+            || index.declared_shape(t).is_some_and(|(_, dims)| {
+                dims.len() >= 2 && dims[..dims.len() - 1].iter().all(|d| *d == Some(1))
+            })
+    };
+    let (matmul, bias, hidden_reshape) = match node.op_type() {
+        "MatMul" => (p, String::new(), None),
         "Add" => {
+            // (MatMul, the Reshape between it and the Add if any)
             let side = |k: usize| {
-                let m = index.producer(&node.input[k])?;
-                (m.1.op_type() == "MatMul" && only_reader(&node.input[k], p)).then_some(m.0)
+                let (i, n) = index.producer(&node.input[k])?;
+                if !only_reader(&node.input[k], p) {
+                    return None;
+                }
+                match n.op_type() {
+                    "MatMul" => Some((i, None)),
+                    "Reshape" => {
+                        let (m, mm) = index.producer(&n.input[0])?;
+                        (mm.op_type() == "MatMul"
+                            && only_reader(&n.input[0], i)
+                            && static_rank(index, &mm.input[0]) == Some(2))
+                        .then_some((m, Some(i)))
+                    }
+                    _ => None,
+                }
             };
             match (side(0), side(1)) {
-                (Some(m), _) if rank1(&node.input[1]) => (m, node.input[1].clone()),
-                (_, Some(m)) if rank1(&node.input[0]) => (m, node.input[0].clone()),
+                (Some((m, r)), _) if bias_like(&node.input[1]) => (m, node.input[1].clone(), r),
+                (_, Some((m, r))) if bias_like(&node.input[0]) => (m, node.input[0].clone(), r),
                 _ => return Err("the logits are an Add that is not MatMul + bias".into()),
             }
         }
@@ -502,14 +550,14 @@ fn find_projection(index: &GraphIndex, logits: &str) -> Result<Projection, Strin
             if !bias.is_empty() && !rank1(&bias) {
                 return Err("the LM head's Gemm bias is not a vector".into());
             }
-            let trans = attr_i(node, "transB").unwrap_or(0) != 0;
-            return Ok((
-                node.input[0].clone(),
-                node.input[1].clone(),
-                trans,
+            return Ok(Projection {
+                hidden: node.input[0].clone(),
+                hidden_reshape: None,
+                weight: node.input[1].clone(),
+                trans_weight: attr_i(node, "transB").unwrap_or(0) != 0,
                 bias,
-                vec![p],
-            ));
+                nodes: vec![p],
+            });
         }
         op => {
             return Err(format!(
@@ -532,16 +580,25 @@ fn find_projection(index: &GraphIndex, logits: &str) -> Result<Projection, Strin
     if matmul != p {
         nodes.push(matmul);
     }
+    let mut projection = Projection {
+        hidden: h,
+        hidden_reshape,
+        weight: w.clone(),
+        trans_weight: false,
+        bias,
+        nodes,
+    };
     // a tied embedding read through a Transpose: read the embedding itself, transposed
     if let Some((t, tn)) = index.producer(&w) {
         let perm = attr_ints(tn, "perm");
         let swaps = perm.as_deref().is_none_or(|p| p == [1, 0]);
         if tn.op_type() == "Transpose" && swaps && only_reader(&w, matmul) {
-            nodes.push(t);
-            return Ok((h, tn.input[0].clone(), true, bias, nodes));
+            projection.nodes.push(t);
+            projection.weight = tn.input[0].clone();
+            projection.trans_weight = true;
         }
     }
-    Ok((h, w, false, bias, nodes))
+    Ok(projection)
 }
 
 /// A loss read of the flat logits: a column gather, or a softmax read only by column gathers.
@@ -596,15 +653,15 @@ fn class_mean(index: &GraphIndex, c: usize) -> Option<usize> {
     .then_some(c)
 }
 
-/// The fused node and everything it replaces, as a patch; the value infos of its outputs, and
-/// the `[N, d]` hidden states it reads.
+/// The fused node and everything it replaces, as a patch; the value infos of its outputs, the
+/// `[N, d]` hidden states and the `[V]` bias (or "") it reads.
 fn replacement(
     b: &mut Builder,
     index: &GraphIndex,
     r: &Region,
     meta: &PatchMeta,
     chunk_tokens: i64,
-) -> (Patch, Vec<ValueInfoProto>, String) {
+) -> (Patch, Vec<ValueInfoProto>, String, String) {
     let graph = index.graph;
     let ce = &graph.node[r.ce];
     let mut replacements: BTreeMap<usize, Vec<NodeProto>> = BTreeMap::new();
@@ -612,8 +669,12 @@ fn replacement(
     // was; the class-last logits tensor → the hidden states laid out like it
     let mut hidden_at: BTreeMap<&str, String> = BTreeMap::new();
     let root = graph.node[r.projection[0]].output[0].as_str();
-    hidden_at.insert(root, r.hidden.clone());
     let mut h = r.hidden.clone();
+    if let Some(i) = r.hidden_reshape {
+        h = replay_on_hidden(b, &graph.node[i], &h);
+        replacements.insert(i, std::mem::take(&mut b.nodes));
+    }
+    hidden_at.insert(root, h.clone());
     for &i in &r.scores_chain {
         let n = &graph.node[i];
         if !matches!(n.op_type(), "Identity" | "Cast" | "LogSoftmax") {
@@ -668,11 +729,16 @@ fn replacement(
             }
         }
     }
+    let bias = if r.bias.is_empty() || static_rank(index, &r.bias) == Some(1) {
+        r.bias.clone()
+    } else {
+        b.reshape(&r.bias, &[-1], "fused/bias")
+    };
     let head = Head {
         hidden: hidden.clone(),
         weight: r.weight.clone(),
         trans_weight: r.trans_weight,
-        bias: r.bias.clone(),
+        bias: bias.clone(),
         labels: labels.clone(),
         ignore_index,
         ids: ids.clone(),
@@ -785,7 +851,7 @@ fn replacement(
         outputs: Vec::new(),
         metadata: Vec::new(),
     };
-    (patch, infos, hidden)
+    (patch, infos, hidden, bias)
 }
 
 /// A layout op of the logits, applied to the hidden states (`d` in place of `V`).
