@@ -50,7 +50,23 @@ pub fn apply(model: &mut ModelProto, patch: Patch) -> Result<(), Error> {
                 value: Some(v),
             }),
     );
-    check_consistency(model).map_err(Error::Inconsistent)
+    check_consistency(model).map_err(Error::Inconsistent)?;
+    drop_stale_value_info(model);
+    Ok(())
+}
+
+/// Drops the value infos of tensors the graph no longer defines (the outputs of replaced or
+/// removed nodes), so no declaration outlives its tensor.
+fn drop_stale_value_info(model: &mut ModelProto) {
+    let graph = model.graph.as_mut().expect("loaded models have a graph");
+    let defined: BTreeSet<String> = graph
+        .input
+        .iter()
+        .map(|v| v.name().to_string())
+        .chain(graph.initializer.iter().map(|t| t.name().to_string()))
+        .chain(graph.node.iter().flat_map(|n| n.output.iter().cloned()))
+        .collect();
+    graph.value_info.retain(|v| defined.contains(v.name()));
 }
 
 /// Every node input is defined before use, every tensor is produced once, every graph output
