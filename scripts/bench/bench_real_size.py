@@ -311,8 +311,16 @@ def runner_step(graph: Path, runner_python: Path, ids, labels, threads: int, dev
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
-    so.enable_mem_pattern = False  # StepRunner's default (it changes nothing else of it)
-    so.enable_cpu_mem_arena = os.environ.get("NTL_BENCH_NO_CPU_ARENA") != "1"  # --no-cpu-arena
+    so.enable_mem_pattern = False  # StepRunner's defaults, with the threads set
+    if os.environ.get("NTL_BENCH_NO_CPU_ARENA") == "1":  # --no-cpu-arena
+        so.enable_cpu_mem_arena = False
+    else:
+        try:  # the runner's arena that grows by what is asked for (older runners: their own)
+            from ntl_patch._state import exact_cpu_arena
+
+            exact_cpu_arena(so)
+        except ImportError:
+            pass
     providers = ["CPUExecutionProvider"]
     if device == "cuda":
         providers.insert(0, ("CUDAExecutionProvider", {"device_id": 0, "use_tf32": 0}))
