@@ -13,6 +13,7 @@ use ntl_ops::options::{
 use ntl_patch::io::model_io::ExternalDataAction;
 use ntl_patch::passes::artifacts::{run_artifacts, ArtifactsRequest};
 use ntl_patch::passes::fused_head::{FusedHeadOptions, Mode as FusedHeadMode};
+use ntl_patch::passes::lora::LoraOptions;
 use ntl_patch::passes::pipeline::{run_patch, PatchRequest};
 use ntl_patch::passes::step::loss_scale::LossScaleOptions;
 use ntl_patch::passes::step::{run_step, OptimizerKind, OptimizerOptions, Precision, StepRequest};
@@ -98,6 +99,32 @@ struct StepArgs {
     /// Write a gradient graph (MODEL.grad.onnx) and an update graph (MODEL.update.onnx).
     #[arg(long)]
     split: bool,
+    /// LoRA: train rank-R adapters of the targeted linear layers (Hugging Face PEFT's LoRA);
+    /// the base weights stay frozen, in their own type.
+    #[arg(long, value_name = "R", allow_negative_numbers = true)]
+    lora_r: Option<i64>,
+    /// LoRA's alpha: the adapters' output is scaled by alpha / R (PEFT's default 8).
+    #[arg(long, value_name = "A", allow_negative_numbers = true)]
+    lora_alpha: Option<f64>,
+    /// LoRA: the modules to adapt, comma-separated (PEFT's target_modules, e.g. q_proj,v_proj)
+    /// [default: PEFT's default for the architecture the module names show].
+    #[arg(long, value_name = "NAMES")]
+    lora_targets: Option<String>,
+    /// LoRA: scale by alpha / sqrt(R) (rsLoRA).
+    #[arg(long)]
+    use_rslora: bool,
+    /// LoRA: how A and B start (peft: A as nn.Linear's Kaiming-uniform, B zeros).
+    #[arg(long, value_enum)]
+    lora_init: Option<LoraInitArg>,
+    /// LoRA: dropout on the adapters' input (only 0 for now).
+    #[arg(long, value_name = "P", allow_negative_numbers = true)]
+    lora_dropout: Option<f64>,
+    /// Seed of LoRA's initial A.
+    #[arg(long, value_name = "N")]
+    seed: Option<u64>,
+    /// With LoRA: also train the base weights whose names start with PREFIX (repeatable).
+    #[arg(long, value_name = "PREFIX")]
+    train: Vec<String>,
     /// Compute the forward and backward in float16 or bfloat16 where torch's autocast does
     /// (float32 master weights and optimizer; fp16 with dynamic loss scaling) [default: fp32].
     #[arg(long, value_enum)]
@@ -141,6 +168,12 @@ enum PrecisionArg {
     Fp16,
     /// bfloat16 where autocast computes in it, no loss scaling.
     Bf16,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LoraInitArg {
+    /// A as nn.Linear's default (Kaiming-uniform, a = sqrt(5)), B zeros.
+    Peft,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -657,7 +690,37 @@ fn precision_options(
     ))
 }
 
+/// `--lora-*` into LoRA options; LoRA's other flags without `--lora-r` are refused.
+fn lora_options(args: &StepArgs) -> Result<Option<LoraOptions>, ntl_patch::Error> {
+    let Some(r) = args.lora_r else {
+        let given = args.lora_alpha.is_some()
+            || args.lora_targets.is_some()
+            || args.use_rslora
+            || args.lora_init.is_some()
+            || args.lora_dropout.is_some()
+            || args.seed.is_some();
+        if given {
+            return Err(ntl_patch::Error::Usage(
+                "--lora-alpha, --lora-targets, --use-rslora, --lora-init, --lora-dropout and --seed set up LoRA; add --lora-r R or drop them".into(),
+            ));
+        }
+        return Ok(None);
+    };
+    Ok(Some(LoraOptions {
+        r,
+        alpha: args.lora_alpha.unwrap_or(8.0),
+        targets: args
+            .lora_targets
+            .as_ref()
+            .map(|t| t.split(',').map(|s| s.trim().to_string()).collect()),
+        use_rslora: args.use_rslora,
+        dropout: args.lora_dropout.unwrap_or(0.0),
+        seed: args.seed.unwrap_or(0),
+    }))
+}
+
 fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
+    let lora = lora_options(&args)?;
     let kind = match args.optimizer {
         OptimizerArg::Adamw => OptimizerKind::AdamW,
         OptimizerArg::Sgd => OptimizerKind::Sgd,
@@ -689,6 +752,8 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
             max_grad_norm: args.max_grad_norm,
         },
         freeze: args.freeze,
+        lora,
+        train: args.train,
         split: args.split,
         precision,
         loss_scale,
@@ -724,6 +789,7 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
             "frozen": s.frozen,
             "buffers": s.buffers,
             "fused_head": s.fused_head_chunk_tokens.map(|c| serde_json::json!({"chunk_tokens": c})),
+            "lora": s.lora,
             "warnings": s.warnings,
         })
         .to_string()
@@ -745,8 +811,25 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
             Some(c) => format!("; LM head fused, {c} positions per chunk"),
             None => String::new(),
         };
+        let lora = match (&s.lora, &req.lora) {
+            (Some(meta), Some(o)) => format!(
+                "; LoRA r={} alpha={} on {} layers ({})",
+                o.r,
+                o.alpha,
+                meta["layers"].as_array().map_or(0, Vec::len),
+                meta["target_modules"]
+                    .as_array()
+                    .map(|t| t
+                        .iter()
+                        .filter_map(|v| v.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", "))
+                    .unwrap_or_default()
+            ),
+            _ => String::new(),
+        };
         format!(
-            "wrote {} ({} on {}, {} parameters / {} values trained with {}{}{}{})",
+            "wrote {} ({} on {}, {} parameters / {} values trained with {}{}{}{}{})",
             outputs.join(" and "),
             req.patch.loss.kind.name(),
             s.patch.ce_node,
@@ -756,6 +839,7 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
                 OptimizerKind::AdamW => "adamw",
                 OptimizerKind::Sgd => "sgd",
             },
+            lora,
             frozen,
             buffers,
             fused

@@ -5,6 +5,7 @@
 pub mod artifacts;
 pub mod fused_head;
 pub mod grad;
+pub mod lora;
 pub mod loss_inputs;
 pub mod pipeline;
 pub mod rewrite;

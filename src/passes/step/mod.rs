@@ -5,6 +5,7 @@
 //! between the two).
 
 mod copies;
+mod frozen_half;
 mod in_place;
 pub mod loss_scale;
 pub mod optimizer;
@@ -26,6 +27,7 @@ use crate::onnx::{
 };
 use crate::passes::fused_head::{self, FusedHeadOptions, Outcome};
 use crate::passes::grad::{self, Ctx};
+use crate::passes::lora::{self, Adapted, LoraOptions};
 use crate::passes::pipeline::{patch_model, PatchRequest, PatchSummary};
 use loss_scale::{LossScaleOptions, ScaleState, SCALE_STATE, SKIP_OUTPUT, TRACKER_STATE};
 use ntl_ops::names::{CE_OUTPUT, NUMBER_OUTPUT, PREFIX};
@@ -63,6 +65,10 @@ pub struct StepRequest {
     /// fp16's dynamic loss scaling.
     pub loss_scale: LossScaleOptions,
     pub fused_head: FusedHeadOptions,
+    /// `--lora-r` and friends: LoRA adapters train, the base is frozen.
+    pub lora: Option<LoraOptions>,
+    /// With LoRA: initializer-name prefixes of base weights to train too.
+    pub train: Vec<String>,
 }
 
 impl StepRequest {
@@ -83,6 +89,8 @@ pub struct StepSummary {
     pub warnings: Vec<String>,
     /// Positions per chunk where the LM head is fused.
     pub fused_head_chunk_tokens: Option<i64>,
+    /// LoRA: the options and the adapted layers (the metadata's `lora`).
+    pub lora: Option<serde_json::Value>,
 }
 
 /// `model.onnx` → `model.step.onnx` (or `model.grad.onnx` + `model.update.onnx`).
@@ -148,6 +156,11 @@ fn check_options(o: &OptimizerOptions) -> Result<(), Error> {
 
 pub fn run_step(req: &StepRequest) -> Result<StepSummary, Error> {
     check_options(&req.optimizer)?;
+    if let Some(o) = &req.lora {
+        o.check()?;
+    } else if !req.train.is_empty() {
+        return Err(Error::Usage("--train adds base weights to what LoRA trains; without --lora-r every weight trains already (use --freeze to leave some out)".into()));
+    }
     req.loss_scale.check().map_err(Error::Usage)?;
     let outputs = match &req.patch.output {
         Some(out) if req.split => split_outputs(out),
@@ -189,6 +202,7 @@ pub fn run_step(req: &StepRequest) -> Result<StepSummary, Error> {
         notes: built.notes,
         warnings: built.warnings,
         fused_head_chunk_tokens: built.fused_head_chunk_tokens,
+        lora: built.lora,
     };
     // Everything but the main graph first, removed again if a later write fails: an error
     // leaves no output at all.
@@ -230,6 +244,7 @@ struct Built {
     /// Where the optimizer state's zeros went (the step graph, or the update graph).
     zeros: ZeroState,
     fused_head_chunk_tokens: Option<i64>,
+    lora: Option<serde_json::Value>,
 }
 
 fn is_buffer_name(name: &str) -> bool {
@@ -348,6 +363,25 @@ fn freeze_notes(
 fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Result<Built, Error> {
     let opset = default_opset(model).expect("checked by the patch step");
     let mut warnings = Vec::new();
+    // LoRA first: the fused head then finds an adapted head (if named) no plain projection
+    let adapted: Option<Adapted> = match &req.lora {
+        Some(o) => Some(lora::insert(model, o)?),
+        None => None,
+    };
+    if let Some(a) = &adapted {
+        let unnamed: Vec<&str> = a
+            .adapters
+            .iter()
+            .filter(|x| x.layer.module.is_none())
+            .map(|x| x.layer.weight.as_str())
+            .collect();
+        if let Some(first) = unnamed.first() {
+            warnings.push(format!(
+                "{} adapted layer(s) have no module path in the export (e.g. '{first}', a weight the exporter renamed): their adapter files use the ONNX names, which PEFT cannot map to the model; export with do_constant_folding=False (TorchScript) or the dynamo exporter to keep the names",
+                unnamed.len()
+            ));
+        }
+    }
     let fused = match fused_head::fuse(model, &req.fused_head)? {
         Outcome::Fused(view) => Some(view),
         Outcome::Dense(Some(why)) => {
@@ -360,7 +394,19 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
     };
     let graph = model.graph.as_mut().expect("loaded models have a graph");
     let mut b = Builder::new(PREFIX, opset, GraphIndex::new(graph).taken_names());
-    widen_half_export(graph, req, &mut b)?;
+    let lora_params = adapted
+        .as_ref()
+        .map(Adapted::parameters)
+        .unwrap_or_default();
+    let trains = |name: &str| -> bool {
+        if req.freeze.iter().any(|f| name.starts_with(f.as_str())) {
+            return false;
+        }
+        adapted.is_none()
+            || lora_params.contains(name)
+            || req.train.iter().any(|t| name.starts_with(t.as_str()))
+    };
+    let widened = widen_half_export(graph, req, &mut b, &trains)?;
     crate::passes::grad::canonical::canonicalize(graph, &mut b);
     // the rewrites' constants join the graph now, so shapes and ranks see their values
     graph.initializer.append(&mut b.initializers);
@@ -374,7 +420,8 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
     let float_inits: Vec<&TensorProto> = graph
         .initializer
         .iter()
-        .filter(|t| t.data_type() == FLOAT && !t.name().starts_with(&format!("{PREFIX}/")))
+        .filter(|t| t.data_type() == FLOAT || widened.is_kept(t.name()))
+        .filter(|t| !t.name().starts_with(&format!("{PREFIX}/")) || lora_params.contains(t.name()))
         .collect();
     let kinds = recorded_kinds(graph);
     let (buffer_like, candidates): (Vec<&TensorProto>, Vec<&TensorProto>) = float_inits
@@ -386,9 +433,18 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
     let buffers = grad::reaching_loss(&graph.node, &loss, &buffer_names);
 
     let notes = freeze_notes(graph, &req.freeze, &reaching)?;
-    let (frozen, params): (Vec<String>, Vec<String>) = reaching
-        .into_iter()
-        .partition(|p| req.freeze.iter().any(|f| p.starts_with(f.as_str())));
+    if let Some(t) = req
+        .train
+        .iter()
+        .find(|t| !reaching.iter().any(|p| p.starts_with(t.as_str())))
+    {
+        return Err(Error::Usage(format!(
+            "--train '{t}' matches no weight on the loss's path; weights are initializer names such as '{}'",
+            reaching.iter().find(|p| !lora_params.contains(*p)).map(String::as_str).unwrap_or("<none>")
+        )));
+    }
+    let (params, frozen): (Vec<String>, Vec<String>) =
+        reaching.into_iter().partition(|p| trains(p));
     if params.is_empty() {
         return Err(Error::Usage(no_parameters_message(graph, &loss)));
     }
@@ -496,6 +552,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
             all_types.follow(&all[graph.node.len()..]);
             let param_set = params.iter().cloned().collect();
             let inputs = precision::Inputs {
+                widened: &widened,
                 graph,
                 new_initializers: &b.initializers.clone(),
                 params: &param_set,
@@ -562,6 +619,13 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
     });
     if let Some(view) = &fused {
         meta["fused_head"] = view.to_json();
+    }
+    let lora_meta = adapted
+        .as_ref()
+        .zip(req.lora.as_ref())
+        .map(|(a, o)| a.to_json(o));
+    if let Some(l) = &lora_meta {
+        meta["lora"] = l.clone();
     }
 
     let update = if req.split {
@@ -641,6 +705,11 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         None
     };
     fused_head::lower::lower(model);
+    {
+        let graph = model.graph.as_mut().expect("graph");
+        let taken = GraphIndex::new(graph).taken_names();
+        frozen_half::cast_per_use(graph, &widened, opset, taken);
+    }
     if update.is_none() {
         // the parameters are read by the backward pass too: only the optimizer's own state
         let params: BTreeSet<&str> = updates.iter().map(|u| u.param.as_str()).collect();
@@ -667,6 +736,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         update,
         zeros,
         fused_head_chunk_tokens: fused.map(|v| v.chunk_tokens),
+        lora: lora_meta,
     })
 }
 
@@ -711,13 +781,15 @@ fn skip_output(scale_state: Option<&ScaleState>) -> Option<ValueInfoProto> {
     scale_state.map(|s| tensor_info(&s.skipped, loss_scale::SKIP_TYPE, &[]))
 }
 
-/// Half-precision exports: refused without --precision; otherwise widened to float32 master
-/// copies (`upcast.rs`), so the rest of the step sees a float32 model.
+/// Half-precision exports: refused without --precision; otherwise the trained weights get
+/// float32 master copies (`upcast.rs`) and the frozen ones stay half, read through widening
+/// Casts (`frozen_half.rs`), so the rest of the step sees a float32 model.
 fn widen_half_export(
     graph: &mut GraphProto,
     req: &StepRequest,
     b: &mut Builder,
-) -> Result<(), Error> {
+    trains: &dyn Fn(&str) -> bool,
+) -> Result<frozen_half::WidenedSet, Error> {
     let loss = graph.output[0].name().to_string();
     let half_inits: Vec<String> = graph
         .initializer
@@ -726,11 +798,11 @@ fn widen_half_export(
         .map(|t| t.name().to_string())
         .collect();
     if half_inits.is_empty() {
-        return Ok(());
+        return Ok(Default::default());
     }
     let reaching = grad::reaching_loss(&graph.node, &loss, &half_inits);
     let Some((ty, example)) = upcast::weight_type(graph, &reaching) else {
-        return Ok(());
+        return Ok(Default::default());
     };
     if req.precision.is_none() {
         return Err(Error::Usage(format!(
@@ -738,7 +810,18 @@ fn widen_half_export(
             upcast::type_name(ty)
         )));
     }
-    upcast::to_float32(graph, b)
+    // frozen weights (more than one value: scalars are exporter constants) stay half
+    let kept: Vec<(String, i32)> = graph
+        .initializer
+        .iter()
+        .filter(|t| half_inits.iter().any(|h| h == t.name()))
+        .filter(|t| t.dims.iter().product::<i64>() > 1 && !trains(t.name()))
+        .map(|t| (t.name().to_string(), t.data_type()))
+        .collect();
+    let widened = frozen_half::keep_half(graph, &kept, b);
+    let keep: std::collections::HashSet<String> = kept.into_iter().map(|(n, _)| n).collect();
+    upcast::to_float32(graph, b, &keep)?;
+    Ok(widened)
 }
 
 /// The model's own data inputs: graph inputs that are not initializers.

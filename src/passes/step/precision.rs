@@ -203,6 +203,8 @@ fn class(node: &NodeProto, half: i32) -> Class {
 
 /// The tensors the pass must leave float32 (parameter gradients, losses), and what it reads.
 pub struct Inputs<'a> {
+    /// Frozen half weights read through widening Casts (`frozen_half.rs`).
+    pub widened: &'a super::frozen_half::WidenedSet,
     pub graph: &'a GraphProto,
     /// Initializers emitted since the graph was read (the backward's constants).
     pub new_initializers: &'a [TensorProto],
@@ -291,6 +293,12 @@ impl<'a, 'b> Pass<'a, 'b> {
                 if let Some(v) = single_f32(t) {
                     scalars.insert(t.name().to_string(), v);
                 }
+            }
+        }
+        // a frozen half weight is a weight: a MatMul's bias among them joins its half type
+        for n in &inp.graph.node {
+            if let Some(out) = n.output.first().filter(|o| inp.widened.contains(o)) {
+                initializers.insert(out.clone());
             }
         }
         for v in &inp.graph.input {
@@ -435,10 +443,14 @@ impl<'a, 'b> Pass<'a, 'b> {
         }
     }
 
-    /// `tensor` in type `to`: itself, a half constant made now, or a (shared) Cast.
+    /// `tensor` in type `to`: itself, the frozen half weight it widens, a half constant made
+    /// now, or a (shared) Cast.
     fn as_type(&mut self, tensor: &str, to: i32) -> String {
         if self.type_of(tensor) == Some(to) {
             return tensor.to_string();
+        }
+        if let Some(half) = self.inp.widened.lookup(tensor, to) {
+            return half.to_string();
         }
         let key = (tensor.to_string(), to);
         if let Some(done) = self.casts.get(&key) {

@@ -45,9 +45,22 @@ pub fn type_name(t: i32) -> &'static str {
     }
 }
 
-/// Rewrites `graph` to float32 throughout (see the module doc).
-pub fn to_float32(graph: &mut GraphProto, b: &mut Builder) -> Result<(), Error> {
+/// Rewrites `graph` to float32 throughout (see the module doc), except the initializers
+/// named in `keep` (frozen weights kept in their type: `frozen_half.rs`).
+pub fn to_float32(
+    graph: &mut GraphProto,
+    b: &mut Builder,
+    keep: &std::collections::HashSet<String>,
+) -> Result<(), Error> {
+    let (kept, widened): (Vec<TensorProto>, Vec<TensorProto>) =
+        std::mem::take(&mut graph.initializer)
+            .into_iter()
+            .partition(|t| keep.contains(t.name()));
+    graph.initializer = widened;
     widen_body(graph)?;
+    graph.initializer.extend(kept);
+    // a kept tensor's declaration was widened with the rest: it is optional, drop it
+    graph.value_info.retain(|v| !keep.contains(v.name()));
     // half data inputs: read through a Cast, the input itself unchanged
     let inits: std::collections::HashSet<String> = graph
         .initializer
@@ -57,6 +70,9 @@ pub fn to_float32(graph: &mut GraphProto, b: &mut Builder) -> Result<(), Error> 
     let mut renames: HashMap<String, String> = HashMap::new();
     let mut casts = Vec::new();
     for v in &mut graph.input {
+        if keep.contains(v.name()) {
+            continue;
+        }
         if inits.contains(v.name()) {
             widen_value(v);
             continue;

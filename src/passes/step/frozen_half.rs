@@ -1,0 +1,278 @@
+//! Frozen weights of a float16/bfloat16 export stay in their type: only trained tensors get
+//! float32 master copies (`upcast.rs`).
+//!
+//! Before the step is built, each kept weight `W` is read through a widening `Cast` to
+//! float32 (`keep_half`), so the rest of the pipeline sees the float32 graph it expects.
+//! Layout ops that read the weight alone (a linear layer's `Transpose`, a `Reshape`) run on
+//! the half weight, and the Cast moves behind them: the widened tensor is the one the
+//! compute ops read. Then:
+//! - under `--precision`, autocast reads the half tensor itself where it computes in that
+//!   type (`Widened::lookup`), so no float32 copy exists at all;
+//! - elsewhere, `cast_per_use` gives every reading node a Cast of its own, made just before it
+//!   (so the float32 copy is freed after that node), written `CastLike(W, x)` with one of the
+//!   node's activations `x`: onnxruntime's common-subexpression elimination merges identical
+//!   Casts of one weight back into one (whose copy then lives from the forward to the
+//!   backward), and its constant folding turns a Cast of an initializer into a float32
+//!   initializer; a Cast that also reads an activation is neither. A `Gather` (an embedding)
+//!   gathers from the half table and widens the rows it took.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+use crate::graph::elem_types::ElemTypes;
+use crate::onnx::{GraphProto, NodeProto, FLOAT};
+use ntl_ops::Builder;
+
+/// A float32 tensor of the step graph that is a kept half tensor, widened.
+#[derive(Debug, Clone)]
+pub struct Widened {
+    pub half: String,
+    pub half_type: i32,
+}
+
+/// The kept tensors, by their widened name.
+#[derive(Debug, Clone, Default)]
+pub struct WidenedSet {
+    by_wide: HashMap<String, Widened>,
+    /// The kept initializers.
+    kept: HashSet<String>,
+}
+
+impl WidenedSet {
+    /// The half tensor `wide` widens, where its type is `to`.
+    pub fn lookup(&self, wide: &str, to: i32) -> Option<&str> {
+        self.by_wide
+            .get(wide)
+            .filter(|w| w.half_type == to)
+            .map(|w| w.half.as_str())
+    }
+
+    pub fn contains(&self, wide: &str) -> bool {
+        self.by_wide.contains_key(wide)
+    }
+
+    /// Whether `name` is a kept (frozen, half) initializer.
+    pub fn is_kept(&self, name: &str) -> bool {
+        self.kept.contains(name)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_wide.is_empty()
+    }
+}
+
+/// Ops that only move a tensor's values: run on the half weight, they keep it half.
+const LAYOUT_OPS: &[&str] = &[
+    "Transpose",
+    "Reshape",
+    "Identity",
+    "Squeeze",
+    "Unsqueeze",
+    "Flatten",
+];
+
+fn rename_inputs(graph: &mut GraphProto, renames: &HashMap<String, String>) {
+    for node in &mut graph.node {
+        rename_node_inputs(node, renames);
+    }
+}
+
+fn rename_node_inputs(node: &mut NodeProto, renames: &HashMap<String, String>) {
+    for i in &mut node.input {
+        if let Some(w) = renames.get(i.as_str()) {
+            *i = w.clone();
+        }
+    }
+    for a in &mut node.attribute {
+        for g in a.g.iter_mut().chain(a.graphs.iter_mut()) {
+            rename_inputs(g, renames);
+        }
+    }
+}
+
+fn cast(b: &mut Builder, input: &str, output: &str) -> NodeProto {
+    NodeProto {
+        name: Some(b.fresh("Cast")),
+        op_type: Some("Cast".into()),
+        input: vec![input.to_string()],
+        output: vec![output.to_string()],
+        attribute: vec![crate::onnx::int_attr("to", FLOAT as i64)],
+        ..Default::default()
+    }
+}
+
+/// `kept` (half initializers that do not train) read through widening Casts (module doc).
+/// Must run before anything else reads the graph's types.
+pub fn keep_half(graph: &mut GraphProto, kept: &[(String, i32)], b: &mut Builder) -> WidenedSet {
+    let mut set = WidenedSet::default();
+    if kept.is_empty() {
+        return set;
+    }
+    let mut renames = HashMap::new();
+    let mut casts = Vec::new();
+    for (name, half_type) in kept {
+        let wide = b.fresh("amp/frozen_f32");
+        casts.push(cast(b, name, &wide));
+        renames.insert(name.clone(), wide.clone());
+        set.kept.insert(name.clone());
+        set.by_wide.insert(
+            wide.clone(),
+            Widened {
+                half: name.clone(),
+                half_type: *half_type,
+            },
+        );
+    }
+    rename_inputs(graph, &renames);
+    // layout ops on a widened weight alone run on the half tensor, widened after them
+    let mut nodes = Vec::with_capacity(graph.node.len() + casts.len());
+    nodes.append(&mut casts);
+    for mut node in std::mem::take(&mut graph.node) {
+        let movable = LAYOUT_OPS.contains(&node.op_type())
+            && node.domain().is_empty()
+            && node.output.len() == 1
+            && node
+                .input
+                .first()
+                .is_some_and(|i| set.by_wide.contains_key(i))
+            && node.input[1..].iter().all(|i| !set.by_wide.contains_key(i));
+        if !movable {
+            nodes.push(node);
+            continue;
+        }
+        let w = set.by_wide[&node.input[0]].clone();
+        node.input[0] = w.half.clone();
+        let out = node.output[0].clone();
+        let half_out = b.fresh("amp/frozen_half");
+        node.output[0] = half_out.clone();
+        nodes.push(node);
+        nodes.push(cast(b, &half_out, &out));
+        set.by_wide.insert(
+            out,
+            Widened {
+                half: half_out,
+                half_type: w.half_type,
+            },
+        );
+    }
+    graph.node = nodes;
+    drop_unread_casts(graph, &mut set);
+    set
+}
+
+fn reader_counts(nodes: &[NodeProto]) -> HashMap<String, usize> {
+    let mut counts = HashMap::new();
+    for n in nodes {
+        for i in n.input.iter().chain(subgraph_reads(n).iter()) {
+            *counts.entry(i.clone()).or_insert(0) += 1;
+        }
+    }
+    counts
+}
+
+/// Names a node's subgraphs read (outer-scope references included).
+fn subgraph_reads(node: &NodeProto) -> Vec<String> {
+    let mut out = Vec::new();
+    for a in &node.attribute {
+        for g in a.g.iter().chain(a.graphs.iter()) {
+            for n in &g.node {
+                out.extend(n.input.iter().cloned());
+                out.extend(subgraph_reads(n));
+            }
+            out.extend(g.output.iter().map(|o| o.name().to_string()));
+        }
+    }
+    out
+}
+
+/// Widening Casts nothing reads any more (their layout op took the half tensor) go.
+fn drop_unread_casts(graph: &mut GraphProto, set: &mut WidenedSet) {
+    let counts = reader_counts(&graph.node);
+    let outputs: HashSet<&str> = graph.output.iter().map(|o| o.name()).collect();
+    let unread: HashSet<String> = set
+        .by_wide
+        .keys()
+        .filter(|w| !counts.contains_key(w.as_str()) && !outputs.contains(w.as_str()))
+        .cloned()
+        .collect();
+    graph.node.retain(|n| {
+        !(n.op_type() == "Cast" && n.output.len() == 1 && unread.contains(&n.output[0]))
+    });
+    set.by_wide.retain(|w, _| !unread.contains(w));
+}
+
+/// The step graph's widening Casts made per reading node (module doc). Runs last, on the
+/// finished graph.
+pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken: BTreeSet<String>) {
+    if set.is_empty() {
+        return;
+    }
+    // the shared Casts go; each reader gets its own
+    graph
+        .node
+        .retain(|n| !(n.op_type() == "Cast" && n.output.len() == 1 && set.contains(&n.output[0])));
+    let types = ElemTypes::infer(graph);
+    let inits: HashSet<&str> = graph.initializer.iter().map(|t| t.name()).collect();
+    let mut b = Builder::new(ntl_ops::names::PREFIX, opset, taken);
+    let mut nodes = Vec::with_capacity(graph.node.len());
+    for mut node in std::mem::take(&mut graph.node) {
+        // an embedding: gather the half rows, widen them
+        if node.op_type() == "Gather" && node.domain().is_empty() {
+            if let Some(w) = node.input.first().and_then(|i| set.by_wide.get(i)) {
+                let out = node.output[0].clone();
+                let rows = b.fresh("amp/frozen_rows");
+                node.input[0] = w.half.clone();
+                node.output[0] = rows.clone();
+                nodes.push(node);
+                nodes.push(cast(&mut b, &rows, &out));
+                continue;
+            }
+        }
+        let direct: Vec<usize> = (0..node.input.len())
+            .filter(|&i| set.contains(&node.input[i]))
+            .collect();
+        let nested: BTreeSet<String> = subgraph_reads(&node)
+            .into_iter()
+            .filter(|n| set.contains(n))
+            .collect();
+        if direct.is_empty() && nested.is_empty() {
+            nodes.push(node);
+            continue;
+        }
+        // an activation of this node: float32, computed at run time
+        let like = node
+            .input
+            .iter()
+            .find(|i| {
+                !i.is_empty()
+                    && !set.contains(i)
+                    && !inits.contains(i.as_str())
+                    && types.get(i) == Some(FLOAT)
+            })
+            .cloned();
+        let mut renames = HashMap::new();
+        let wanted = direct
+            .iter()
+            .map(|&i| node.input[i].clone())
+            .chain(nested)
+            .collect::<BTreeSet<_>>();
+        for wide in wanted {
+            let w = &set.by_wide[&wide];
+            let mine = b.fresh("amp/frozen_f32");
+            nodes.push(match (&like, opset >= 15) {
+                (Some(x), true) => NodeProto {
+                    name: Some(b.fresh("CastLike")),
+                    op_type: Some("CastLike".into()),
+                    input: vec![w.half.clone(), x.clone()],
+                    output: vec![mine.clone()],
+                    ..Default::default()
+                },
+                _ => cast(&mut b, &w.half, &mine),
+            });
+            renames.insert(wide, mine);
+        }
+        rename_node_inputs(&mut node, &renames);
+        nodes.push(node);
+    }
+    graph.node = nodes;
+    graph.value_info.retain(|v| !set.contains(v.name()));
+}
