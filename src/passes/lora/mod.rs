@@ -223,6 +223,7 @@ pub fn insert(model: &mut ModelProto, o: &LoraOptions) -> Result<Adapted, Error>
         .filter(|l| targets.iter().any(|t| l.matches(t)))
         .collect();
     let mut b = Builder::new(PREFIX, opset, index.taken_names());
+    let consumers: BTreeMap<String, Vec<usize>> = layers_outputs(&index, &chosen);
     drop(index);
 
     // one adapter per weight, in node order
@@ -262,9 +263,12 @@ pub fn insert(model: &mut ModelProto, o: &LoraOptions) -> Result<Adapted, Error>
             }
         };
         let node = &graph.node[layer.node];
-        let (x, y) = (node.input[0].clone(), node.output[0].clone());
+        let x = node.input[0].clone();
+        // PEFT adds the adapter to the base layer's output, bias included
+        let end = bias_add(graph, &consumers, layer.node).unwrap_or(layer.node);
+        let y = graph.node[end].output[0].clone();
         let base = b.fresh("lora/base");
-        renamed.push((layer.node, base.clone()));
+        renamed.push((end, base.clone()));
         let ad = &adapters[k];
         let start = b.nodes.len();
         let at = b.node(
@@ -283,7 +287,7 @@ pub fn insert(model: &mut ModelProto, o: &LoraOptions) -> Result<Adapted, Error>
         let xab = b.binary("MatMul", &xa, &bt, "lora/xAB");
         let scaled = b.binary("Mul", &xab, &s, "lora/scaled");
         b.node_to("Add", &[&base, &scaled], &[&y], vec![]);
-        after.insert(layer.node, b.nodes.drain(start..).collect());
+        after.insert(end, b.nodes.drain(start..).collect());
     }
     let graph = model.graph.as_mut().expect("graph");
     for (i, base) in renamed {
@@ -302,6 +306,44 @@ pub fn insert(model: &mut ModelProto, o: &LoraOptions) -> Result<Adapted, Error>
         adapters,
         scaling,
     })
+}
+
+/// The consumers of each chosen layer's output.
+fn layers_outputs(index: &GraphIndex, chosen: &[Linear]) -> BTreeMap<String, Vec<usize>> {
+    chosen
+        .iter()
+        .map(|l| {
+            let y = &index.graph.node[l.node].output[0];
+            (y.clone(), index.consumers(y).to_vec())
+        })
+        .collect()
+}
+
+/// The `Add` of a 1-D bias initializer that is the only reader of a MatMul's output (nn.Linear
+/// through the exporters: `MatMul` + `Add`).
+fn bias_add(
+    graph: &crate::onnx::GraphProto,
+    consumers: &BTreeMap<String, Vec<usize>>,
+    node: usize,
+) -> Option<usize> {
+    let n = &graph.node[node];
+    if n.op_type() != "MatMul" {
+        return None;
+    }
+    let readers = consumers.get(&n.output[0])?;
+    let [only] = readers.as_slice() else {
+        return None;
+    };
+    let add = &graph.node[*only];
+    if add.op_type() != "Add" || !add.domain().is_empty() || add.input.len() != 2 {
+        return None;
+    }
+    let other = add.input.iter().find(|i| **i != n.output[0])?;
+    graph
+        .initializer
+        .iter()
+        .any(|t| t.name() == other && t.dims.len() == 1)
+        .then_some(*only)
 }
 
 fn claim(b: &mut Builder, name: String) -> Result<String, Error> {

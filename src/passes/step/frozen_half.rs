@@ -18,7 +18,9 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
+use super::precision::input_param;
 use crate::graph::elem_types::ElemTypes;
+use ntl_ops::schema::schemas;
 use crate::onnx::{GraphProto, NodeProto, FLOAT};
 use ntl_ops::Builder;
 
@@ -127,15 +129,7 @@ pub fn keep_half(graph: &mut GraphProto, kept: &[(String, i32)], b: &mut Builder
     let mut nodes = Vec::with_capacity(graph.node.len() + casts.len());
     nodes.append(&mut casts);
     for mut node in std::mem::take(&mut graph.node) {
-        let movable = LAYOUT_OPS.contains(&node.op_type())
-            && node.domain().is_empty()
-            && node.output.len() == 1
-            && node
-                .input
-                .first()
-                .is_some_and(|i| set.by_wide.contains_key(i))
-            && node.input[1..].iter().all(|i| !set.by_wide.contains_key(i));
-        if !movable {
+        if !is_layout_of_widened(&node, &set) {
             nodes.push(node);
             continue;
         }
@@ -157,6 +151,15 @@ pub fn keep_half(graph: &mut GraphProto, kept: &[(String, i32)], b: &mut Builder
     graph.node = nodes;
     drop_unread_casts(graph, &mut set);
     set
+}
+
+/// A layout op whose data input is widened (and nothing else it reads).
+fn is_layout_of_widened(node: &NodeProto, set: &WidenedSet) -> bool {
+    LAYOUT_OPS.contains(&node.op_type())
+        && node.domain().is_empty()
+        && node.output.len() == 1
+        && node.input.first().is_some_and(|i| set.contains(i))
+        && node.input[1..].iter().all(|i| !set.contains(i))
 }
 
 fn reader_counts(nodes: &[NodeProto]) -> HashMap<String, usize> {
@@ -206,6 +209,7 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
     if set.is_empty() {
         return;
     }
+    let mut set = set.clone();
     // the shared Casts go; each reader gets its own
     graph
         .node
@@ -215,6 +219,24 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
     let mut b = Builder::new(ntl_ops::names::PREFIX, opset, taken);
     let mut nodes = Vec::with_capacity(graph.node.len());
     for mut node in std::mem::take(&mut graph.node) {
+        // a layout op (the backward's transposes) runs on the half tensor; its output is
+        // widened where it is read
+        if is_layout_of_widened(&node, &set) {
+            let w = set.by_wide[&node.input[0]].clone();
+            let out = node.output[0].clone();
+            let half_out = b.fresh("amp/frozen_half");
+            node.input[0] = w.half;
+            node.output[0] = half_out.clone();
+            nodes.push(node);
+            set.by_wide.insert(
+                out,
+                Widened {
+                    half: half_out,
+                    half_type: w.half_type,
+                },
+            );
+            continue;
+        }
         // an embedding: gather the half rows, widen them
         if node.op_type() == "Gather" && node.domain().is_empty() {
             if let Some(w) = node.input.first().and_then(|i| set.by_wide.get(i)) {
@@ -238,17 +260,21 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
             nodes.push(node);
             continue;
         }
-        // an activation of this node: float32, computed at run time
-        let like = node
-            .input
-            .iter()
-            .find(|i| {
-                !i.is_empty()
-                    && !set.contains(i)
-                    && !inits.contains(i.as_str())
-                    && types.get(i) == Some(FLOAT)
+        // an activation of this node (computed at run time) that is float32: known so, or
+        // bound to the same type as a widened input by the op's schema
+        let schema = schemas().schema(node.domain(), node.op_type(), opset);
+        let param = |i: usize| schema.and_then(|s| input_param(s, i));
+        let widened_params: Vec<Option<String>> = direct.iter().map(|&i| param(i)).collect();
+        let like = (0..node.input.len())
+            .find(|&i| {
+                let n = &node.input[i];
+                !n.is_empty()
+                    && !set.contains(n)
+                    && !inits.contains(n.as_str())
+                    && (types.get(n) == Some(FLOAT)
+                        || param(i).is_some_and(|p| widened_params.contains(&Some(p))))
             })
-            .cloned();
+            .map(|i| node.input[i].clone());
         let mut renames = HashMap::new();
         let wanted = direct
             .iter()

@@ -427,8 +427,12 @@ impl<'a, 'b> Pass<'a, 'b> {
             Class::Float32 => FLOAT,
             Class::Follow => {
                 let inputs = members.iter().map(|&i| node.input[i].as_str());
+                // a frozen half weight counts in its own type, as a half model's weight would
                 let types: Vec<(&str, i32)> = inputs
-                    .filter_map(|n| self.type_of(n).map(|t| (n, t)))
+                    .filter_map(|n| match self.inp.widened.lookup(n, self.half) {
+                        Some(_) => Some((n, self.half)),
+                        None => self.type_of(n).map(|t| (n, t)),
+                    })
                     .collect();
                 let any_half = types.iter().any(|&(_, t)| t == self.half);
                 let strong_f32 = types
@@ -489,7 +493,7 @@ impl<'a, 'b> Pass<'a, 'b> {
 }
 
 /// The type parameter input `i` binds (`T`), or None for a fixed type (`tensor(int64)`).
-fn input_param(schema: &Schema, i: usize) -> Option<String> {
+pub(super) fn input_param(schema: &Schema, i: usize) -> Option<String> {
     let p = schema
         .inputs
         .get(i)
