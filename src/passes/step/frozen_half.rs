@@ -13,15 +13,21 @@
 //!   node's activations `x`: onnxruntime's common-subexpression elimination merges identical
 //!   Casts of one weight back into one (whose copy then lives from the forward to the
 //!   backward), and its constant folding turns a Cast of an initializer into a float32
-//!   initializer; a Cast that also reads an activation is neither. A `Gather` (an embedding)
-//!   gathers from the half table and widens the rows it took.
+//!   initializer. A `Gather` (an embedding) gathers from the half table and widens the rows
+//!   it took.
+//!
+//! Measured with onnxruntime 1.19 and 1.31 (`ORT_ENABLE_ALL`, tests/python/test_lora_half.py):
+//! a Cast (or CastLike) of a constant half initializer is folded into a float32 initializer
+//! whatever reads it, so the kept weights are also declared graph inputs (initializers with
+//! a default value, which onnxruntime never folds: `declare_inputs`); then one Cast per
+//! reading node survives its optimiser.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
 use super::precision::input_param;
 use crate::graph::elem_types::ElemTypes;
-use ntl_ops::schema::schemas;
 use crate::onnx::{GraphProto, NodeProto, FLOAT};
+use ntl_ops::schema::schemas;
 use ntl_ops::Builder;
 
 /// A float32 tensor of the step graph that is a kept half tensor, widened.
@@ -203,6 +209,23 @@ fn drop_unread_casts(graph: &mut GraphProto, set: &mut WidenedSet) {
     set.by_wide.retain(|w, _| !unread.contains(w));
 }
 
+/// The kept weights as graph inputs too (their initializers are the default values): a
+/// runtime cannot fold their casts into float32 constants (module doc).
+pub fn declare_inputs(graph: &mut GraphProto, set: &WidenedSet) {
+    let declared: HashSet<String> = graph.input.iter().map(|i| i.name().to_string()).collect();
+    let mut kept: Vec<&crate::onnx::TensorProto> = graph
+        .initializer
+        .iter()
+        .filter(|t| set.kept.contains(t.name()) && !declared.contains(t.name()))
+        .collect();
+    kept.sort_by_key(|t| t.name());
+    let infos: Vec<_> = kept
+        .iter()
+        .map(|t| super::tensor_info(t.name(), t.data_type(), &t.dims))
+        .collect();
+    graph.input.extend(infos);
+}
+
 /// The step graph's widening Casts made per reading node (module doc). Runs last, on the
 /// finished graph.
 pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken: BTreeSet<String>) {
@@ -236,6 +259,19 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
                 },
             );
             continue;
+        }
+        // a cast of the widened tensor back to its own type reads the half tensor itself
+        let to = crate::onnx::attr_i(&node, "to").map(|t| t as i32);
+        if node.op_type() == "Cast" && node.domain().is_empty() {
+            if let Some(w) = node.input.first().and_then(|i| set.by_wide.get(i)) {
+                if Some(w.half_type) == to {
+                    node.op_type = Some("Identity".into());
+                    node.input[0] = w.half.clone();
+                    node.attribute.clear();
+                    nodes.push(node);
+                    continue;
+                }
+            }
         }
         // an embedding: gather the half rows, widen them
         if node.op_type() == "Gather" && node.domain().is_empty() {

@@ -709,6 +709,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         let graph = model.graph.as_mut().expect("graph");
         let taken = GraphIndex::new(graph).taken_names();
         frozen_half::cast_per_use(graph, &widened, opset, taken);
+        frozen_half::declare_inputs(graph, &widened);
     }
     if update.is_none() {
         // the parameters are read by the backward pass too: only the optimizer's own state
@@ -1003,7 +1004,7 @@ fn update_model(
     Ok(update)
 }
 
-fn tensor_info(name: &str, elem_type: i32, dims: &[i64]) -> ValueInfoProto {
+pub(super) fn tensor_info(name: &str, elem_type: i32, dims: &[i64]) -> ValueInfoProto {
     use proto::tensor_shape_proto::{dimension, Dimension};
     ValueInfoProto {
         name: Some(name.into()),

@@ -427,12 +427,8 @@ impl<'a, 'b> Pass<'a, 'b> {
             Class::Float32 => FLOAT,
             Class::Follow => {
                 let inputs = members.iter().map(|&i| node.input[i].as_str());
-                // a frozen half weight counts in its own type, as a half model's weight would
                 let types: Vec<(&str, i32)> = inputs
-                    .filter_map(|n| match self.inp.widened.lookup(n, self.half) {
-                        Some(_) => Some((n, self.half)),
-                        None => self.type_of(n).map(|t| (n, t)),
-                    })
+                    .filter_map(|n| self.type_of(n).map(|t| (n, t)))
                     .collect();
                 let any_half = types.iter().any(|&(_, t)| t == self.half);
                 let strong_f32 = types
