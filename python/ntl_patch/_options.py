@@ -5,6 +5,8 @@ flags in snake_case (``--max-grad-norm`` -> ``max_grad_norm``). Kinds:
   FLAG   a switch: True -> ``--flag``; False / None -> left out
   VALUE  one value: ``--flag VALUE``; None -> left out
   MULTI  repeatable: a list/tuple -> ``--flag A --flag B``; one value -> ``--flag A``
+VALUE options in COMMA_LISTS also take a list/tuple of strings, joined with commas
+(``lora_targets=["q_proj", "v_proj"]`` -> ``--lora-targets=q_proj,v_proj``).
 """
 
 from __future__ import annotations
@@ -25,8 +27,12 @@ _OPTIMIZER = {
     "weight_decay": VALUE, "momentum": VALUE, "max_grad_norm": VALUE, "freeze": MULTI,
     "split": FLAG, "precision": VALUE, "init_scale": VALUE, "growth_factor": VALUE,
     "backoff_factor": VALUE, "growth_interval": VALUE, "fused_head": VALUE,
-    "head_chunk_tokens": VALUE,
+    "head_chunk_tokens": VALUE, "lora_r": VALUE, "lora_alpha": VALUE, "lora_targets": VALUE,
+    "use_rslora": FLAG, "lora_init": VALUE, "lora_dropout": VALUE, "seed": VALUE, "train": MULTI,
 }
+
+# one-value options whose value is a comma-separated list
+COMMA_LISTS = {"lora_targets"}
 
 # command -> {python option name: kind}; `out` is the wrappers' name for -o/--output
 OPTIONS: dict[str, dict[str, str]] = {

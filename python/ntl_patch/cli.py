@@ -20,7 +20,7 @@ import os
 import subprocess
 
 from . import _binary
-from ._options import FLAG, MULTI, OPTIONS, flag
+from ._options import COMMA_LISTS, FLAG, MULTI, OPTIONS, flag
 
 log = logging.getLogger("ntl_patch")
 
@@ -98,6 +98,9 @@ def arguments(command: str, options: dict, func: str | None = None) -> list[str]
                 args.append(flag(name))
         elif kind == MULTI and isinstance(value, (list, tuple)):
             args += [f"{flag(name)}={_value(func, name, v)}" for v in value]
+        elif name in COMMA_LISTS and isinstance(value, (list, tuple)) and value \
+                and all(isinstance(v, str) and v and "," not in v for v in value):
+            args.append(f"{flag(name)}={_value(func, name, ','.join(value))}")
         else:
             if isinstance(value, (list, tuple, set, frozenset, dict)):
                 what = "one value or a list of values" if kind == MULTI else "one value"

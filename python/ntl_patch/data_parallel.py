@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from . import _dlpack, _onnx_wire, _safetensors, _state
+from . import _dlpack, _lora, _onnx_wire, _safetensors, _state
 
 LOSS_SCALE_STATE = "ntl/state/loss_scale"
 CHECKPOINT_FORMAT = "ntl_patch.DataParallel/1"
@@ -384,14 +384,40 @@ class DataParallel:
     def save_inference_model(self, original_model, out, strict: bool = True,
                              external_data: bool | None = None) -> Path:
         """original_model with the trained parameters (see StepRunner.save_inference_model,
-        external data included). Call it on every rank: rank 0 writes."""
+        external data and LoRA merging included). Call it on every rank: rank 0 writes."""
         if self.rank == 0:
             self._check_usable()
             values = {n: _state.host_bytes(self._state[n]) for n in self.parameter_names}
+            if self.metadata.get("lora"):
+                values = _lora.merged_values(original_model,
+                                             _lora.lora_metadata(self.metadata, self.grad_path), values)
             _onnx_wire.replace_initializers(original_model, out, values, strict=strict,
                                             external_data=external_data)
         self._barrier()
         return Path(out)
+
+    def save_adapter(self, directory, base_model_name_or_path: str | None = None,
+                     task_type: str | None = "CAUSAL_LM") -> Path:
+        """The trained LoRA adapter as PEFT's files (see StepRunner.save_adapter). Call it on
+        every rank: rank 0 writes."""
+        lora = _lora.lora_metadata(self.metadata, self.grad_path)
+        if self.rank == 0:
+            self._check_usable()
+            values = {n: _state.host_bytes(self._state[n]) for n in _lora.lora_names(lora)}
+            _lora.save_adapter(directory, lora, values, base_model_name_or_path, task_type)
+        self._barrier()
+        return Path(os.fspath(directory))
+
+    def save_onnx_adapter(self, out, adapter_version: int = 1, model_version: int = 1) -> Path:
+        """The trained A and B as an onnxruntime ``.onnx_adapter`` file (see
+        StepRunner.save_onnx_adapter). Call it on every rank: rank 0 writes."""
+        lora = _lora.lora_metadata(self.metadata, self.grad_path)
+        if self.rank == 0:
+            self._check_usable()
+            values = {n: self._state_host(n) for n in _lora.lora_names(lora)}
+            _lora.save_onnx_adapter(out, lora, values, adapter_version, model_version)
+        self._barrier()
+        return Path(os.fspath(out))
 
     def __repr__(self) -> str:
         return (f"DataParallel({str(self.grad_path)!r}, rank {self.rank}/{self.world_size}, "

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from . import _onnx_wire, _state
+from . import _lora, _onnx_wire, _state
 
 LOSS_SCALE_STATE = "ntl/state/loss_scale"
 
@@ -258,12 +258,44 @@ class StepRunner:
         protobuf's 2 GB inline; True always, False never (ValueError when it would not fit).
         With external data, out and its data file are all the model needs (the original's
         other external initializers are copied into the data file). The float32 master copies
-        of a float16/bfloat16 export (`--precision`) are rounded to its type."""
+        of a float16/bfloat16 export (`--precision`) are rounded to its type. For a LoRA graph
+        (`--lora-r`) each adapted weight becomes ``W + scaling·B·A`` (float32 arithmetic, stored
+        in the weight's own type): the merged model, as PEFT's ``merge_and_unload()``."""
         self._check_usable()
         values = {n: _state.host_bytes(self._state[n]) for n in self.parameter_names}
+        if self.metadata.get("lora"):
+            values = _lora.merged_values(original_model, _lora.lora_metadata(self.metadata, self.path),
+                                         values)
         _onnx_wire.replace_initializers(original_model, out, values, strict=strict,
                                         external_data=external_data)
         return Path(out)
+
+    # --- LoRA (`ntl-patch step --lora-r R`) ---------------------------------------------------
+
+    def save_adapter(self, directory, base_model_name_or_path: str | None = None,
+                     task_type: str | None = "CAUSAL_LM") -> Path:
+        """Write the trained LoRA adapter as Hugging Face PEFT saves one: ``adapter_config.json``
+        and ``adapter_model.safetensors`` (keys ``base_model.model.<module>.lora_A.weight`` /
+        ``.lora_B.weight``) in directory, so ``peft.PeftModel.from_pretrained(base, directory)``
+        loads it. base_model_name_or_path goes into the config (e.g. the hub id the model was
+        exported from); task_type None for a base model that is not a transformers causal LM
+        (PEFT's CAUSAL_LM wrapper needs ``prepare_inputs_for_generation``). Layers whose module
+        path the export lost are written under their ONNX weight names, with a warning.
+        ValueError for a graph without LoRA. Atomic."""
+        self._check_usable()
+        lora = _lora.lora_metadata(self.metadata, self.path)
+        values = {n: _state.host_bytes(self._state[n]) for n in _lora.lora_names(lora)}
+        return _lora.save_adapter(directory, lora, values, base_model_name_or_path, task_type)
+
+    def save_onnx_adapter(self, out, adapter_version: int = 1, model_version: int = 1) -> Path:
+        """Write the trained A and B tensors (float32, under their parameter names) as an
+        onnxruntime ``.onnx_adapter`` file: a model that takes those names as inputs runs them
+        through ``RunOptions.add_active_adapter(onnxruntime.LoraAdapter)``. Needs onnxruntime
+        >= 1.20 (``onnxruntime.AdapterFormat``; RuntimeError otherwise). Atomic."""
+        self._check_usable()
+        lora = _lora.lora_metadata(self.metadata, self.path)
+        values = {n: _state.host(self._state[n]) for n in _lora.lora_names(lora)}
+        return _lora.save_onnx_adapter(out, lora, values, adapter_version, model_version)
 
     def __repr__(self) -> str:
         return (f"StepRunner({str(self.path)!r}, device={self.device}:{self.device_id}, "

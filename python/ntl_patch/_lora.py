@@ -1,0 +1,306 @@
+"""LoRA step graphs (`ntl-patch step --lora-r R`): the adapters saved as people load them.
+
+The step graph's ``ntl_step`` metadata carries a ``"lora"`` entry (docs/STEP_GRAPH.md): r,
+lora_alpha, scaling, the target modules and, per adapted linear layer, the module path PEFT uses
+(or null where the export lost it), the base weight's initializer name, the names of the trained
+``lora_A`` [r, in] and ``lora_B`` [out, r] parameters and how the initializer stores W
+(``"out_in"`` as nn.Linear, ``"in_out"`` as GPT-2's Conv1D or a pre-transposed MatMul weight).
+The forward is PEFT's: ``y = base(x) + (x·Aᵀ·Bᵀ)·scaling``.
+
+What StepRunner and DataParallel share:
+- ``save_adapter``: Hugging Face PEFT's ``adapter_config.json`` + ``adapter_model.safetensors``
+  (keys ``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight``), as PEFT 0.21.2's
+  ``save_pretrained`` writes them, so ``PeftModel.from_pretrained(base, DIR)`` loads them;
+- ``merged_values``: the inference model's weights with ``W + scaling·B·A`` folded in (float32
+  arithmetic, stored in the original initializer's type);
+- ``save_onnx_adapter``: onnxruntime's ``.onnx_adapter`` file of the A and B tensors (onnxruntime
+  >= 1.20, ``onnxruntime.AdapterFormat``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from . import _onnx_wire, _safetensors
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+KEY_PREFIX = "base_model.model."
+# The PEFT release whose files these are: save_pretrained of peft 0.21.2 writes exactly these
+# keys (tests/python/test_lora.py compares them with a real save). PEFT's LoraConfig defaults
+# for everything ntl-patch does not use.
+PEFT_FORMAT_VERSION = "0.21.2"
+_PEFT_DEFAULTS = {
+    "alora_invocation_tokens": None, "alpha_pattern": {}, "arrow_config": None,
+    "auto_mapping": None, "corda_config": None, "ensure_weight_tying": False, "eva_config": None,
+    "exclude_modules": None, "inference_mode": True, "init_lora_weights": True,
+    "kasa_config": None, "layer_replication": None, "layers_pattern": None,
+    "layers_to_transform": None, "loftq_config": {}, "lora_bias": False, "lora_ga_config": None,
+    "megatron_config": None, "megatron_core": "megatron.core", "modules_to_save": None,
+    "monteclora_config": None, "qalora_group_size": 16, "rank_pattern": {}, "revision": None,
+    "target_parameters": None, "trainable_token_indices": None, "use_bdlora": None,
+    "use_dora": False, "use_qalora": False, "velora_config": None,
+}
+_LAYER_KEYS = ("weight", "lora_A", "lora_B", "in_features", "out_features", "weight_layout")
+
+
+def lora_metadata(meta: dict, path) -> dict:
+    """The graph's ``lora`` metadata, checked; ValueError (one line) for a graph without it."""
+    lora = meta.get("lora")
+    if not lora:
+        raise ValueError(f"{path}: not a LoRA step graph (no 'lora' in its 'ntl_step' metadata); "
+                         f"write one with `ntl-patch step MODEL --lora-r R`")
+    layers = lora.get("layers") if isinstance(lora, dict) else None
+    if not isinstance(layers, list) or not layers or "r" not in lora or "scaling" not in lora:
+        raise ValueError(f"{path}: its 'lora' metadata lacks r, scaling or layers")
+    for layer in layers:
+        missing = [k for k in _LAYER_KEYS if k not in layer]
+        if missing:
+            raise ValueError(f"{path}: a 'lora' layer lacks {', '.join(missing)}: {layer}")
+        if layer["weight_layout"] not in ("out_in", "in_out"):
+            raise ValueError(f"{path}: unknown weight_layout {layer['weight_layout']!r} of "
+                             f"{layer['weight']!r} (expected 'out_in' or 'in_out')")
+    return lora
+
+
+def lora_names(lora: dict) -> set[str]:
+    """The LoRA parameters (every A and B) of a graph's ``lora`` metadata."""
+    return {layer[k] for layer in lora["layers"] for k in ("lora_A", "lora_B")}
+
+
+def _module(layer: dict) -> str:
+    """The module path of a layer's PEFT keys: PEFT's, or the ONNX weight name without a
+    trailing ``.weight`` where the export lost the module path."""
+    module = layer.get("module")
+    if module:
+        return str(module)
+    name = str(layer["weight"])
+    return name[: -len(".weight")] if name.endswith(".weight") else name
+
+
+def _number(x):
+    """An integral float as int (PEFT writes lora_alpha as it was given: 8, not 8.0)."""
+    return int(x) if isinstance(x, float) and x.is_integer() else x
+
+
+def adapter_config(lora: dict, base_model_name_or_path: str | None = None,
+                   task_type: str | None = "CAUSAL_LM") -> dict:
+    """PEFT's adapter_config.json for a graph's ``lora`` metadata (peft 0.21.2's key set)."""
+    if lora.get("bias", "none") != "none":
+        raise ValueError(f"LoRA bias {lora.get('bias')!r}: only 'none' is written as a PEFT adapter")
+    fan_in_fan_out = any(bool(layer.get("fan_in_fan_out")) for layer in lora["layers"])
+    config = dict(_PEFT_DEFAULTS)
+    config.update({
+        "base_model_name_or_path": None if base_model_name_or_path is None else str(base_model_name_or_path),
+        "bias": "none",
+        "fan_in_fan_out": fan_in_fan_out,
+        "lora_alpha": _number(lora.get("lora_alpha", lora["r"])),
+        "lora_dropout": float(lora.get("lora_dropout", 0.0)),
+        "peft_type": "LORA",
+        "peft_version": PEFT_FORMAT_VERSION,
+        "r": int(lora["r"]),
+        "target_modules": list(lora.get("target_modules") or []),
+        "task_type": task_type,
+        "use_rslora": bool(lora.get("use_rslora", False)),
+    })
+    return dict(sorted(config.items()))
+
+
+def _check_scaling(lora: dict) -> float:
+    """The metadata's scaling, which must be PEFT's lora_alpha / r (rsLoRA: / sqrt(r))."""
+    scaling = float(lora["scaling"])
+    r, alpha = float(lora["r"]), float(lora.get("lora_alpha", lora["r"]))
+    want = alpha / (math.sqrt(r) if lora.get("use_rslora") else r)
+    if not math.isclose(scaling, want, rel_tol=1e-6):
+        raise ValueError(f"LoRA scaling {scaling} is not lora_alpha / {'sqrt(r)' if lora.get('use_rslora') else 'r'}"
+                         f" = {want}: the graph's metadata is inconsistent")
+    return scaling
+
+
+def adapter_tensors(lora: dict, values) -> tuple[dict, list[str]]:
+    """({PEFT key: value}, [layers written under their ONNX weight name]) where values maps the
+    LoRA parameter names to arrays (or ArrayBytes)."""
+    tensors: dict = {}
+    unmapped: list[str] = []
+    for layer in lora["layers"]:
+        if not layer.get("module"):
+            unmapped.append(str(layer["weight"]))
+        base = KEY_PREFIX + _module(layer)
+        for part in ("lora_A", "lora_B"):
+            key = f"{base}.{part}.weight"
+            if key in tensors:
+                raise ValueError(f"two LoRA layers map to the PEFT key {key!r}")
+            tensors[key] = values[layer[part]]
+    return tensors, unmapped
+
+
+def _write_json(path: Path, obj) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_adapter(directory, lora: dict, values, base_model_name_or_path: str | None = None,
+                 task_type: str | None = "CAUSAL_LM") -> Path:
+    """Write PEFT's adapter_config.json and adapter_model.safetensors into directory.
+
+    A new directory is written whole under a temporary name and renamed into place; in an
+    existing one each file is written to a temporary name and renamed (the weights first, so a
+    config never describes weights that are not there yet)."""
+    _check_scaling(lora)
+    config = adapter_config(lora, base_model_name_or_path, task_type)
+    tensors, unmapped = adapter_tensors(lora, values)
+    if unmapped:
+        shown = ", ".join(repr(n) for n in unmapped[:3]) + (f" and {len(unmapped) - 3} more" if len(unmapped) > 3 else "")
+        warnings.warn(f"save_adapter: the export lost the module path of {len(unmapped)} adapted "
+                      f"layer(s) ({shown}), so their adapter keys use the ONNX weight names and "
+                      f"PEFT cannot map them onto the transformers model (export with the dynamo "
+                      f"exporter, which keeps the module names)", stacklevel=3)
+    directory = Path(os.fspath(directory))
+    if directory.exists():
+        if not directory.is_dir():
+            raise NotADirectoryError(f"{directory}: exists and is not a directory")
+        _safetensors.save(directory / WEIGHTS_NAME, tensors, {"format": "pt"})
+        _write_json(directory / CONFIG_NAME, config)
+        return directory
+    parent = directory.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=parent))
+    try:
+        _safetensors.save(tmp / WEIGHTS_NAME, tensors, {"format": "pt"})
+        _write_json(tmp / CONFIG_NAME, config)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        os.rename(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+# --- the merged inference model -----------------------------------------------------------------
+
+def _read_weight(original: Path, name: str) -> tuple[np.ndarray, int]:
+    """(float32 value, ONNX data type) of an initializer of the original model; float16 and
+    bfloat16 are widened exactly."""
+    mm, buf = _onnx_wire._map(original)
+    try:
+        found = next((t for t in _onnx_wire.initializers(buf) if t.name == name), None)
+        if found is None:
+            raise ValueError(f"{original}: no initializer named {name!r}, the base weight of a LoRA "
+                             f"layer; pass the model the step graph was made from")
+        dtype = found.data_type
+        if dtype == 16:  # bfloat16: its bits as uint16, widened to float32
+            found.data_type = 4
+            bits = _onnx_wire.tensor_to_numpy(buf, found, original.parent)
+            value = (bits.astype(np.uint32) << 16).view(np.float32)
+        elif dtype in (1, 10):
+            value = _onnx_wire.tensor_to_numpy(buf, found, original.parent).astype(np.float32)
+        else:
+            raise ValueError(f"{original}: LoRA base weight {name!r} is "
+                             f"{_onnx_wire.type_name(dtype)}; only float, float16 and bfloat16 merge")
+        return value, dtype
+    finally:
+        _onnx_wire._unmap(mm, buf)
+
+
+def merged_values(original, lora: dict, parameters: dict) -> dict:
+    """The initializer values for ``replace_initializers(original, ...)``: every trained
+    parameter that is not a LoRA tensor as it is, and each adapted base weight as
+    ``W + scaling·B·A`` (transposed for "in_out" layouts), computed in float32. A float16 or
+    bfloat16 weight is returned in float32 and rounded to its type when written. A base weight
+    that also trained (``--train``) gets its trained value plus the update."""
+    original = Path(os.fspath(original))
+    scaling = np.float32(_check_scaling(lora))
+    names = lora_names(lora)
+    out = {n: v for n, v in parameters.items() if n not in names}
+    by_weight: dict[str, list[dict]] = {}
+    for layer in lora["layers"]:
+        by_weight.setdefault(str(layer["weight"]), []).append(layer)
+    for weight, layers in by_weight.items():
+        if len({(la["lora_A"], la["lora_B"]) for la in layers}) > 1:
+            raise ValueError(f"LoRA base weight {weight!r} has {len(layers)} different adapters; "
+                             f"the merged model cannot hold them in one weight")
+        layer = layers[0]
+        if weight in parameters:
+            w = np.asarray(_load(parameters[weight]), dtype=np.float32)
+        else:
+            w, _ = _read_weight(original, weight)
+        a = np.asarray(_load(parameters[layer["lora_A"]]), dtype=np.float32)
+        b = np.asarray(_load(parameters[layer["lora_B"]]), dtype=np.float32)
+        r = int(lora["r"])
+        n_in, n_out = int(layer["in_features"]), int(layer["out_features"])
+        if a.shape != (r, n_in) or b.shape != (n_out, r):
+            raise ValueError(f"LoRA layer {weight!r}: A {list(a.shape)} and B {list(b.shape)}, "
+                             f"expected [{r}, {n_in}] and [{n_out}, {r}]")
+        delta = (b @ a) * scaling  # [out, in], as PEFT's get_delta_weight
+        if layer["weight_layout"] == "in_out":
+            delta = delta.T
+        if w.shape != delta.shape:
+            raise ValueError(f"LoRA base weight {weight!r} is {list(w.shape)} in {original.name}, the "
+                             f"update {list(delta.shape)} ({layer['weight_layout']})")
+        out[weight] = (w + delta).astype(np.float32)
+    return out
+
+
+def _load(value):
+    return value.load() if isinstance(value, _onnx_wire.ArrayBytes) else value
+
+
+# --- onnxruntime's adapter format ---------------------------------------------------------------
+
+def has_onnx_adapter_api() -> bool:
+    import onnxruntime as ort
+
+    return hasattr(ort, "AdapterFormat") and hasattr(ort.RunOptions, "add_active_adapter")
+
+
+def save_onnx_adapter(out, lora: dict, values, adapter_version: int = 1, model_version: int = 1) -> Path:
+    """Write onnxruntime's ``.onnx_adapter`` file holding every A and B under its parameter name
+    (float32), atomically. RuntimeError where the installed onnxruntime lacks the adapter API."""
+    import onnxruntime as ort
+
+    if not has_onnx_adapter_api():
+        raise RuntimeError(f"onnxruntime {ort.__version__} has no adapter API "
+                           f"(onnxruntime.AdapterFormat, RunOptions.add_active_adapter; onnxruntime "
+                           f">= 1.20): install a newer onnxruntime to write .onnx_adapter files")
+    params = {}
+    for name in sorted(lora_names(lora)):
+        arr = np.ascontiguousarray(_load(values[name]), dtype=np.float32)
+        params[name] = ort.OrtValue.ortvalue_from_numpy(arr)
+    fmt = ort.AdapterFormat()
+    fmt.set_adapter_version(int(adapter_version))
+    fmt.set_model_version(int(model_version))
+    fmt.set_parameters(params)
+    out = Path(os.fspath(out))
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent or ".")
+    os.close(fd)
+    try:
+        fmt.export_adapter(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
