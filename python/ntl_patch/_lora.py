@@ -92,7 +92,7 @@ def _number(x):
 
 
 def adapter_config(lora: dict, base_model_name_or_path: str | None = None,
-                   task_type: str | None = "CAUSAL_LM") -> dict:
+                   task_type: str | None = "CAUSAL_LM", modules_to_save: list[str] | None = None) -> dict:
     """PEFT's adapter_config.json for a graph's ``lora`` metadata (peft 0.21.2's key set)."""
     if lora.get("bias", "none") != "none":
         raise ValueError(f"LoRA bias {lora.get('bias')!r}: only 'none' is written as a PEFT adapter")
@@ -104,6 +104,7 @@ def adapter_config(lora: dict, base_model_name_or_path: str | None = None,
         "fan_in_fan_out": fan_in_fan_out,
         "lora_alpha": _number(lora.get("lora_alpha", lora["r"])),
         "lora_dropout": float(lora.get("lora_dropout", 0.0)),
+        "modules_to_save": sorted(modules_to_save) if modules_to_save else None,
         "peft_type": "LORA",
         "peft_version": PEFT_FORMAT_VERSION,
         "r": int(lora["r"]),
@@ -142,6 +143,32 @@ def adapter_tensors(lora: dict, values) -> tuple[dict, list[str]]:
     return tensors, unmapped
 
 
+def trained_modules(lora: dict, extra) -> tuple[dict, list[str], list[str]]:
+    """The trained parameters beyond A and B (``--train``) as PEFT's ``modules_to_save``:
+    ({PEFT key: value}, [module paths], [parameters PEFT cannot hold]). A parameter
+    ``<module>.<leaf>`` is saved as ``base_model.model.<module>.<leaf>`` (PEFT loads it into
+    its copy of the module, whose other parameters keep the base model's values). PEFT cannot
+    hold a parameter of a LoRA-adapted layer (a module is a LoRA target or saved whole, not
+    both), nor a parameter whose name is no module path (``onnx::MatMul_12``)."""
+    adapted = {str(layer["weight"]) for layer in lora["layers"]}
+    adapted |= {str(layer["module"]) for layer in lora["layers"] if layer.get("module")}
+    tensors: dict = {}
+    modules: set[str] = set()
+    skipped: list[str] = []
+    for name, value in (extra or {}).items():
+        module, _, leaf = name.rpartition(".")
+        if name in adapted or module in adapted or not module or not leaf or "::" in name or "/" in name:
+            skipped.append(name)
+            continue
+        modules.add(module)
+        tensors[KEY_PREFIX + name] = value
+    return tensors, sorted(modules), skipped
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def _write_json(path: Path, obj) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -157,21 +184,33 @@ def _write_json(path: Path, obj) -> None:
 
 
 def save_adapter(directory, lora: dict, values, base_model_name_or_path: str | None = None,
-                 task_type: str | None = "CAUSAL_LM") -> Path:
-    """Write PEFT's adapter_config.json and adapter_model.safetensors into directory.
+                 task_type: str | None = "CAUSAL_LM", extra=None) -> Path:
+    """Write PEFT's adapter_config.json and adapter_model.safetensors into directory. values:
+    the A and B tensors by parameter name; extra: the other trained parameters (``--train``),
+    written as PEFT's ``modules_to_save`` where PEFT can hold them (a warning names the others).
 
     A new directory is written whole under a temporary name and renamed into place; in an
     existing one each file is written to a temporary name and renamed (the weights first, so a
     config never describes weights that are not there yet)."""
     _check_scaling(lora)
-    config = adapter_config(lora, base_model_name_or_path, task_type)
     tensors, unmapped = adapter_tensors(lora, values)
+    saved, modules, skipped = trained_modules(lora, extra)
+    clash = [k for k in saved if k in tensors]
+    if clash:
+        raise ValueError(f"trained parameter key {clash[0]!r} is also a LoRA key")
+    tensors.update(saved)
+    config = adapter_config(lora, base_model_name_or_path, task_type, modules)
     if unmapped:
-        shown = ", ".join(repr(n) for n in unmapped[:3]) + (f" and {len(unmapped) - 3} more" if len(unmapped) > 3 else "")
         warnings.warn(f"save_adapter: the export lost the module path of {len(unmapped)} adapted "
-                      f"layer(s) ({shown}), so their adapter keys use the ONNX weight names and "
-                      f"PEFT cannot map them onto the transformers model (export with the dynamo "
-                      f"exporter, which keeps the module names)", stacklevel=3)
+                      f"layer(s) ({_shown(unmapped)}), so their adapter keys use the ONNX weight "
+                      f"names and PEFT cannot map them onto the transformers model (export with "
+                      f"the dynamo exporter, or TorchScript with do_constant_folding=False, to "
+                      f"keep the module names)", stacklevel=3)
+    if skipped:
+        warnings.warn(f"save_adapter: {len(skipped)} trained base parameter(s) ({_shown(skipped)}) "
+                      f"are not in the adapter: PEFT cannot hold a parameter of a LoRA-adapted layer "
+                      f"or a parameter without a module path; save_inference_model writes them",
+                      stacklevel=3)
     directory = Path(os.fspath(directory))
     if directory.exists():
         if not directory.is_dir():

@@ -403,8 +403,10 @@ class DataParallel:
         lora = _lora.lora_metadata(self.metadata, self.grad_path)
         if self.rank == 0:
             self._check_usable()
-            values = {n: _state.host_bytes(self._state[n]) for n in _lora.lora_names(lora)}
-            _lora.save_adapter(directory, lora, values, base_model_name_or_path, task_type)
+            names = _lora.lora_names(lora)
+            values = {n: _state.host_bytes(self._state[n]) for n in names}
+            extra = {n: _state.host_bytes(self._state[n]) for n in self.parameter_names if n not in names}
+            _lora.save_adapter(directory, lora, values, base_model_name_or_path, task_type, extra)
         self._barrier()
         return Path(os.fspath(directory))
 

@@ -281,11 +281,15 @@ class StepRunner:
         exported from); task_type None for a base model that is not a transformers causal LM
         (PEFT's CAUSAL_LM wrapper needs ``prepare_inputs_for_generation``). Layers whose module
         path the export lost are written under their ONNX weight names, with a warning.
-        ValueError for a graph without LoRA. Atomic."""
+        Parameters trained with ``--train`` go in as PEFT's ``modules_to_save`` (the whole
+        module is then PEFT's trained copy; the weight of an adapted layer cannot be, and is
+        left out with a warning). ValueError for a graph without LoRA. Atomic."""
         self._check_usable()
         lora = _lora.lora_metadata(self.metadata, self.path)
-        values = {n: _state.host_bytes(self._state[n]) for n in _lora.lora_names(lora)}
-        return _lora.save_adapter(directory, lora, values, base_model_name_or_path, task_type)
+        names = _lora.lora_names(lora)
+        values = {n: _state.host_bytes(self._state[n]) for n in names}
+        extra = {n: _state.host_bytes(self._state[n]) for n in self.parameter_names if n not in names}
+        return _lora.save_adapter(directory, lora, values, base_model_name_or_path, task_type, extra)
 
     def save_onnx_adapter(self, out, adapter_version: int = 1, model_version: int = 1) -> Path:
         """Write the trained A and B tensors (float32, under their parameter names) as an

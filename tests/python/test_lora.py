@@ -65,7 +65,11 @@ CASES = {
     "r1": ("llama_dynamo", 1, None, None, False),
     "r64": ("gpt2_dynamo", 64, 32.0, None, False),
     "rslora": ("llama_ts", 16, 8.0, None, True),
+    "tiny_head": ("lm_flat", 4, None, ["q", "v"], False),
+    "llama_head": ("llama_dynamo", 4, None, None, False),
 }
+# `--train` prefixes of a case, and the modules PEFT trains whole for them (modules_to_save)
+TRAIN = {"tiny_head": (["head."], ["head"]), "llama_head": (["lm_head."], ["lm_head"])}
 
 
 def _arch(fixture: str) -> str:
@@ -81,6 +85,8 @@ def _step_args(case: str) -> list[str]:
         args += ["--lora-targets", ",".join(targets)]
     if rslora:
         args.append("--use-rslora")
+    for prefix in TRAIN.get(case, ([], []))[0]:
+        args += ["--train", prefix]
     return args
 
 
@@ -158,6 +164,8 @@ def peft_config(case: str):
               fan_in_fan_out=arch == "gpt2", lora_dropout=0.0, bias="none")
     if alpha is not None:
         kw["lora_alpha"] = alpha
+    if case in TRAIN:
+        kw["modules_to_save"] = TRAIN[case][1]
     if arch != "tiny":
         kw["task_type"] = "CAUSAL_LM"
     return peft.LoraConfig(**kw)
@@ -167,23 +175,37 @@ def peft_param(layer: dict, part: str) -> str:
     return f"base_model.model.{layer['module']}.{part}.default.weight"
 
 
+def peft_names(lora: dict, parameters) -> dict[str, str]:
+    """step-graph parameter -> PEFT parameter: A and B, and the --train parameters as PEFT's
+    trained copies of their modules (modules_to_save)."""
+    out = {la[part]: peft_param(la, part) for la in lora["layers"] for part in ("lora_A", "lora_B")}
+    for name in parameters:
+        if name not in out:
+            module, _, leaf = name.rpartition(".")
+            out[name] = f"base_model.model.{module}.modules_to_save.default.{leaf}"
+    return out
+
+
 def peft_model(case: str, lora: dict, initial: dict, dtype=torch.float32):
-    """The PEFT-wrapped fixture with the step graph's initial A and B."""
+    """The PEFT-wrapped fixture with the step graph's initial A and B (initial: every trained
+    parameter of the step graph, by name)."""
     m, logits, loss = torch_model(CASES[case][0], dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fan_in_fan_out / Conv1D notices
         pm = peft.get_peft_model(m, peft_config(case))
     params = dict(pm.named_parameters())
     trainable = {k for k, p in params.items() if p.requires_grad}
-    want = {peft_param(la, part) for la in lora["layers"] for part in ("lora_A", "lora_B")}
-    assert trainable == want, f"PEFT adapts {sorted(trainable - want)[:4]}, the step graph {sorted(want - trainable)[:4]}"
+    names = peft_names(lora, initial)
+    want = set(names.values())
+    assert trainable == want, f"PEFT trains {sorted(trainable - want)[:4]}, the step graph {sorted(want - trainable)[:4]}"
     with torch.no_grad():
-        for la in lora["layers"]:
-            for part in ("lora_A", "lora_B"):
-                p = params[peft_param(la, part)]
-                v = torch.from_numpy(initial[la[part]])
-                assert tuple(p.shape) == tuple(v.shape), (la[part], p.shape, v.shape)
-                p.data = v.to(dtype).clone()
+        for name, pname in names.items():
+            p = params[pname]
+            v = torch.from_numpy(initial[name])
+            assert tuple(p.shape) == tuple(v.shape), (name, p.shape, v.shape)
+            if name not in _lora.lora_names(lora):  # PEFT's copy of a --train module: the base's
+                np.testing.assert_array_equal(p.detach().to(v.dtype).numpy(), v.numpy())
+            p.data = v.to(dtype).clone()
     return pm, m, logits, loss
 
 
@@ -200,8 +222,7 @@ def torch_train(case: str, lora: dict, initial: dict, data, dtype=torch.float32)
         opt.step()
         losses.append(total.item())
     params = dict(pm.named_parameters())
-    final = {la[part]: params[peft_param(la, part)].detach().double().numpy().copy()
-             for la in lora["layers"] for part in ("lora_A", "lora_B")}
+    final = {n: params[pn].detach().double().numpy().copy() for n, pn in peft_names(lora, initial).items()}
     return np.array(losses), final, pm
 
 
@@ -222,8 +243,7 @@ class Trained:
         self.summary = build_step(self.fixture, self.path, *_step_args(case))
         self.meta = _meta(self.path)
         self.lora = self.meta["lora"]
-        names = sorted(_lora.lora_names(self.lora))
-        self.initial = _onnx_wire.read_initializers(self.path, names)
+        self.initial = _onnx_wire.read_initializers(self.path, self.meta["parameters"])
         self.data = batches(self.fixture)
         self.runner = StepRunner(self.path, providers=["CPUExecutionProvider"])
         self.losses = np.array([self.runner.step({"input_ids": x, "labels": y})[0] for x, y in self.data])
@@ -255,11 +275,8 @@ def trained(tmp_path_factory):
 def test_trains_like_peft(case, trained):
     t = trained(case)
     loss_err = float(np.max(np.abs(t.losses - t.want_losses) / np.abs(t.want_losses)))
-    errs = {}
-    for la in t.lora["layers"]:
-        for part in ("lora_A", "lora_B"):
-            n = la[part]
-            errs[n] = norm_rel(t.params[n], t.want_params[n])
+    assert sorted(t.params) == sorted(t.want_params)
+    errs = {n: norm_rel(t.params[n], t.want_params[n]) for n in t.params}
     worst = max(errs, key=errs.get)
     f32 = max(norm_rel(t.f32_params[n], t.want_params[n]) for n in errs)
     f32_loss = float(np.max(np.abs(t.f32_losses - t.want_losses) / np.abs(t.want_losses)))
@@ -420,7 +437,7 @@ def test_fp16_trains_like_peft_autocast(case, tmp_path):
 
 # ---------------------------------------------------------------------------- files
 
-FILE_CASES = ["gpt2_dynamo", "llama_dynamo", "gpt2_ts", "tiny"]
+FILE_CASES = ["gpt2_dynamo", "llama_dynamo", "gpt2_ts", "tiny", "tiny_head", "llama_head"]
 
 
 def _task_type(t) -> str | None:
@@ -529,10 +546,10 @@ def test_adapter_files_are_peft_files(case, trained, peft_saved, tmp_path):
     assert sorted(tensors) == sorted(ref_tensors)
     for k, v in tensors.items():
         assert v.dtype == ref_tensors[k].dtype and v.shape == ref_tensors[k].shape, k
-    for la in t.lora["layers"]:
-        for part in ("lora_A", "lora_B"):
-            np.testing.assert_array_equal(tensors[f"base_model.model.{la['module']}.{part}.weight"],
-                                          t.params[la[part]])
+    for name, pname in peft_names(t.lora, t.params).items():
+        key = pname.replace(".default.", ".").replace(".modules_to_save.", ".")
+        np.testing.assert_array_equal(tensors[key], t.params[name])
+    assert ours["modules_to_save"] == (TRAIN[case][1] if case in TRAIN else None)
 
 
 @pytest.mark.parametrize("case", FILE_CASES)
@@ -551,9 +568,8 @@ def test_from_pretrained_and_merged_model(case, trained, tmp_path):
     base, base_logits, base_loss = base_model(t.fixture)
     loaded = peft.PeftModel.from_pretrained(base, str(out))
     params = dict(loaded.named_parameters())
-    for la in t.lora["layers"]:
-        for part in ("lora_A", "lora_B"):
-            np.testing.assert_array_equal(params[peft_param(la, part)].detach().numpy(), t.params[la[part]])
+    for name, pname in peft_names(t.lora, t.params).items():
+        np.testing.assert_array_equal(params[pname].detach().numpy(), t.params[name])
     with torch.no_grad():
         want_logits = base_logits(torch.from_numpy(x)).numpy()
         want_loss = base_loss(torch.from_numpy(x), torch.from_numpy(y)).item()
@@ -575,9 +591,12 @@ def test_from_pretrained_and_merged_model(case, trained, tmp_path):
         w = weights[la["module"] + ".weight"]
         assert not np.array_equal(inits[la["weight"]], before[la["weight"]]), "the update is folded in"
         _close(inits[la["weight"]], w, 1e-6)
-    # everything else is the original
+    # the --train parameters trained, everything else the original's
+    trained_extra = [n for n in t.params if n not in _lora.lora_names(t.lora)]
+    got = _onnx_wire.read_initializers(merged, trained_extra)
+    assert all(np.array_equal(got[n], t.params[n]) for n in trained_extra)
     rest = [i.name for i in onnx.load(str(original)).graph.initializer
-            if i.name not in {la["weight"] for la in t.lora["layers"]}]
+            if i.name not in {la["weight"] for la in t.lora["layers"]} | set(trained_extra)]
     a, b = _onnx_wire.read_initializers(original, rest), _onnx_wire.read_initializers(merged, rest)
     assert all(np.array_equal(a[n], b[n]) for n in rest)
     print(f"{case}: merged ONNX vs PEFT from_pretrained logits {e1:.2e}, vs merge_and_unload {e2:.2e}")
@@ -619,6 +638,44 @@ def test_half_export_merges_in_its_type(elem, tmp_path):
     for name, t in before.items():
         if name not in weights:
             assert after[name].SerializeToString() == t.SerializeToString(), name
+
+
+def test_trained_adapted_weight_is_merged_not_saved(tmp_path):
+    """--train of an adapted layer's own weight: PEFT cannot hold it (a module is a LoRA target
+    or saved whole), so save_adapter leaves it out with a one-line warning naming it, and keeps
+    the other trained parameter (head.bias, as modules_to_save ["head"]); the merged model holds
+    the trained weight plus s·B·A."""
+    path = tmp_path / "t.step.onnx"
+    build_step("lm_flat", path, "--lora-r", "4", "--lora-targets", "q,v", "--train", "q.weight",
+               "--train", "head.bias")
+    meta = _meta(path)
+    lora = meta["lora"]
+    assert sorted(meta["parameters"]) == sorted(_lora.lora_names(lora) | {"q.weight", "head.bias"})
+    runner = StepRunner(path, providers=["CPUExecutionProvider"])
+    for x, y in batches("lm_flat", 3):
+        runner.step({"input_ids": x, "labels": y})
+    params = runner.parameters()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runner.save_adapter(tmp_path / "adapter", task_type=None)
+    msgs = [str(w.message) for w in caught]
+    assert len(msgs) == 1 and "'q.weight'" in msgs[0] and "\n" not in msgs[0], msgs
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["head"]
+    tensors, _ = _safetensors.load(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert sorted(tensors) == sorted([f"base_model.model.{m}.{p}.weight" for m in ("q", "v") for p in ("lora_A", "lora_B")]
+                                     + ["base_model.model.head.bias"])
+    np.testing.assert_array_equal(tensors["base_model.model.head.bias"], params["head.bias"])
+    merged = runner.save_inference_model(MODELS / "lm_flat.onnx", tmp_path / "merged.onnx")
+    got = _onnx_wire.read_initializers(merged, ["q.weight", "head.bias", "v.weight"])
+    orig = _onnx_wire.read_initializers(MODELS / "lm_flat.onnx", ["q.weight", "v.weight"])
+    layers = {la["weight"]: la for la in lora["layers"]}
+    s = np.float32(lora["scaling"])
+    delta = {w: (params[la["lora_B"]] @ params[la["lora_A"]]) * s for w, la in layers.items()}
+    assert not np.array_equal(params["q.weight"], orig["q.weight"])
+    np.testing.assert_array_equal(got["q.weight"], params["q.weight"] + delta["q.weight"])
+    np.testing.assert_array_equal(got["v.weight"], orig["v.weight"] + delta["v.weight"])
+    np.testing.assert_array_equal(got["head.bias"], params["head.bias"])
 
 
 def test_refuses_graph_without_lora(tmp_path):
@@ -843,3 +900,52 @@ def test_data_parallel_saves_the_same_adapter(trained, tmp_path):
     assert sorted(ta) == sorted(tb)
     for k in ta:
         assert norm_rel(ta[k], tb[k].astype(np.float64), 1e-6) <= 1e-6, k
+
+
+def test_data_parallel_two_ranks_train_only_the_adapters(tmp_path):
+    """Two gloo ranks (torchrun) on the tiny LM's LoRA --split graphs: the all-reduced gradient
+    buffer holds A and B only; 5 steps equal torch + PEFT (float64) on the mean of the two
+    shards' losses (DDP's mean of per-rank means); rank 0 writes the adapter."""
+    import os
+
+    case = "tiny"
+    grad = tmp_path / "lm.grad.onnx"
+    build_step("lm_flat", grad, *_step_args(case), "--split")
+    meta = _meta(grad)
+    lora = meta["lora"]
+    assert sorted(meta["parameters"]) == sorted(_lora.lora_names(lora))
+    steps, data = 5, batches("lm_flat", 10)
+    z = {"steps": np.array(steps)}
+    for k, (x, y) in enumerate(data):
+        z[f"x/{k // 2}/{k % 2}"], z[f"y/{k // 2}/{k % 2}"] = x, y
+    np.savez(tmp_path / "batches.npz", **z)
+    torchrun = Path(sys.executable).parent / "torchrun"
+    p = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2",
+                        str(Path(__file__).parent / "dp_lora_worker.py"), str(grad),
+                        str(tmp_path / "batches.npz"), str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, f"torchrun exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    res = np.load(tmp_path / "result.npz")
+    params = {k[len("param/"):].replace("|", "/"): res[k] for k in res.files if k.startswith("param/")}
+    initial = _onnx_wire.read_initializers(grad, meta["parameters"])
+    assert int(res["numel"]) == sum(v.size for v in initial.values()), "only A and B are all-reduced"
+
+    pm, m, _, loss = peft_model(case, lora, initial, torch.float64)
+    opt = torch.optim.AdamW([q for q in pm.parameters() if q.requires_grad], foreach=False, **ADAMW)
+    want_losses = []
+    for s in range(steps):
+        opt.zero_grad(set_to_none=True)
+        total = sum(loss(m, torch.from_numpy(z[f"x/{s}/{r}"]), torch.from_numpy(z[f"y/{s}/{r}"]))
+                    for r in range(2)) / 2
+        total.backward()
+        opt.step()
+        want_losses.append(total.item())
+    np.testing.assert_allclose(res["losses"][:, 0], want_losses, rtol=LOSS_RTOL)
+    named = dict(pm.named_parameters())
+    for name, pname in peft_names(lora, initial).items():
+        assert norm_rel(params[name], named[pname].detach().numpy()) <= PARAM_RTOL, name
+    tensors, _ = _safetensors.load(tmp_path / "adapter" / "adapter_model.safetensors")
+    for la in lora["layers"]:
+        for part in ("lora_A", "lora_B"):
+            np.testing.assert_array_equal(tensors[f"base_model.model.{la['module']}.{part}.weight"], params[la[part]])
+    assert sorted(q.name for q in tmp_path.iterdir() if q.name.startswith(".")) == [], "no temporaries left"
