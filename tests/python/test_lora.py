@@ -18,10 +18,14 @@ ntl_patch.StepRunner (onnxruntime on the CPU). Checked:
   - the files: save_adapter's adapter_config.json has the keys and values of PEFT's own
     save_pretrained, its safetensors the same keys and shapes; PeftModel.from_pretrained loads
     it and gives the merged ONNX model's logits (save_inference_model: W + s·B·A) within 1e-5,
-    and merge_and_unload() gives the same logits and weights; a layer whose module path was lost
-    is saved under its ONNX name with a warning; graphs without LoRA are refused; the
-    .onnx_adapter file (onnxruntime 1.31.1 in .venv-rt) reads back and runs through
-    RunOptions.add_active_adapter; DataParallel (--split) saves the same adapter.
+    and merge_and_unload() gives the same logits and weights; a head trained with --train is
+    PEFT's modules_to_save; float16/bfloat16 exports merge in their type; a layer whose module
+    path was lost is saved under its ONNX name with a warning; graphs without LoRA are refused;
+    the .onnx_adapter file (onnxruntime 1.31.1 in .venv-rt) reads back and runs through
+    RunOptions.add_active_adapter;
+  - DataParallel (--split): one process saves the same adapter as StepRunner; two gloo ranks
+    all-reduce A and B only and train as torch + PEFT on the mean of the shards' losses.
+Run time: about 60 s of CPU (the two-rank check, torchrun + 2 processes importing torch, ~20 s).
 """
 
 from __future__ import annotations
