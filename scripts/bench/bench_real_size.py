@@ -5,6 +5,8 @@ of Qwen2-0.5B, in time per step, peak RSS and losses (bench/README.md, section "
     .venv/bin/python scripts/bench/bench_real_size.py --preset qwen0.5b      # 24 layers, B=1, T=128
     .venv/bin/python scripts/bench/bench_real_size.py --preset wide4         # 4 layers, B=4, T=1024
     .venv/bin/python scripts/bench/bench_real_size.py --preset small         # 2 layers, d 128: a check
+    .venv/bin/python scripts/bench/bench_real_size.py --preset qwen1.5b      # LoRA r 16 vs torch + PEFT
+    .venv/bin/python scripts/bench/bench_real_size.py --preset qwen1.5b --export-dtype float16
 
 The model: transformers' Qwen2ForCausalLM from a Qwen2Config (random weights, seed --seed, no
 download): d 896, 14 query / 2 key-value heads, MLP 4864, vocab 151 936, tied embeddings, eager
@@ -22,6 +24,24 @@ Configurations (--configs, default `dense,default,torch`):
   torch  torch eager: the same Qwen2ForCausalLM (same seed, so the same weights), its own loss
          + 0.3·ntloss.NTLoss(digit_level=True) on the shifted logits, torch.optim.AdamW (the
          step graph's defaults: lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01).
+  lora   (built in) `--lora-r 16 --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,
+         down_proj`: PEFT's LoRA, only A and B train (LORA_ARGS below).
+  peft   torch eager + Hugging Face PEFT: the same Qwen2ForCausalLM wrapped by
+         peft.get_peft_model(LoraConfig(r, lora_alpha, target_modules, use_rslora) as the step
+         graph named by --peft-of (default `lora`) says in its `lora` metadata), its lora_A set
+         to the step graph's initial A (read from the graph's initializers by the metadata's
+         names; B is zeros on both sides), torch.optim.AdamW over the LoRA parameters only (the
+         step graph's defaults), loss = the model's own CE + 0.3·ntloss as `torch`.
+--export-dtype float16: the model is exported in float16 (Qwen2ForCausalLM.half() of the same
+float32 weights; work dir <preset>-float16), the step configurations get `--precision fp16`
+(--precision), and `torch` / `peft` train the float16 model under torch.autocast("cpu",
+float16) with CUDA autocast's float32 list (tests/python/torch_amp.py: what `--precision fp16`
+follows) and torch.amp.GradScaler("cpu") (the step graph's loss scaling defaults); PEFT keeps
+its adapters float32 (autocast_adapter_dtype), as the step graph's masters. --baseline
+JSON (the --json of the float32 run) adds the resident weight bytes and losses against it.
+Resident weights: the step graph's float initializers by kind (frozen weights = the float
+initializers that are not training state; trained parameters; optimizer state), from the graph
+file's TensorProto headers (no payload is read).
 Each run is its own process (a worker mode of this script) that loads, trains --steps steps and
 reports its step times, losses and peak RSS (VmHWM, with the resident anonymous and file-backed
 parts at the end): no run shares memory with another. The runs are interleaved: --rounds rounds,
@@ -37,8 +57,13 @@ max_memory_allocated/reserved are reported beside it).
 
 Memory: a real-size run needs ~20 GB (the issue measured torch at ~10 GB and the old StepRunner
 at ~19 GB for qwen0.5b). The script refuses to start a run when /proc/meminfo's MemAvailable is
-below --min-available-gib (presets qwen0.5b and wide4: 21) or the 1-minute load is above
---max-load (presets: 1.5); --force skips both checks.
+below --min-available-gib (presets qwen0.5b and wide4: 21, qwen1.5b: 12) or the 1-minute load
+is above --max-load (presets: 1.5); --force skips both checks. While a run is in progress the
+driver polls its RSS and kills it when it passes --rss-limit-gib (qwen1.5b: 20) or when
+MemAvailable falls below --min-free-gib (1.0): the run is reported as killed, with the RSS it
+had reached and the phase it was in (a full fine-tune of the qwen1.5b shape, `--configs
+default,torch`, does not fit a 24 GiB machine; this is how that is shown without taking the
+machine down).
 """
 
 from __future__ import annotations
@@ -65,12 +90,19 @@ PRESETS = {
     # the same width with 4 layers and 4096 tokens per step: the logits dominate
     "wide4": dict(layers=4, dim=896, heads=14, kv_heads=2, mlp=4864, vocab=151936, batch=4, seq=1024,
                   min_available_gib=21, max_load=1.5),
+    # Qwen2-1.5B: 1.54 B parameters (tied embeddings); LoRA against torch + PEFT by default
+    "qwen1.5b": dict(layers=28, dim=1536, heads=12, kv_heads=2, mlp=8960, vocab=151936, batch=1, seq=256,
+                     min_available_gib=12, max_load=1.5, rss_limit_gib=20, configs="lora,peft"),
     # a quick check of the script itself
     "small": dict(layers=2, dim=128, heads=4, kv_heads=2, mlp=256, vocab=4096, batch=2, seq=64,
                   min_available_gib=0, max_load=None),
 }
-STEP_CONFIGS = {"dense": "--fused-head off", "default": ""}
+LORA_ARGS = "--lora-r 16 --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+STEP_CONFIGS = {"dense": "--fused-head off", "default": "", "lora": LORA_ARGS}
+TORCH_KINDS = ("torch", "peft")
 PYTHONS = {"step": REPO / ".venv-rt/bin/python", "torch": REPO / ".venv/bin/python"}
+# keys of a preset that are not the model's shape
+RUN_KEYS = ("min_available_gib", "max_load", "rss_limit_gib", "configs")
 
 
 def parse_args(argv=None):
@@ -78,8 +110,21 @@ def parse_args(argv=None):
     p.add_argument("--preset", choices=sorted(PRESETS), default="small")
     for k in ("layers", "dim", "heads", "kv_heads", "mlp", "vocab", "batch", "seq"):
         p.add_argument(f"--{k.replace('_', '-')}", type=int, help=f"override the preset's {k}")
-    p.add_argument("--configs", default="dense,default,torch",
-                   help="comma-separated: step configurations (see --step-config) and `torch`")
+    p.add_argument("--configs", default=None,
+                   help="comma-separated: step configurations (see --step-config), `torch` and `peft` "
+                        "(default: dense,default,torch; qwen1.5b: lora,peft)")
+    p.add_argument("--peft-of", default="lora", help="the LoRA step configuration whose r, alpha, "
+                   "targets and initial A the `peft` runs take")
+    p.add_argument("--export-dtype", choices=("float32", "float16"), default="float32",
+                   help="float16: export Qwen2ForCausalLM.half(); step configurations get --precision")
+    p.add_argument("--precision", choices=("fp32", "fp16", "bf16"),
+                   help="--precision of every step configuration that does not give its own "
+                        "(default: fp16 with --export-dtype float16, else none)")
+    p.add_argument("--baseline", help="the --json of a float32 run of the same preset: resident "
+                                      "weight bytes and losses against it")
+    p.add_argument("--rss-limit-gib", type=float, help="kill a run whose RSS passes this (qwen1.5b: 20)")
+    p.add_argument("--min-free-gib", type=float, default=1.0,
+                   help="kill a run when MemAvailable falls below this while it runs")
     p.add_argument("--step-config", action="append", default=[], metavar="NAME=ARGS",
                    help="extra `ntl-patch step` arguments of a step configuration (repeatable)")
     p.add_argument("--steps", type=int, default=3, help="training steps per run")
@@ -112,20 +157,40 @@ def parse_args(argv=None):
         spec["min_available_gib"] = args.min_available_gib
     if args.max_load is not None:
         spec["max_load"] = args.max_load
+    if args.rss_limit_gib is not None:
+        spec["rss_limit_gib"] = args.rss_limit_gib
+    if args.configs is None:
+        args.configs = spec.get("configs", "dense,default,torch")
+    spec.pop("configs", None)
     spec["seed"] = args.seed
+    spec["export_dtype"] = args.export_dtype
+    if args.precision is None and args.export_dtype == "float16":
+        args.precision = "fp16"
     args.spec = spec
     args.step_configs = dict(STEP_CONFIGS)
     for item in args.step_config:
         name, sep, extra = item.partition("=")
-        if not sep or not name or name == "torch" or "," in name:
-            p.error(f"--step-config wants NAME=ARGS (NAME not 'torch'), not {item!r}")
+        if not sep or not name or name in TORCH_KINDS or "," in name:
+            p.error(f"--step-config wants NAME=ARGS (NAME not 'torch' or 'peft'), not {item!r}")
         args.step_configs[name] = extra
+    if args.precision:
+        for name, extra in args.step_configs.items():
+            if "--precision" not in shlex.split(extra):
+                args.step_configs[name] = f"{extra} --precision {args.precision}".strip()
     args.config_list = [c for c in args.configs.split(",") if c]
-    unknown = [c for c in args.config_list if c != "torch" and c not in args.step_configs]
+    unknown = [c for c in args.config_list if c not in TORCH_KINDS and c not in args.step_configs]
     if unknown:
         p.error(f"unknown configurations {unknown}: add them with --step-config NAME=ARGS")
+    if "peft" in args.config_list:
+        if args.peft_of not in args.step_configs or "--lora-r" not in shlex.split(args.step_configs[args.peft_of]):
+            p.error(f"`peft` takes its LoRA from the step configuration --peft-of {args.peft_of!r}, "
+                    f"which must be a LoRA one (--lora-r)")
+        if args.peft_of not in args.config_list:  # its step graph is needed (it need not run)
+            args.graph_only = [args.peft_of]
+    args.graph_only = getattr(args, "graph_only", [])
     if args.workdir is None:
-        args.workdir = str(REPO / "target" / "bench-real-size" / args.preset)
+        suffix = "" if args.export_dtype == "float32" else f"-{args.export_dtype}"
+        args.workdir = str(REPO / "target" / "bench-real-size" / (args.preset + suffix))
     return args
 
 
@@ -149,6 +214,8 @@ def qwen2(spec: dict):
     model = Qwen2ForCausalLM(cfg)
     assert model.config._attn_implementation == "eager"
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    if spec.get("export_dtype", "float32") == "float16":
+        model = model.half()  # the float32 weights rounded: the float16 export of the same model
     return model.train()
 
 
@@ -210,8 +277,8 @@ def prepare(args, work: Path) -> dict:
     meta_path = work / "meta.json"
     if args.reuse and meta_path.exists():
         meta = json.loads(meta_path.read_text())
-        if {k: meta["spec"].get(k) for k in spec if k not in ("min_available_gib", "max_load")} != \
-                {k: v for k, v in spec.items() if k not in ("min_available_gib", "max_load")}:
+        if {k: meta["spec"].get(k) for k in spec if k not in RUN_KEYS} != \
+                {k: v for k, v in spec.items() if k not in RUN_KEYS}:
             sys.exit(f"{work}: --reuse, but its model was made with {meta['spec']}")
     else:
         vocab = bts.make_tokenizer(work / "tokenizer.json", spec["vocab"], spec["seed"])
@@ -225,13 +292,15 @@ def prepare(args, work: Path) -> dict:
         print(f"export ({args.exporter}) ...", flush=True)
         t0 = time.perf_counter()
         # in a child process: the driver stays small while the runs measure their memory
-        r = subprocess.run([sys.executable, __file__, "export", json.dumps(spec), args.exporter,
-                            str(work / "model.onnx")], capture_output=True, text=True)
-        if r.returncode != 0:
-            sys.exit(f"export failed: {r.stderr.strip()[-2000:]}")
-        how = r.stdout.strip().splitlines()[-1]
-        meta = {"spec": spec, "exporter": how, "export_s": time.perf_counter() - t0, "step_graphs": {}}
-    for name in [c for c in args.config_list if c != "torch"]:
+        rc, stdout, stderr, killed, peak, _ = run_guarded(
+            [sys.executable, __file__, "export", json.dumps(spec), args.exporter, str(work / "model.onnx")],
+            min_free_gib=args.min_free_gib)
+        if rc != 0:
+            sys.exit(f"export failed: {killed or stderr.strip()[-2000:]}")
+        how = stdout.strip().splitlines()[-1]
+        meta = {"spec": spec, "exporter": how, "export_s": time.perf_counter() - t0, "export_peak_mib": peak,
+                "step_graphs": {}}
+    for name in [c for c in args.config_list if c not in TORCH_KINDS] + args.graph_only:
         extra = args.step_configs[name]
         done = meta["step_graphs"].get(name)
         if args.reuse and done and done.get("args") == extra and (done.get("error") or
@@ -252,9 +321,45 @@ def prepare(args, work: Path) -> dict:
             summary = json.loads(r.stdout)
             entry["parameters"] = len(summary.get("parameters", []))
             entry["parameter_elements"] = summary.get("parameter_elements")
+            entry["weights"] = resident_weights(out)
         meta["step_graphs"][name] = entry
     meta_path.write_text(json.dumps(meta, indent=1))
     return meta
+
+
+FLOAT_BYTES = {1: 4, 10: 2, 11: 8, 16: 2}  # TensorProto FLOAT, FLOAT16, DOUBLE, BFLOAT16
+
+
+def resident_weights(graph: Path) -> dict:
+    """Bytes of the step graph's float initializers by kind, from the TensorProto headers:
+    frozen (not training state: the base weights, buffers), parameters (trained), optimizer
+    (the rest of the state), and the frozen bytes by element type."""
+    sys.path.insert(0, str(REPO / "python"))
+    from ntl_patch import _onnx_wire
+
+    mm, buf = _onnx_wire._map(graph)
+    try:
+        meta = json.loads(_onnx_wire.model_metadata(buf)["ntl_step"])
+        tensors = _onnx_wire.initializers(buf)
+    finally:
+        del buf
+        mm.close()
+    state = {name for name, _ in meta["state"]}
+    params = set(meta["parameters"])
+    out = {"frozen": 0, "parameters": 0, "optimizer": 0, "frozen_by_type": {}}
+    for t in tensors:
+        size = FLOAT_BYTES.get(t.data_type)
+        if size is None:
+            continue
+        n = size
+        for d in t.dims:
+            n *= d
+        kind = "parameters" if t.name in params else "optimizer" if t.name in state else "frozen"
+        out[kind] += n
+        if kind == "frozen":
+            ty = _onnx_wire.type_name(t.data_type)
+            out["frozen_by_type"][ty] = out["frozen_by_type"].get(ty, 0) + n
+    return out
 
 
 # ----------------------------------------------------------------------------- workers
@@ -269,28 +374,40 @@ def proc_status() -> dict:
     return out
 
 
+def phase(what: str) -> None:
+    """The run's progress on stderr (the driver names the phase a killed run was in)."""
+    print(f"phase: {what} (RSS {proc_status().get('VmRSS', 0):.0f} MiB)", file=sys.stderr, flush=True)
+
+
 def worker(argv) -> None:
     """KIND WORKDIR STEPS THREADS DEVICE [STEP_GRAPH RUNNER_PYTHON]: one run; prints one JSON
-    line."""
+    line. KIND: step, torch or peft (STEP_GRAPH: the LoRA step graph whose A it copies)."""
     kind, work, steps, threads, device = argv[0], Path(argv[1]), int(argv[2]), int(argv[3]), argv[4]
     import numpy as np
 
     z = np.load(work / "batch.npz")
     ids, labels = z["input_ids"], z["labels"]
     t_load = time.perf_counter()
+    phase("load")
     if kind == "torch":
         step, extra = torch_step(work, ids, labels, threads, device)
+    elif kind == "peft":
+        step, extra = torch_step(work, ids, labels, threads, device, lora_graph=work / argv[5])
     else:
         step, extra = runner_step(work / argv[5], Path(argv[6]), ids, labels, threads, device)
     load_s = time.perf_counter() - t_load
+    mem_loaded = proc_status()
     times, cpu, losses = [], [], []
-    for _ in range(steps):
+    for k in range(steps):
+        phase(f"step {k + 1}")
         t0, c0 = time.perf_counter(), time.process_time()
         losses.append(step())
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     print(json.dumps({"load_s": load_s, "times": times, "cpu": cpu, "losses": losses,
-                      "mem": {**proc_status(), **extra.get("mem", lambda: {})()},
+                      "mem": {**proc_status(), **extra.get("mem", lambda: {})(),
+                              "loaded_rss": mem_loaded.get("VmRSS", 0)},
+                      "skipped": extra.get("skipped", lambda: [])(),
                       "versions": extra.get("versions", {})}), flush=True)
 
 
@@ -329,10 +446,54 @@ def runner_step(graph: Path, runner_python: Path, ids, labels, threads: int, dev
     if runner.session.get_providers()[0] != want:
         raise RuntimeError(f"the session runs on {runner.session.get_providers()}, not {want}")
     batch = dict(zip(runner.data_inputs, (ids, labels)))
-    return (lambda: list(runner.step(batch))), {"versions": {"onnxruntime": ort.__version__}}
+    skipped = []
+
+    def step():
+        out = list(runner.step(batch))
+        skipped.append(bool(getattr(runner, "last_step_skipped", False)))
+        return out
+
+    return step, {"versions": {"onnxruntime": ort.__version__}, "skipped": lambda: skipped}
 
 
-def torch_step(work: Path, ids, labels, threads: int, device: str):
+def peft_wrap(model, lora_graph: Path):
+    """get_peft_model with the LoRA step graph's r, lora_alpha, targets and rsLoRA, its lora_A
+    set to the graph's initial A and its lora_B to the graph's initial B (zeros)."""
+    import peft
+    import torch
+
+    sys.path.insert(0, str(REPO / "python"))
+    from ntl_patch import _onnx_wire
+
+    lora = json.loads(_onnx_wire.read_metadata(lora_graph)["ntl_step"])["lora"]
+    cfg = peft.LoraConfig(r=int(lora["r"]), lora_alpha=lora["lora_alpha"], target_modules=list(lora["target_modules"]),
+                          use_rslora=bool(lora.get("use_rslora")), lora_dropout=0.0, bias="none",
+                          task_type="CAUSAL_LM")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = peft.get_peft_model(model, cfg)  # autocast_adapter_dtype: float32 adapters on a half base
+    params = dict(pm.named_parameters())
+    # the export's module is WithLoss's wrapper: its module paths start with `inner.`
+    key = {(la["module"], part): f"base_model.model.{la['module'].removeprefix('inner.')}.{part}.default.weight"
+           for la in lora["layers"] for part in ("lora_A", "lora_B")}
+    trainable = {k for k, p in params.items() if p.requires_grad}
+    if trainable != set(key.values()):
+        raise RuntimeError(f"PEFT trains {sorted(trainable - set(key.values()))[:3]}, the step graph "
+                           f"{sorted(set(key.values()) - trainable)[:3]}")
+    names = [la[part] for la in lora["layers"] for part in ("lora_A", "lora_B")]
+    initial = _onnx_wire.read_initializers(lora_graph, names)
+    with torch.no_grad():
+        for la in lora["layers"]:
+            for part in ("lora_A", "lora_B"):
+                p = params[key[(la["module"], part)]]
+                v = torch.from_numpy(initial[la[part]])
+                if tuple(p.shape) != tuple(v.shape):
+                    raise RuntimeError(f"{la[part]}: {tuple(v.shape)} in the graph, {tuple(p.shape)} in PEFT")
+                p.copy_(v.to(p.dtype))
+    return pm, [p for p in pm.parameters() if p.requires_grad], lora
+
+
+def torch_step(work: Path, ids, labels, threads: int, device: str, lora_graph: Path | None = None):
     import ntloss
     import torch
     from transformers import PreTrainedTokenizerFast
@@ -344,19 +505,55 @@ def torch_step(work: Path, ids, labels, threads: int, device: str):
         pass
     meta = json.loads((work / "meta.json").read_text())
     spec = meta["spec"]
-    model = qwen2(spec).to(device)
+    half = spec.get("export_dtype", "float32") == "float16"
+    model = qwen2(spec)
+    if lora_graph is not None:  # LoRA: the frozen base in its exported type, float32 adapters
+        model, trained, _ = peft_wrap(model, lora_graph)
+    else:  # full fine-tune: float32 masters of every weight (the float16 export's values)
+        model = model.float()
+        trained = list(model.parameters())
+    model = model.to(device)
     tok = PreTrainedTokenizerFast(tokenizer_file=str(work / "tokenizer.json"))
     ntl = ntloss.NTLoss(tok, vocab_size=spec["vocab"], digit_level=True, reweigh=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    opt = torch.optim.AdamW(trained, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     x, y = torch.from_numpy(ids).to(device), torch.from_numpy(labels).to(device)
+    scaler, autocast, skipped = None, None, []
+    if half:  # what `--precision fp16` follows: autocast with CUDA's float32 list, GradScaler
+        import contextlib
+
+        sys.path.insert(0, str(REPO / "tests" / "python"))
+        import torch_amp
+
+        scaler = torch.amp.GradScaler(device)
+
+        @contextlib.contextmanager
+        def autocast():
+            with torch_amp.cuda_float32_list(), torch.autocast(device, dtype=torch.float16):
+                yield
 
     def step():
-        out = model(input_ids=x, labels=y)
-        ce = out.loss
-        number = ntl(out.logits[:, :-1, :], y[:, 1:], reduction="mean")
-        total = ce + WEIGHT * number
-        total.backward()
-        opt.step()
+        if scaler is None:
+            out = model(input_ids=x, labels=y)
+            ce = out.loss
+            number = ntl(out.logits[:, :-1, :], y[:, 1:], reduction="mean")
+            total = ce + WEIGHT * number
+            phase("backward")
+            total.backward()
+            phase("optimizer")
+            opt.step()
+        else:
+            with autocast():
+                out = model(input_ids=x, labels=y)
+                ce = out.loss
+                number = ntl(out.logits[:, :-1, :], y[:, 1:], reduction="mean")
+                total = ce + WEIGHT * number
+            before = scaler.get_scale()
+            phase("backward")
+            scaler.scale(total).backward()
+            phase("optimizer")
+            scaler.step(opt)
+            scaler.update()
+            skipped.append(scaler.get_scale() < before)
         opt.zero_grad(set_to_none=True)
         return [float(total), float(ce), float(number)]
 
@@ -366,7 +563,10 @@ def torch_step(work: Path, ids, labels, threads: int, device: str):
         return {"torch_max_allocated": torch.cuda.max_memory_allocated() / 2**20,
                 "torch_max_reserved": torch.cuda.max_memory_reserved() / 2**20}
 
-    return step, {"mem": mem, "versions": {"torch": torch.__version__}}
+    import peft
+
+    return step, {"mem": mem, "versions": {"torch": torch.__version__, "peft": peft.__version__},
+                  "skipped": lambda: skipped}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -419,25 +619,72 @@ class GpuPeak:
         return self.peak - self.base
 
 
+def proc_rss_mib(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return 0.0
+
+
+def run_guarded(cmd, env=None, limit_gib=None, min_free_gib=1.0):
+    """Runs cmd, polling its RSS every 0.25 s; kills it when its RSS passes limit_gib or
+    MemAvailable falls below min_free_gib. (returncode, stdout, stderr, why killed or None,
+    highest polled RSS MiB, wall s)."""
+    import tempfile
+
+    t0 = time.perf_counter()
+    killed, peak = None, 0.0
+    with tempfile.TemporaryFile("w+") as fo, tempfile.TemporaryFile("w+") as fe:
+        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, text=True, env=env)
+        while proc.poll() is None:
+            rss = proc_rss_mib(proc.pid)
+            peak = max(peak, rss)
+            avail = mem_available_gib()
+            if (limit_gib and rss > limit_gib * 1024) or avail < min_free_gib:
+                killed = (f"RSS {rss / 1024:.1f} GiB > the limit {limit_gib} GiB" if limit_gib and rss > limit_gib * 1024
+                          else f"MemAvailable {avail:.1f} GiB < {min_free_gib} GiB at RSS {rss / 1024:.1f} GiB")
+                proc.kill()
+                proc.wait()
+                break
+            time.sleep(0.25)
+        wall = time.perf_counter() - t0
+        fo.seek(0)
+        fe.seek(0)
+        return proc.returncode, fo.read(), fe.read(), killed, peak, wall
+
+
 def run_one(args, work: Path, meta: dict, kind: str) -> dict:
     check_machine(args)
-    python = args.python or str(PYTHONS["torch" if kind == "torch" else "step"])
-    cmd = [python, __file__, "worker", "torch" if kind == "torch" else "step", str(work), str(args.steps),
-           str(args.threads), args.device]
-    if kind != "torch":
+    worker_kind = kind if kind in TORCH_KINDS else "step"
+    python = args.python or str(PYTHONS["torch" if kind in TORCH_KINDS else "step"])
+    cmd = [python, __file__, "worker", worker_kind, str(work), str(args.steps), str(args.threads), args.device]
+    if kind == "peft":
+        cmd += [meta["step_graphs"][args.peft_of]["path"]]
+    elif kind != "torch":
         cmd += [meta["step_graphs"][kind]["path"], args.runner_python]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONDONTWRITEBYTECODE": "1"}
     if args.no_cpu_arena:
         env["NTL_BENCH_NO_CPU_ARENA"] = "1"
     gpu = GpuPeak() if args.device == "cuda" else None
-    t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - t0
+    rc, stdout, stderr, killed, peak, wall = run_guarded(cmd, env, args.spec.get("rss_limit_gib"), args.min_free_gib)
     gpu_peak = gpu.stop() if gpu else None
-    if r.returncode != 0:
-        tail = r.stderr.strip().splitlines()[-1:] or [f"exit {r.returncode}"]
-        return {"error": f"exit {r.returncode}: {tail[0][:500]}", "wall_s": wall}
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    phases = [line for line in stderr.splitlines() if line.startswith("phase: ")]
+    if killed:
+        last = " → ".join(x.removeprefix("phase: ") for x in phases[-3:]) if phases else "start"
+        return {"error": f"killed by the driver after {wall:.0f} s in {last}: {killed}", "killed": True,
+                "wall_s": wall, "polled_peak_mib": peak, "phases": phases}
+    if rc != 0:
+        tail = [line for line in stderr.strip().splitlines() if not line.startswith("phase: ")][-1:] \
+            or [f"exit {rc}"]
+        if rc < 0:
+            tail = [f"killed by signal {-rc} (out of memory?) in "
+                    f"{phases[-1].removeprefix('phase: ') if phases else 'start'}"]
+        return {"error": f"exit {rc}: {tail[0][:500]}", "wall_s": wall, "polled_peak_mib": peak,
+                "phases": phases}
+    out = json.loads(stdout.strip().splitlines()[-1])
     out["wall_s"] = wall
     if gpu_peak is not None:
         out["mem"]["gpu_peak"] = gpu_peak
@@ -459,62 +706,109 @@ def summarize(runs: list[dict]) -> dict:
         "anon_end_mib": statistics.median(r["mem"]["RssAnon"] for r in ok),
         "file_end_mib": statistics.median(r["mem"]["RssFile"] for r in ok),
         "losses": ok[0]["losses"], "load_s": statistics.median(r["load_s"] for r in ok),
+        "skipped": ok[0].get("skipped", []),
+        "loaded_rss_mib": statistics.median(r["mem"].get("loaded_rss", 0) for r in ok),
         "gpu_peak_mib": max((r["mem"].get("gpu_peak", 0) for r in ok), default=0),
         "torch_reserved_mib": max((r["mem"].get("torch_max_reserved", 0) for r in ok), default=0),
     }
 
 
-def markdown(args, meta: dict, res: dict, env: dict) -> str:
+def reference(args, meta: dict, kind: str) -> str | None:
+    """What a configuration is compared with: `peft` for a LoRA step configuration, `torch`
+    for the others; None for torch and peft themselves."""
+    if kind in TORCH_KINDS:
+        return None
+    g = meta["step_graphs"].get(kind, {})
+    return "peft" if "--lora-r" in shlex.split(g.get("args", "")) else "torch"
+
+
+def loss_diff(a: list, b: list) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for u, v in zip(a, b) for x, y in zip(u, v))
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.3f}"
+
+
+def markdown(args, meta: dict, res: dict, env: dict, baseline: dict | None = None) -> str:
     s = meta["spec"]
     lines = [f"Preset `{args.preset}`: Qwen2 shape, {s['layers']} layers, d {s['dim']}, {s['heads']}/"
              f"{s['kv_heads']} heads, MLP {s['mlp']}, V {s['vocab']}, tied embeddings, B={s['batch']}, "
-             f"T={s['seq']}; export: {meta['exporter']}; {args.steps} steps per run, {args.rounds} "
-             f"interleaved rounds, {args.threads} threads; load average {env['load_start']:.1f} → "
-             f"{env['load_end']:.1f}" + ("; step configurations without onnxruntime's CPU arena"
-                                        if args.no_cpu_arena else "") + ".", ""]
+             f"T={s['seq']}; export: {meta['exporter']}, {s.get('export_dtype', 'float32')}; {args.steps} "
+             f"steps per run, {args.rounds} interleaved rounds, {args.threads} threads; load average "
+             f"{env['load_start']:.1f} → {env['load_end']:.1f}" + ("; step configurations without "
+             "onnxruntime's CPU arena" if args.no_cpu_arena else "") + ".", ""]
     for name, g in meta["step_graphs"].items():
+        if name not in args.config_list and name not in args.graph_only:
+            continue
         extra = f"`{g['args']}`" if g["args"] else "(none)"
         if "error" in g:
             lines.append(f"- `{name}` (extra `ntl-patch step` arguments {extra}): cannot write the step "
                          f"graph: {g['error']}")
         else:
+            w = g.get("weights")
+            wtxt = ""
+            if w:
+                types = ", ".join(f"{t} {gib(b)}" for t, b in sorted(w["frozen_by_type"].items()))
+                wtxt = (f"; float initializers: frozen {gib(w['frozen'])} GiB ({types}), trained "
+                        f"{gib(w['parameters'])} GiB, optimizer state {gib(w['optimizer'])} GiB")
             lines.append(f"- `{name}` (extra arguments {extra}): {g['parameters']} trained tensors, "
-                         f"{g['parameter_elements'] / 1e6:.1f} M elements; `ntl-patch step` {g['step_s']:.1f} s")
-    lines += ["", "| configuration | runs | s/step (median of steps 2+) | min – max | CPU s/step | first step s | "
-              "peak RSS MiB (median, min – max) | × torch | at the end: anon / file MiB | losses (total, run 1) |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-    torch_peak = res.get("torch", {}).get("peak_mib")
-    torch_gpu = res.get("torch", {}).get("gpu_peak_mib")
+                         f"{g['parameter_elements'] / 1e6:.1f} M elements; `ntl-patch step` {g['step_s']:.1f} s{wtxt}")
+    lines += ["", "| configuration | runs | s/step (median of steps 2+) | min – max | × ref | CPU s/step | first step s | "
+              "peak RSS MiB (median, min – max) | × ref | at the end: anon / file MiB | losses (total, run 1) |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for kind in args.config_list:
         c = res.get(kind, {"error": "not run"})
         if "error" in c:
-            lines.append(f"| `{kind}` | cannot run: {c['error']} | | | | | | | | |")
+            lines.append(f"| `{kind}` | cannot run: {c['error']} | | | | | | | | | |")
             continue
-        ratio = f"{c['peak_mib'] / torch_peak:.2f}" if torch_peak and kind != "torch" else "-"
+        ref = res.get(reference(args, meta, kind) or "", {})
+        ok = ref and "error" not in ref
+        pr = f"{c['peak_mib'] / ref['peak_mib']:.2f} ({reference(args, meta, kind)})" if ok else "-"
+        tr = f"{c['median_s'] / ref['median_s']:.2f}" if ok else "-"
         losses = ", ".join(f"{x[0]:.6f}" for x in c["losses"])
-        lines.append(f"| `{kind}` | {c['runs']} | {c['median_s']:.3f} | {c['min_s']:.3f} – {c['max_s']:.3f} | "
+        if any(c.get("skipped") or []):
+            losses += f" (skipped: {c['skipped']})"
+        lines.append(f"| `{kind}` | {c['runs']} | {c['median_s']:.3f} | {c['min_s']:.3f} – {c['max_s']:.3f} | {tr} | "
                      f"{c['cpu_s']:.3f} | {c['first_s']:.3f} | {c['peak_mib']:.0f} ({c['peak_min_mib']:.0f} – {c['peak_max_mib']:.0f}) | "
-                     f"{ratio} | {c['anon_end_mib']:.0f} / {c['file_end_mib']:.0f} | {losses} |")
+                     f"{pr} | {c['anon_end_mib']:.0f} / {c['file_end_mib']:.0f} | {losses} |")
     if args.device == "cuda":
+        torch_gpu = res.get("torch", {}).get("gpu_peak_mib")
         lines += ["", "| configuration | GPU memory MiB (peak memory.used above the start, largest run) | × torch | "
                   "torch max_memory_reserved MiB |", "| --- | ---: | ---: | ---: |"]
         for kind in args.config_list:
             c = res.get(kind, {})
             if "error" in c or not c:
                 continue
-            ratio = f"{c['gpu_peak_mib'] / torch_gpu:.2f}" if torch_gpu and kind != "torch" else "-"
-            reserved = f"{c['torch_reserved_mib']:.0f}" if kind == "torch" else "-"
+            ratio = f"{c['gpu_peak_mib'] / torch_gpu:.2f}" if torch_gpu and kind not in TORCH_KINDS else "-"
+            reserved = f"{c['torch_reserved_mib']:.0f}" if kind in TORCH_KINDS else "-"
             lines.append(f"| `{kind}` | {c['gpu_peak_mib']:.0f} | {ratio} | {reserved} |")
-    t = res.get("torch")
-    if t and "error" not in t:
+    for kind in args.config_list:
+        c, refname = res.get(kind), reference(args, meta, kind)
+        t = res.get(refname or "")
+        if not refname or not c or "error" in c or not t or "error" in t:
+            continue
+        lines.append(f"\n`{kind}` vs `{refname}`: largest relative difference of the three losses over "
+                     f"{len(c['losses'])} steps: {loss_diff(c['losses'], t['losses']):.2e}")
+    if baseline:
+        bmeta, bres = baseline["meta"], baseline["summary"]
+        lines.append("")
+        lines.append(f"Against the {bmeta['spec'].get('export_dtype', 'float32')} export's run "
+                     f"(`--baseline`):")
         for kind in args.config_list:
-            c = res.get(kind)
-            if kind == "torch" or not c or "error" in c:
+            c, b = res.get(kind), bres.get(kind)
+            if not c or "error" in c or not b or "error" in b:
                 continue
-            diff = max(abs(a - b) / max(abs(b), 1e-12) for x, y in zip(c["losses"], t["losses"])
-                       for a, b in zip(x, y))
-            lines.append(f"\n`{kind}` vs torch: largest relative difference of the three losses over "
-                         f"{len(c['losses'])} steps: {diff:.2e}")
+            txt = (f"- `{kind}`: losses, largest relative difference {loss_diff(c['losses'], b['losses']):.2e}; "
+                   f"peak RSS {c['peak_mib']:.0f} vs {b['peak_mib']:.0f} MiB ({c['peak_mib'] / b['peak_mib']:.2f}×)")
+            g, bg = meta["step_graphs"].get(kind, {}), bmeta["step_graphs"].get(kind, {})
+            if g.get("weights") and bg.get("weights"):
+                w, bw = g["weights"], bg["weights"]
+                txt += (f"; resident weights (float initializers less training state) {gib(w['frozen'])} vs "
+                        f"{gib(bw['frozen'])} GiB: **{w['frozen'] / bw['frozen']:.3f}×**; with the trained "
+                        f"parameters and optimizer state {gib(w['frozen'] + w['parameters'] + w['optimizer'])} vs "
+                        f"{gib(bw['frozen'] + bw['parameters'] + bw['optimizer'])} GiB")
+            lines.append(txt)
     return "\n".join(lines)
 
 
@@ -530,7 +824,9 @@ def main():
     env = {"load_start": os.getloadavg()[0]}
     check_machine(args)
     meta = prepare(args, work)
-    kinds = [k for k in args.config_list if k == "torch" or "error" not in meta["step_graphs"][k]]
+    kinds = [k for k in args.config_list if k in TORCH_KINDS or "error" not in meta["step_graphs"][k]]
+    if "peft" in kinds and "error" in meta["step_graphs"][args.peft_of]:
+        kinds.remove("peft")
     runs: dict[str, list] = {k: [] for k in args.config_list}
     for rnd in range(args.rounds):
         order = kinds[rnd % len(kinds):] + kinds[: rnd % len(kinds)] if kinds else []
@@ -542,10 +838,13 @@ def main():
             print(f"round {rnd + 1}/{args.rounds} {kind}: {what}", flush=True)
     res = {k: summarize(v) for k, v in runs.items()}
     for k in args.config_list:
-        if k != "torch" and "error" in meta["step_graphs"].get(k, {}):
+        if k not in TORCH_KINDS and "error" in meta["step_graphs"].get(k, {}):
             res[k] = {"error": "no step graph: " + meta["step_graphs"][k]["error"]}
+        if k == "peft" and "error" in meta["step_graphs"][args.peft_of]:
+            res[k] = {"error": f"no LoRA step graph `{args.peft_of}` to copy A from"}
     env["load_end"] = os.getloadavg()[0]
-    md = markdown(args, meta, res, env)
+    baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else None
+    md = markdown(args, meta, res, env, baseline)
     print(md)
     if args.markdown:
         Path(args.markdown).write_text(md + "\n")

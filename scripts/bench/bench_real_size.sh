@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The real-size benchmark (bench/README.md, "Real size"): StepRunner against torch eager on the
-# shape of Qwen2-0.5B. Builds the release binary, then runs scripts/bench/bench_real_size.py with
-# the arguments given (default --preset qwen0.5b), writing target/bench-real-size/<preset>.{md,json}.
+# shape of Qwen2-0.5B (qwen1.5b: LoRA against torch + PEFT). Builds the release binary, then runs
+# scripts/bench/bench_real_size.py with the arguments given (default --preset qwen0.5b), writing
+# target/bench-real-size/<preset>[-float16].{md,json}.
 # A real-size preset needs ~20 GB free and a quiet machine (the script checks; --force skips).
 # Env: NTL_PATCH_BIN=path skips the release build and uses that binary.
 set -euo pipefail
@@ -14,12 +15,15 @@ if [ -z "${NTL_PATCH_BIN:-}" ]; then
   NTL_PATCH_BIN=target/release/ntl-patch
 fi
 preset=qwen0.5b
+name=""
 prev=""
 for a in "$@"; do
   [ "$prev" = "--preset" ] && preset="$a"
+  [ "$prev" = "--export-dtype" ] && [ "$a" != float32 ] && name="-$a"
   prev="$a"
 done
+name="$preset$name"
 out=target/bench-real-size
 mkdir -p "$out"
 exec .venv/bin/python scripts/bench/bench_real_size.py --bin "$NTL_PATCH_BIN" --preset "$preset" \
-  --markdown "$out/$preset.md" --json "$out/$preset.json" "$@"
+  --markdown "$out/$name.md" --json "$out/$name.json" "$@"
