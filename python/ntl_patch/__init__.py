@@ -7,9 +7,9 @@
 - ``DataParallel``: trains ``step --split`` graphs on torch.distributed (imports torch when used).
 """
 
-from .cli import NtlPatchError, artifacts, inspect, patch, step, validate, version
+from .cli import NtlPatchError, artifacts, inspect, lora_model, patch, step, validate, version
 from .data_parallel import DataParallel
 from .runner import StepRunner
 
-__all__ = ["DataParallel", "NtlPatchError", "StepRunner", "artifacts", "inspect", "patch", "step",
+__all__ = ["DataParallel", "NtlPatchError", "StepRunner", "artifacts", "inspect", "lora_model", "patch", "step",
            "validate", "version"]

@@ -311,6 +311,16 @@ def has_onnx_adapter_api() -> bool:
     return hasattr(ort, "AdapterFormat") and hasattr(ort.RunOptions, "add_active_adapter")
 
 
+def write_serving_model(original_model, step_graph, out_model) -> Path:
+    """`ntl-patch lora-model`: original_model with the step graph's adapters as inputs."""
+    if original_model is None or out_model is None:
+        raise ValueError("give both original_model (the export) and out_model (where the model "
+                         "with adapter inputs goes), or neither")
+    from . import cli
+
+    return Path(cli.lora_model(original_model, step_graph, out=out_model)["output"])
+
+
 def save_onnx_adapter(out, lora: dict, values, adapter_version: int = 1, model_version: int = 1) -> Path:
     """Write onnxruntime's ``.onnx_adapter`` file holding every A and B under its parameter name
     (float32), atomically. RuntimeError where the installed onnxruntime lacks the adapter API."""

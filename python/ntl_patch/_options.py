@@ -42,6 +42,7 @@ OPTIONS: dict[str, dict[str, str]] = {
     "validate": {"runtime": VALUE, "reference": VALUE, "tokenizer": VALUE, "rtol": VALUE,
                  "atol": VALUE, "batch": VALUE, "seq": VALUE, "seed": VALUE},
     "inspect": {"target": MULTI},
+    "lora-model": {"step": VALUE, "out": VALUE, "copy_external_data": FLAG},
 }
 
 

@@ -191,6 +191,13 @@ def inspect(model, **options) -> dict:
     return run("inspect", model, options)
 
 
+def lora_model(model, step, out=None, **options) -> dict:
+    """`ntl-patch lora-model MODEL --step STEP`: MODEL with the LoRA step graph's adapters as
+    inputs (default MODEL.lora.onnx), for onnxruntime's ``.onnx_adapter`` files. Returns the
+    summary (output, adapter_inputs)."""
+    return run("lora-model", model, {"step": step, "out": out, **options}, "lora_model")
+
+
 def version() -> str:
     """The bundled binary's version (``ntl-patch --version``), e.g. ``"0.1.0"``."""
     try:

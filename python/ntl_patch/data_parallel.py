@@ -410,14 +410,18 @@ class DataParallel:
         self._barrier()
         return Path(os.fspath(directory))
 
-    def save_onnx_adapter(self, out, adapter_version: int = 1, model_version: int = 1) -> Path:
-        """The trained A and B as an onnxruntime ``.onnx_adapter`` file (see
-        StepRunner.save_onnx_adapter). Call it on every rank: rank 0 writes."""
+    def save_onnx_adapter(self, out, adapter_version: int = 1, model_version: int = 1,
+                          original_model=None, out_model=None) -> Path:
+        """The trained A and B as an onnxruntime ``.onnx_adapter`` file, and with original_model
+        and out_model the model taking them as inputs (see StepRunner.save_onnx_adapter). Call
+        it on every rank: rank 0 writes."""
         lora = _lora.lora_metadata(self.metadata, self.grad_path)
         if self.rank == 0:
             self._check_usable()
             values = {n: self._state_host(n) for n in _lora.lora_names(lora)}
             _lora.save_onnx_adapter(out, lora, values, adapter_version, model_version)
+            if original_model is not None or out_model is not None:
+                _lora.write_serving_model(original_model, self.grad_path, out_model)
         self._barrier()
         return Path(os.fspath(out))
 

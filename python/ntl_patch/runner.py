@@ -291,15 +291,21 @@ class StepRunner:
         extra = {n: _state.host_bytes(self._state[n]) for n in self.parameter_names if n not in names}
         return _lora.save_adapter(directory, lora, values, base_model_name_or_path, task_type, extra)
 
-    def save_onnx_adapter(self, out, adapter_version: int = 1, model_version: int = 1) -> Path:
+    def save_onnx_adapter(self, out, adapter_version: int = 1, model_version: int = 1,
+                          original_model=None, out_model=None) -> Path:
         """Write the trained A and B tensors (float32, under their parameter names) as an
         onnxruntime ``.onnx_adapter`` file: a model that takes those names as inputs runs them
-        through ``RunOptions.add_active_adapter(onnxruntime.LoraAdapter)``. Needs onnxruntime
-        >= 1.20 (``onnxruntime.AdapterFormat``; RuntimeError otherwise). Atomic."""
+        through ``RunOptions.add_active_adapter(onnxruntime.LoraAdapter)``. With original_model
+        (the export the step graph was made from, or one of the same model keeping its names)
+        and out_model, also that model (`ntl-patch lora-model`). Needs onnxruntime >= 1.20
+        (``onnxruntime.AdapterFormat``; RuntimeError otherwise, nothing written). Atomic."""
         self._check_usable()
         lora = _lora.lora_metadata(self.metadata, self.path)
         values = {n: _state.host(self._state[n]) for n in _lora.lora_names(lora)}
-        return _lora.save_onnx_adapter(out, lora, values, adapter_version, model_version)
+        path = _lora.save_onnx_adapter(out, lora, values, adapter_version, model_version)
+        if original_model is not None or out_model is not None:
+            _lora.write_serving_model(original_model, self.path, out_model)
+        return path
 
     def __repr__(self) -> str:
         return (f"StepRunner({str(self.path)!r}, device={self.device}:{self.device_id}, "

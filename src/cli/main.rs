@@ -56,6 +56,10 @@ enum Command {
     Validate(ValidateArgs),
     /// Add the number loss to ONNX Runtime training artifacts (forward and analytic backward).
     Artifacts(ArtifactsArgs),
+    /// Write the inference model that takes a LoRA step graph's adapters as inputs (A and B
+    /// under the step graph's names, defaults the untrained values), for onnxruntime's
+    /// `.onnx_adapter` files (docs/STEP_GRAPH.md).
+    LoraModel(LoraModelArgs),
     /// Write a standard-ONNX training step: patched forward, whole-model backward and the
     /// optimizer update in one graph that any ONNX runtime trains (docs/STEP_GRAPH.md).
     Step(StepArgs),
@@ -168,6 +172,25 @@ enum PrecisionArg {
     Fp16,
     /// bfloat16 where autocast computes in it, no loss scaling.
     Bf16,
+}
+
+#[derive(Args)]
+struct LoraModelArgs {
+    /// The exported model the adapters go into (the one the step graph was made from, or an
+    /// export of the same model keeping its names, e.g. logits only).
+    model: PathBuf,
+    /// The LoRA step graph (`ntl-patch step MODEL --lora-r R`) whose adapters to insert.
+    #[arg(long, value_name = "STEP")]
+    step: PathBuf,
+    /// Output path [default: MODEL.lora.onnx beside the model].
+    #[arg(short, long)]
+    output: Option<PathBuf>,
+    /// With -o in another folder: copy the model's external data files next to the output.
+    #[arg(long)]
+    copy_external_data: bool,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -464,6 +487,7 @@ fn run_cli() -> ExitCode {
         Some(Command::Validate(args)) => return run_validate(args),
         Some(Command::Artifacts(args)) => run_artifacts_cli(args),
         Some(Command::Step(args)) => run_step_cli(args),
+        Some(Command::LoraModel(args)) => run_lora_model_cli(args),
         None => run_patch_cli(cli.patch),
     };
     match result {
@@ -688,6 +712,27 @@ fn precision_options(
             growth_interval: args.growth_interval.unwrap_or(d.growth_interval),
         },
     ))
+}
+
+fn run_lora_model_cli(args: LoraModelArgs) -> Result<String, ntl_patch::Error> {
+    use ntl_patch::passes::lora::serving;
+    let s = serving::run(&serving::ServingRequest {
+        model: args.model,
+        step: args.step,
+        output: args.output,
+        copy_external_data: args.copy_external_data,
+    })?;
+    Ok(if args.json {
+        serde_json::json!({"output": s.output.display().to_string(), "adapter_inputs": s.inputs})
+            .to_string()
+    } else {
+        format!(
+            "wrote {} ({} adapter inputs: A and B of {} layers)",
+            s.output.display(),
+            s.inputs.len(),
+            s.inputs.len() / 2
+        )
+    })
 }
 
 /// `--lora-*` into LoRA options; LoRA's other flags without `--lora-r` are refused.

@@ -30,6 +30,9 @@ pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
     let patched = crate::passes::pipeline::refuse_patched(&model, path).is_err();
     let ir = model.ir_version();
     let opset = default_opset(&model);
+    // a LoRA step graph's adapted layers; for any other model, what --lora-targets can name
+    let lora = step_lora(&model);
+    let lora_targets = crate::passes::lora::target_names(graph);
 
     let site_rows: Vec<(String, String, String, String, String, Option<usize>)> = sites
         .iter()
@@ -61,6 +64,8 @@ pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
             "external_data_tensors": external.len(),
             "external_data_files": files,
             "already_patched": patched,
+            "lora": lora,
+            "lora_targets": lora_targets,
         });
         return Ok(serde_json::to_string_pretty(&v).expect("json"));
     }
@@ -99,7 +104,52 @@ pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
         "already patched by ntl-patch: {}\n",
         if patched { "yes" } else { "no" }
     ));
+    match &lora {
+        Some(l) => out.push_str(&lora_text(l)),
+        None if !lora_targets.is_empty() => out.push_str(&format!(
+            "linear layers (names for --lora-targets): {}\n",
+            esc(&lora_targets.join(", "))
+        )),
+        None => {}
+    }
     Ok(out)
+}
+
+/// The `lora` entry of a step graph's metadata, if any.
+fn step_lora(model: &crate::onnx::ModelProto) -> Option<serde_json::Value> {
+    let meta = model
+        .metadata_props
+        .iter()
+        .find(|p| p.key() == crate::passes::step::STEP_METADATA_KEY)?;
+    let v: serde_json::Value = serde_json::from_str(meta.value()).ok()?;
+    v.get("lora").filter(|l| l.is_object()).cloned()
+}
+
+fn lora_text(l: &serde_json::Value) -> String {
+    let layers = l["layers"].as_array().cloned().unwrap_or_default();
+    let mut out = format!(
+        "LoRA: r={} alpha={} scaling={}{}, {} adapted layer(s):\n",
+        l["r"],
+        l["lora_alpha"],
+        l["scaling"],
+        if l["use_rslora"] == true {
+            " (rsLoRA)"
+        } else {
+            ""
+        },
+        layers.len()
+    );
+    for x in layers {
+        let module = x["module"].as_str().unwrap_or("(no module path)");
+        out.push_str(&format!(
+            "  {} <- {} [{} -> {}]\n",
+            esc(module),
+            esc(x["weight"].as_str().unwrap_or("")),
+            x["in_features"],
+            x["out_features"]
+        ));
+    }
+    out
 }
 
 /// `inspect` plus, for each GPU target, whether that ONNX Runtime release's provider takes every

@@ -9,6 +9,7 @@
 //! The step graph's metadata (`lora`) records each layer for the runners' PEFT files.
 
 mod linear;
+pub mod serving;
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -195,6 +196,22 @@ fn check_not_linear(
         }
     }
     Ok(())
+}
+
+/// The names `--lora-targets` can take in `graph`: the last part of each linear layer's
+/// module path (`q_proj`), in order of first appearance.
+pub fn target_names(graph: &crate::onnx::GraphProto) -> Vec<String> {
+    let index = GraphIndex::new(graph);
+    let mut names: Vec<String> = Vec::new();
+    for l in linear_layers(&index) {
+        if let Some((m, _)) = &l.module {
+            let last = m.rsplit('.').next().unwrap_or(m).to_string();
+            if !names.contains(&last) {
+                names.push(last);
+            }
+        }
+    }
+    names
 }
 
 /// Inserts the adapters into `model` (see the module doc).

@@ -1004,7 +1004,7 @@ fn update_model(
     Ok(update)
 }
 
-pub(super) fn tensor_info(name: &str, elem_type: i32, dims: &[i64]) -> ValueInfoProto {
+pub fn tensor_info(name: &str, elem_type: i32, dims: &[i64]) -> ValueInfoProto {
     use proto::tensor_shape_proto::{dimension, Dimension};
     ValueInfoProto {
         name: Some(name.into()),

@@ -1,0 +1,140 @@
+//! `ntl-patch lora-model MODEL --step STEP`: the inference model that runs a LoRA step graph's
+//! adapters as inputs — MODEL (the export the step graph was made from, or another export of
+//! the same model that keeps its names, e.g. a logits-only one) with the same adapters
+//! inserted, each `A` and `B` a graph input under the step graph's parameter name. Their
+//! defaults are the step graph's initial values (`B` zeros: without an adapter the model is
+//! the base), so onnxruntime's `RunOptions.add_active_adapter` with an `.onnx_adapter` of the
+//! trained values (the Python runners' `save_onnx_adapter`) switches adapters per request.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use super::{insert, LoraOptions};
+use crate::error::Error;
+use crate::io::model_io::{
+    check_external_data, load_model, load_model_source, model_dir, plan_external_data, same_file,
+    save_model_from,
+};
+use crate::passes::step::STEP_METADATA_KEY;
+
+pub struct ServingRequest {
+    pub model: PathBuf,
+    pub step: PathBuf,
+    pub output: Option<PathBuf>,
+    pub copy_external_data: bool,
+}
+
+pub struct ServingSummary {
+    pub output: PathBuf,
+    /// The adapter inputs (A and B of each layer), in input order.
+    pub inputs: Vec<String>,
+}
+
+/// `model.onnx` → `model.lora.onnx` beside it.
+pub fn default_output(model: &Path) -> PathBuf {
+    let stem = model
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    model_dir(model).join(format!("{stem}.lora.onnx"))
+}
+
+/// The LoRA options a step graph was written with, from its metadata.
+fn step_options(step: &Path) -> Result<(LoraOptions, Vec<String>), Error> {
+    let m = load_model(step)?;
+    let usage = |why: &str| {
+        Error::Usage(format!(
+            "'{}' {why}; give the LoRA step graph (`ntl-patch step MODEL --lora-r R`)",
+            step.display()
+        ))
+    };
+    let raw = m
+        .metadata_props
+        .iter()
+        .find(|p| p.key() == STEP_METADATA_KEY)
+        .ok_or_else(|| usage("is not a step graph"))?;
+    let meta: serde_json::Value =
+        serde_json::from_str(raw.value()).map_err(|_| usage("has unreadable step metadata"))?;
+    let l = meta
+        .get("lora")
+        .filter(|l| l.is_object())
+        .ok_or_else(|| usage("has no LoRA adapters"))?;
+    let targets: Option<Vec<String>> = l["target_modules"].as_array().map(|t| {
+        t.iter()
+            .filter_map(|v| v.as_str().map(String::from))
+            .collect()
+    });
+    let o = LoraOptions {
+        r: l["r"].as_i64().ok_or_else(|| usage("has no LoRA rank"))?,
+        alpha: l["lora_alpha"]
+            .as_f64()
+            .ok_or_else(|| usage("has no lora_alpha"))?,
+        targets,
+        use_rslora: l["use_rslora"].as_bool().unwrap_or(false),
+        dropout: 0.0,
+        seed: l["seed"].as_u64().unwrap_or(0),
+    };
+    let names: Vec<String> = l["layers"]
+        .as_array()
+        .map(|ls| {
+            ls.iter()
+                .flat_map(|x| [x["lora_A"].as_str(), x["lora_B"].as_str()])
+                .flatten()
+                .map(String::from)
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok((o, names))
+}
+
+pub fn run(req: &ServingRequest) -> Result<ServingSummary, Error> {
+    let output = req
+        .output
+        .clone()
+        .unwrap_or_else(|| default_output(&req.model));
+    if same_file(&req.model, &output) || same_file(&req.step, &output) {
+        return Err(Error::OutputIsInput(output));
+    }
+    let (o, wanted) = step_options(&req.step)?;
+    let (mut model, source) = load_model_source(&req.model)?;
+    if model
+        .metadata_props
+        .iter()
+        .any(|p| p.key() == STEP_METADATA_KEY)
+    {
+        return Err(Error::Usage(format!(
+            "'{}' is a step graph; give the exported model the adapters go into",
+            req.model.display()
+        )));
+    }
+    crate::graph::patch::check_consistency(&model).map_err(Error::MalformedGraph)?;
+    crate::graph::structure::check_model(&model)?;
+    check_external_data(&model, &model_dir(&req.model))?;
+    let external = plan_external_data(&model, &req.model, &output, req.copy_external_data)?;
+    let adapted = insert(&mut model, &o)?;
+    let got: BTreeSet<String> = adapted.parameters();
+    if let Some(missing) = wanted.iter().find(|n| !got.contains(*n)) {
+        return Err(Error::Usage(format!(
+            "'{}' has no layer for the step graph's adapter '{missing}'; give the export the step graph was made from (or one of the same model that keeps its names)",
+            req.model.display()
+        )));
+    }
+    let graph = model.graph.as_mut().expect("loaded models have a graph");
+    let inputs: Vec<String> = adapted
+        .adapters
+        .iter()
+        .flat_map(|a| [a.a.clone(), a.b.clone()])
+        .collect();
+    for name in &inputs {
+        let t = graph
+            .initializer
+            .iter()
+            .find(|t| t.name() == name)
+            .expect("insert adds A and B as initializers");
+        let info = crate::passes::step::tensor_info(name, t.data_type(), &t.dims);
+        graph.input.push(info);
+    }
+    external.apply(&mut model);
+    save_model_from(&model, &output, Some(&source), Some(&external))?;
+    Ok(ServingSummary { output, inputs })
+}
