@@ -953,3 +953,59 @@ def test_data_parallel_two_ranks_train_only_the_adapters(tmp_path):
         for part in ("lora_A", "lora_B"):
             np.testing.assert_array_equal(tensors[f"base_model.model.{la['module']}.{part}.weight"], params[la[part]])
     assert sorted(q.name for q in tmp_path.iterdir() if q.name.startswith(".")) == [], "no temporaries left"
+
+
+def test_served_model_runs_the_adapter_in_onnxruntime_1_31(trained, tmp_path):
+    """`save_onnx_adapter(..., original_model=, out_model=)` (`ntl-patch lora-model`): the export
+    with the step graph's A and B as inputs. In onnxruntime 1.31.1 (.venv-rt), with the trained
+    adapter active it gives the merged model's loss (save_inference_model); without one, the
+    original export's (B's default is zero)."""
+    import os
+
+    t = trained("llama_ts")
+    rt = subprocess.run([str(REPO / "scripts" / "setup" / "setup-runtime.sh")], capture_output=True, text=True)
+    assert rt.returncode == 0, rt.stderr
+    original = MODELS / f"{t.fixture}.onnx"
+    x, y = t.data[0]
+    np.savez(tmp_path / "batch.npz", x=x, y=y)
+    code = f"""
+import sys, numpy as np, onnxruntime as ort
+sys.path.insert(0, {str(REPO / 'python')!r})
+from ntl_patch import StepRunner
+x, y = np.load({str(tmp_path / 'batch.npz')!r}).values()
+r = StepRunner({str(t.path)!r}, providers=["CPUExecutionProvider"])
+for _ in range(3):
+    r.step({{"input_ids": x, "labels": y}})
+r.save_onnx_adapter({str(tmp_path / 'a.onnx_adapter')!r}, original_model={str(original)!r},
+                    out_model={str(tmp_path / 'served.onnx')!r})
+r.save_inference_model({str(original)!r}, {str(tmp_path / 'merged.onnx')!r})
+so = ort.SessionOptions(); so.log_severity_level = 3
+run = lambda p, ro=None: float(ort.InferenceSession(p, so, providers=["CPUExecutionProvider"]).run(
+    None, {{"input_ids": x, "labels": y}}, ro)[0])
+adapter = ort.LoraAdapter(); adapter.Load({str(tmp_path / 'a.onnx_adapter')!r})
+ro = ort.RunOptions(); ro.add_active_adapter(adapter)
+served, merged = run({str(tmp_path / 'served.onnx')!r}, ro), run({str(tmp_path / 'merged.onnx')!r})
+base, plain = run({str(tmp_path / 'served.onnx')!r}), run({str(original)!r})
+print(served, merged, base, plain)
+assert abs(served - merged) <= 1e-5 * abs(merged), (served, merged)
+assert abs(base - plain) <= 1e-6 * abs(plain), (base, plain)
+assert abs(served - plain) > 1e-4 * abs(plain), "the adapter changed the loss"
+"""
+    env = dict(os.environ, NTL_PATCH_BIN=patch_command()[0])
+    res = subprocess.run([str(REPO / ".venv-rt" / "bin" / "python"), "-c", code], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr
+    names = {i.name for i in onnx.load(str(tmp_path / "served.onnx")).graph.input}
+    assert {n for la in t.lora["layers"] for n in (la["lora_A"], la["lora_B"])} <= names
+
+
+def test_lora_model_refusals(trained, tmp_path):
+    t = trained("llama_ts")
+    for model, step, needle in [
+        (MODELS / "llama_ts.onnx", MODELS / "llama_ts.onnx", "is not a step graph"),
+        (t.path, t.path, "is a step graph"),
+        (MODELS / "gpt2_ts.onnx", t.path, "has no layer for the step graph's adapter"),
+    ]:
+        r = run_patch(["lora-model", model, "--step", step, "-o", tmp_path / "out.onnx"])
+        assert r.returncode == 1 and r.stderr.count("\n") == 1 and needle in r.stderr, r.stderr
+        assert not (tmp_path / "out.onnx").exists()

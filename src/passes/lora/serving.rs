@@ -111,13 +111,19 @@ pub fn run(req: &ServingRequest) -> Result<ServingSummary, Error> {
     crate::graph::structure::check_model(&model)?;
     check_external_data(&model, &model_dir(&req.model))?;
     let external = plan_external_data(&model, &req.model, &output, req.copy_external_data)?;
-    let adapted = insert(&mut model, &o)?;
+    let no_layer = |why: &str| {
+        Error::Usage(format!(
+            "'{}' has no layer for the step graph's adapter{why}; give the export the step graph was made from (or one of the same model that keeps its names)",
+            req.model.display()
+        ))
+    };
+    let adapted = insert(&mut model, &o).map_err(|e| match e {
+        Error::Usage(m) => no_layer(&format!("s ({m})")),
+        e => e,
+    })?;
     let got: BTreeSet<String> = adapted.parameters();
     if let Some(missing) = wanted.iter().find(|n| !got.contains(*n)) {
-        return Err(Error::Usage(format!(
-            "'{}' has no layer for the step graph's adapter '{missing}'; give the export the step graph was made from (or one of the same model that keeps its names)",
-            req.model.display()
-        )));
+        return Err(no_layer(&format!(" '{missing}'")));
     }
     let graph = model.graph.as_mut().expect("loaded models have a graph");
     let inputs: Vec<String> = adapted
