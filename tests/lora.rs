@@ -335,6 +335,17 @@ fn validate_trains_a_lora_step_graph_in_tract_like_onnxruntime() {
             vec!["--lora-r", "2", "--max-grad-norm", "1"],
         ),
         ("gpt2_ts", vec!["--lora-r", "2"]),
+        (
+            "llama_ts",
+            vec![
+                "--lora-r",
+                "2",
+                "--fused-head",
+                "on",
+                "--head-chunk-tokens",
+                "3",
+            ],
+        ),
     ] {
         let (_dir, m) = case(&model(fixture), |_| {});
         bin().arg("step").arg(&m).args(&args).assert().success();
