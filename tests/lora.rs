@@ -455,3 +455,37 @@ fn lora_refusals_are_one_line_and_write_nothing() {
     fails(None, &llama, &["--lora-r", "4"], "--lora-r");
     fails(Some("artifacts"), &llama, &["--lora-r", "4"], "--lora-r");
 }
+
+#[test]
+fn inspect_lists_the_adapted_layers_and_the_target_names() {
+    let (_d, m) = case(&model("llama_ts"), |_| {});
+    let out = bin().arg("inspect").arg(&m).assert().success();
+    let text = String::from_utf8_lossy(&out.get_output().stdout).to_string();
+    assert!(
+        text.contains("linear layers (names for --lora-targets): q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head"),
+        "{text}"
+    );
+    step(&m, &["--lora-r", "2"]);
+    let out = bin()
+        .arg("inspect")
+        .arg(m.with_file_name("model.step.onnx"))
+        .assert()
+        .success();
+    let text = String::from_utf8_lossy(&out.get_output().stdout).to_string();
+    assert!(
+        text.contains("LoRA: r=2 alpha=8.0 scaling=4.0, 4 adapted layer(s):"),
+        "{text}"
+    );
+    assert!(
+        text.contains("  model.layers.1.self_attn.v_proj <- model.layers.1.self_attn.v_proj.weight [32 -> 16]"),
+        "{text}"
+    );
+    let out = bin()
+        .arg("inspect")
+        .arg(m.with_file_name("model.step.onnx"))
+        .arg("--json")
+        .assert()
+        .success();
+    let v: serde_json::Value = serde_json::from_slice(&out.get_output().stdout).unwrap();
+    assert_eq!(v["lora"]["layers"].as_array().unwrap().len(), 4);
+}

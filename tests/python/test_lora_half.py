@@ -178,3 +178,33 @@ def test_fp16_reads_the_half_weights_directly_and_matches_in_tract(graphs, tmp_p
     for x, y in _batches("lm_flat")[:3]:
         la, lb = (float(np.ravel(r.step({"input_ids": x, "labels": y})["loss"])[0]) for r in (a, b))
         assert abs(la - lb) <= 2e-5 * abs(lb), (la, lb)
+
+
+def test_frozen_weights_in_external_data_stay_there(tmp_path):
+    """A float16 export with its weights in external data: the step graph's frozen weights
+    reference the same file at the same offsets (nothing copied, nothing widened), and it
+    trains like the inline export's."""
+    src = tmp_path / "inline.onnx"
+    _half_export(src, torch.float16)
+    ext_dir = tmp_path / "ext"
+    ext_dir.mkdir()
+    m = onnx.load(str(src))
+    onnx.save_model(m, str(ext_dir / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="weights.bin", size_threshold=0)
+    before = sorted(p.name for p in ext_dir.iterdir())
+    out = ext_dir / "model.step.onnx"
+    _step(ext_dir / "model.onnx", out, "fp32")
+    assert sorted(p.name for p in ext_dir.iterdir()) == sorted(before + ["model.step.onnx"])
+    exported = {t.name: t for t in onnx.load(str(ext_dir / "model.onnx"), load_external_data=False).graph.initializer}
+    stepped = {t.name: t for t in onnx.load(str(out), load_external_data=False).graph.initializer}
+    meta = _meta(out)
+    kept = [n for n in meta["frozen"] if int(np.prod(exported[n].dims)) > 1]
+    assert kept
+    for n in kept:
+        assert stepped[n].data_type == onnx.TensorProto.FLOAT16
+        assert list(stepped[n].external_data) == list(exported[n].external_data), n
+    inline = tmp_path / "inline.step.onnx"
+    _step(src, inline, "fp32")
+    a, b = _runner(out), _runner(inline)
+    for x, y in _batches("lm_flat")[:2]:
+        np.testing.assert_array_equal(a.step({"input_ids": x, "labels": y}), b.step({"input_ids": x, "labels": y}))
