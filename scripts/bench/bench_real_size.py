@@ -145,6 +145,9 @@ def parse_args(argv=None):
     p.add_argument("--force", action="store_true", help="skip the memory and load checks")
     p.add_argument("--no-cpu-arena", action="store_true",
                    help="step configurations: SessionOptions.enable_cpu_mem_arena = False")
+    p.add_argument("--disable-optimizers", default="",
+                   help="step configurations: onnxruntime graph optimizers to leave out, comma-separated "
+                        "(InferenceSession's disabled_optimizers, e.g. ConstantFolding: a diagnostic)")
     p.add_argument("--json")
     p.add_argument("--markdown")
     p.add_argument("--seed", type=int, default=20240917)
@@ -421,6 +424,11 @@ def runner_step(graph: Path, runner_python: Path, ids, labels, threads: int, dev
             ort.preload_dlls()
     import onnxruntime as ort
 
+    disabled = [x for x in os.environ.get("NTL_BENCH_DISABLED_OPTIMIZERS", "").split(",") if x]
+    if disabled:  # --disable-optimizers: every session the runner creates leaves them out
+        import functools
+
+        ort.InferenceSession = functools.partial(ort.InferenceSession, disabled_optimizers=disabled)
     sys.path.insert(0, str(runner_python))
     from ntl_patch import StepRunner
 
@@ -668,6 +676,8 @@ def run_one(args, work: Path, meta: dict, kind: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONDONTWRITEBYTECODE": "1"}
     if args.no_cpu_arena:
         env["NTL_BENCH_NO_CPU_ARENA"] = "1"
+    if args.disable_optimizers:
+        env["NTL_BENCH_DISABLED_OPTIMIZERS"] = args.disable_optimizers
     gpu = GpuPeak() if args.device == "cuda" else None
     rc, stdout, stderr, killed, peak, wall = run_guarded(cmd, env, args.spec.get("rss_limit_gib"), args.min_free_gib)
     gpu_peak = gpu.stop() if gpu else None
@@ -737,7 +747,9 @@ def markdown(args, meta: dict, res: dict, env: dict, baseline: dict | None = Non
              f"T={s['seq']}; export: {meta['exporter']}, {s.get('export_dtype', 'float32')}; {args.steps} "
              f"steps per run, {args.rounds} interleaved rounds, {args.threads} threads; load average "
              f"{env['load_start']:.1f} → {env['load_end']:.1f}" + ("; step configurations without "
-             "onnxruntime's CPU arena" if args.no_cpu_arena else "") + ".", ""]
+             "onnxruntime's CPU arena" if args.no_cpu_arena else "") + (
+             f"; step configurations without onnxruntime's {args.disable_optimizers}" if args.disable_optimizers
+             else "") + ".", ""]
     for name, g in meta["step_graphs"].items():
         if name not in args.config_list and name not in args.graph_only:
             continue
