@@ -462,7 +462,7 @@ fn inspect_lists_the_adapted_layers_and_the_target_names() {
     let out = bin().arg("inspect").arg(&m).assert().success();
     let text = String::from_utf8_lossy(&out.get_output().stdout).to_string();
     assert!(
-        text.contains("linear layers (names for --lora-targets): q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head"),
+        text.contains("LoRA targets (its linear layers, for --lora-targets): q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head"),
         "{text}"
     );
     step(&m, &["--lora-r", "2"]);

@@ -32,7 +32,7 @@ pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
     let opset = default_opset(&model);
     // a LoRA step graph's adapted layers; for any other model, what --lora-targets can name
     let lora = step_lora(&model);
-    let lora_targets = crate::passes::lora::target_names(graph);
+    let lora_targets = crate::passes::lora::target_names(&index);
 
     let site_rows: Vec<(String, String, String, String, String, Option<usize>)> = sites
         .iter()
@@ -107,7 +107,7 @@ pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
     match &lora {
         Some(l) => out.push_str(&lora_text(l)),
         None if !lora_targets.is_empty() => out.push_str(&format!(
-            "linear layers (names for --lora-targets): {}\n",
+            "LoRA targets (its linear layers, for --lora-targets): {}\n",
             esc(&lora_targets.join(", "))
         )),
         None => {}

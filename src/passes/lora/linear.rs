@@ -94,12 +94,16 @@ fn module_of_scope(node_name: &str) -> Option<String> {
 
 /// `tensor` as a 2-D float initializer, read as is (`false`) or through a 2-D Transpose
 /// (`true`).
-fn weight_read<'g>(index: &GraphIndex<'g>, tensor: &str) -> Option<(&'g TensorProto, bool)> {
+fn weight_read<'g>(
+    index: &GraphIndex<'g>,
+    inits: &HashSet<&str>,
+    tensor: &str,
+) -> Option<(&'g TensorProto, bool)> {
     let two_d_float = |t: &&TensorProto| {
         t.dims.len() == 2 && is_float_type(t.data_type()) && t.dims[0] > 0 && t.dims[1] > 0
     };
     if let Some(t) = index.constant_tensor(tensor).filter(two_d_float) {
-        return is_initializer(index, tensor).then_some((t, false));
+        return inits.contains(tensor).then_some((t, false));
     }
     let (_, producer) = index.producer(tensor)?;
     let plain_transpose = producer.op_type() == "Transpose"
@@ -110,25 +114,26 @@ fn weight_read<'g>(index: &GraphIndex<'g>, tensor: &str) -> Option<(&'g TensorPr
     }
     let source = producer.input.first()?;
     let t = index.constant_tensor(source).filter(two_d_float)?;
-    is_initializer(index, source).then_some((t, true))
-}
-
-fn is_initializer(index: &GraphIndex, name: &str) -> bool {
-    index.graph.initializer.iter().any(|t| t.name() == name)
+    inits.contains(source.as_str()).then_some((t, true))
 }
 
 /// The linear layer `node` computes, if it is one.
-fn linear_of(index: &GraphIndex, i: usize, node: &NodeProto) -> Option<Linear> {
+fn linear_of(
+    index: &GraphIndex,
+    inits: &HashSet<&str>,
+    i: usize,
+    node: &NodeProto,
+) -> Option<Linear> {
     if !node.domain().is_empty() || node.input.len() < 2 || node.output.is_empty() {
         return None;
     }
     let (t, transposed) = match node.op_type() {
-        "MatMul" => weight_read(index, &node.input[1])?,
+        "MatMul" => weight_read(index, inits, &node.input[1])?,
         "Gemm" => {
             if attr_i(node, "transA").unwrap_or(0) != 0 {
                 return None;
             }
-            let (t, transposed) = weight_read(index, &node.input[1])?;
+            let (t, transposed) = weight_read(index, inits, &node.input[1])?;
             (t, transposed != (attr_i(node, "transB").unwrap_or(0) != 0))
         }
         _ => return None,
@@ -160,6 +165,7 @@ fn linear_of(index: &GraphIndex, i: usize, node: &NodeProto) -> Option<Linear> {
 /// reads (a tied LM head) counts only where TorchScript's node scope names the head's own
 /// module: its weight's name is the embedding's.
 pub fn linear_layers(index: &GraphIndex) -> Vec<Linear> {
+    let inits: HashSet<&str> = index.graph.initializer.iter().map(|t| t.name()).collect();
     let gathered: HashSet<&str> = index
         .graph
         .node
@@ -172,7 +178,7 @@ pub fn linear_layers(index: &GraphIndex) -> Vec<Linear> {
         .node
         .iter()
         .enumerate()
-        .filter_map(|(i, n)| linear_of(index, i, n))
+        .filter_map(|(i, n)| linear_of(index, &inits, i, n))
         .filter(|l| {
             !gathered.contains(l.weight.as_str())
                 || matches!(l.module, Some((_, PathSource::NodeScope)))

@@ -200,10 +200,9 @@ fn check_not_linear(
 
 /// The names `--lora-targets` can take in `graph`: the last part of each linear layer's
 /// module path (`q_proj`), in order of first appearance.
-pub fn target_names(graph: &crate::onnx::GraphProto) -> Vec<String> {
-    let index = GraphIndex::new(graph);
+pub fn target_names(index: &GraphIndex) -> Vec<String> {
     let mut names: Vec<String> = Vec::new();
-    for l in linear_layers(&index) {
+    for l in linear_layers(index) {
         if let Some((m, _)) = &l.module {
             let last = m.rsplit('.').next().unwrap_or(m).to_string();
             if !names.contains(&last) {

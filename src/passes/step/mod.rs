@@ -812,10 +812,11 @@ fn widen_half_export(
         )));
     }
     // frozen weights (more than one value: scalars are exporter constants) stay half
+    let half: std::collections::HashSet<&str> = half_inits.iter().map(String::as_str).collect();
     let kept: Vec<(String, i32)> = graph
         .initializer
         .iter()
-        .filter(|t| half_inits.iter().any(|h| h == t.name()))
+        .filter(|t| half.contains(t.name()))
         .filter(|t| t.dims.iter().product::<i64>() > 1 && !trains(t.name()))
         .map(|t| (t.name().to_string(), t.data_type()))
         .collect();
