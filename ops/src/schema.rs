@@ -31,6 +31,15 @@ pub struct Schema {
 }
 
 impl Schema {
+    /// The type parameter input `i` binds (`T`), or None for a fixed type (`tensor(int64)`).
+    pub fn input_param(&self, i: usize) -> Option<String> {
+        let p = self
+            .inputs
+            .get(i)
+            .or_else(|| self.inputs.last().filter(|p| p.variadic))?;
+        (!p.type_str.starts_with("tensor(")).then(|| p.type_str.clone())
+    }
+
     /// The one type a single-type parameter allows.
     pub fn fixed_type(&self, param: &str) -> Option<&str> {
         self.fixed

@@ -24,7 +24,6 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
-use super::precision::input_param;
 use crate::graph::elem_types::ElemTypes;
 use crate::onnx::{GraphProto, NodeProto, FLOAT};
 use ntl_ops::schema::schemas;
@@ -299,7 +298,7 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
         // an activation of this node (computed at run time) that is float32: known so, or
         // bound to the same type as a widened input by the op's schema
         let schema = schemas().schema(node.domain(), node.op_type(), opset);
-        let param = |i: usize| schema.and_then(|s| input_param(s, i));
+        let param = |i: usize| schema.and_then(|s| s.input_param(i));
         let widened_params: Vec<Option<String>> = direct.iter().map(|&i| param(i)).collect();
         let like = (0..node.input.len())
             .find(|&i| {

@@ -369,7 +369,7 @@ impl<'a, 'b> Pass<'a, 'b> {
                 continue;
             }
             let param = schema
-                .and_then(|s| input_param(s, i))
+                .and_then(|s| s.input_param(i))
                 .unwrap_or_else(|| format!("#{i}"));
             match groups.iter_mut().find(|(p, _)| *p == param) {
                 Some((_, members)) => members.push(i),
@@ -486,15 +486,6 @@ impl<'a, 'b> Pass<'a, 'b> {
             ..Default::default()
         });
     }
-}
-
-/// The type parameter input `i` binds (`T`), or None for a fixed type (`tensor(int64)`).
-pub(super) fn input_param(schema: &Schema, i: usize) -> Option<String> {
-    let p = schema
-        .inputs
-        .get(i)
-        .or_else(|| schema.inputs.last().filter(|p| p.variadic))?;
-    (!p.type_str.starts_with("tensor(")).then(|| p.type_str.clone())
 }
 
 /// Output `j`'s type: the type its parameter was given by the inputs, Cast's `to`, CastLike's
