@@ -135,22 +135,23 @@ class Sharded:
         group = self.dp.group
         return r if group is None else self.dp._dist.get_global_rank(group, r)
 
-    def _reduce(self, flat):
-        """This rank's slice of the summed gradient (and the summed losses, as a list)."""
+    def _reduce(self, micro):
+        """This rank's slice of the summed gradient of micro, and the summed losses (a list)."""
         dp, dist = self.dp, self.dp._dist
-        n = dp._numel
-        if self.mode == "optimizer":  # one all-reduce; the full sum stays until the update ran
+        if self.mode == "optimizer":  # one all-reduce; the full sum lives until the update ran
+            flat = dp._gradients(micro)[0]
             dist.all_reduce(flat, group=dp.group)
-            return flat[self.lo:self.hi], flat[n:].tolist()
-        # gradients: a reduce of each shard to its owner (a reduce-scatter of unequal sizes that
-        # gloo has too), then only this rank's slice is kept
-        spans = [(dp._spans[a][0] if a < len(dp._spans) else n, sum(m for _, m in dp._spans[a:b]))
-                 for a, b in zip(self.bounds, self.bounds[1:])]
-        for r, (off, m) in enumerate(spans):
-            if m:
-                dist.reduce(flat[off:off + m], dst=self._global_rank(r), group=dp.group)
-        dist.all_reduce(flat[n:], group=dp.group)
-        return flat[self.lo:self.hi].clone(), flat[n:].tolist()
+            return flat[self.lo:self.hi], flat[dp._numel:].tolist()
+        # gradients: one buffer per shard, each reduced to its owner (a reduce-scatter of
+        # unequal sizes, which gloo has too); then the other shards' buffers are freed
+        parts = dp._gradients(micro, self.bounds)
+        losses = parts[-1][-3:].clone()
+        dist.all_reduce(losses, group=dp.group)
+        for r, part in enumerate(parts):
+            n = part.numel() - (3 if r == len(parts) - 1 else 0)
+            if n:
+                dist.reduce(part[:n], dst=self._global_rank(r), group=dp.group)
+        return parts[dp.rank][:self.hi - self.lo], losses.tolist()
 
     def _global_feeds(self, views) -> dict:
         """The update graph's global scalars from Σ‖g‖² over all shards (one all-reduce)."""
@@ -174,19 +175,14 @@ class Sharded:
         """Gradients of the micro-batches, reduced; this shard's update; every shard's
         parameters broadcast by its owner. Returns (skipped, the three mean losses)."""
         dp = self.dp
-        flat = dp._gradients(micro)
-        grad, losses = self._reduce(flat)
-        if self.mode == "gradients":
-            del flat  # only this rank's slice lives on
+        grad, losses = self._reduce(micro)
         mean = dp.world_size * dp.accumulation_steps
         grad.div_(mean)
         views = [grad[off:off + m].view(shape) for (off, m), shape in zip(self.own_spans, self.own_shapes)]
         feeds = self._global_feeds(views)
         grads = [(name, _dlpack.from_torch(v)) for name, v in zip(self.own_grads, views)]
         skipped = dp._update(grads, lr, feeds)
-        del grads, views, grad
-        if self.mode == "optimizer":
-            del flat
+        del grads, views, grad  # the gradient buffer is freed before the broadcasts
         if not skipped:
             self._broadcast()
         return skipped, [x / mean for x in losses]

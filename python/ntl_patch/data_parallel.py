@@ -234,11 +234,13 @@ class DataParallel:
         if self._sharded:
             self.last_step_skipped, losses = self._sharded.step(micro, lr)
         else:
-            flat = self._gradients(micro)
+            flat = self._gradients(micro)[0]
             if self.world_size > 1:
                 self._dist.all_reduce(flat, op=self._dist.ReduceOp.SUM, group=self.group)
             flat.div_(self.world_size * self.accumulation_steps)
-            self.last_step_skipped = self._update(list(zip(self.grad_names, self._views(flat))), lr)
+            grads = [_dlpack.from_torch(g) for g in self._views(flat)]
+            self.last_step_skipped = self._update(list(zip(self.grad_names, grads)), lr)
+            del grads
             losses = flat[self._numel:].tolist()
         if self.last_step_skipped:
             self.skipped_steps += 1
@@ -246,19 +248,30 @@ class DataParallel:
             self._steps += 1
         return tuple(float(x) for x in losses)  # type: ignore[return-value]
 
-    def _gradients(self, micro: list):
-        """This rank's summed gradients and losses of the micro-batches, one flat buffer (the
-        first micro-batch's gradient graph writes into it directly, later ones through a
-        scratch buffer)."""
+    def _gradients(self, micro: list, bounds: list[int] | None = None) -> list:
+        """This rank's summed gradients of the micro-batches, flat, then the 3 summed losses.
+        bounds (parameter indices): one buffer per run of parameters between them, so that a
+        rank can free the others' buffers (default: one buffer). The first micro-batch's
+        gradient graph writes into them directly, later ones through a scratch buffer."""
         torch = self._torch
-        flat = torch.empty(self._numel + 3, dtype=torch.float32, device=self.torch_device)
-        flat[self._numel:] = 0
+        bounds = bounds or [0, len(self.parameter_names)]
+        parts, views = [], []
+        for a, b in zip(bounds, bounds[1:]):
+            n = sum(m for _, m in self._spans[a:b]) + (3 if b == bounds[-1] else 0)
+            parts.append(torch.empty(n, dtype=torch.float32, device=self.torch_device))
+            views += self._views(parts[-1], self._spans[a][0] if a < b else 0, a, b)
+        losses = parts[-1][-3:]
+        losses.zero_()
         scratch = None
-        for i, b in enumerate(micro):
+        for i, batch in enumerate(micro):
             if i == 1:
                 scratch = torch.empty(self._numel, dtype=torch.float32, device=self.torch_device)
-            self._accumulate(b, flat, scratch)
-        return flat
+                scratch_views = self._views(scratch)
+            self._accumulate(batch, views if scratch is None else scratch_views, losses)
+            if scratch is not None:
+                for g, s in zip(views, scratch_views):
+                    g.add_(s)
+        return parts
 
     def _bind_data(self, binding, batch: dict, keep: list) -> None:
         torch = self._torch
@@ -284,14 +297,15 @@ class DataParallel:
         if self.device != "cpu":
             self._torch.cuda.current_stream(self.torch_device).synchronize()
 
-    def _views(self, buffer) -> list:
-        """OrtValues over buffer's spans, one per gradient, in the gradients' shapes."""
-        return [_dlpack.from_torch(buffer[off:off + n].view(shape))
-                for (off, n), shape in zip(self._spans, self._shapes)]
+    def _views(self, buffer, start: int = 0, first: int = 0, last: int | None = None) -> list:
+        """Views of buffer, one per gradient first..last-1 in the gradients' shapes; buffer
+        starts at flat offset start."""
+        return [buffer[off - start:off - start + n].view(shape)
+                for (off, n), shape in zip(self._spans[first:last], self._shapes[first:last])]
 
-    def _accumulate(self, batch: dict, flat, scratch) -> None:
-        """Runs the gradient graph on batch; its gradients go into flat (scratch None) or are
-        added to flat through scratch."""
+    def _accumulate(self, batch: dict, grads: list, losses) -> None:
+        """Runs the gradient graph on batch; its gradients go into grads (torch views, one per
+        parameter), its losses are added to losses."""
         b = self.grad_session.io_binding()
         keep: list = []
         self._bind_data(b, batch, keep)
@@ -301,18 +315,16 @@ class DataParallel:
             b.bind_ortvalue_input(self._scale_input, self._state[self._scale_input])
         for name in self.losses:
             b.bind_output(name, self.device, self.device_id)
-        grads = self._views(flat if scratch is None else scratch)
-        for name, g in zip(self.grad_names, grads):
+        outputs = [_dlpack.from_torch(g) for g in grads]  # alive until the run is done
+        for name, g in zip(self.grad_names, outputs):
             b.bind_ortvalue_output(name, g)
         self._sync_torch()
         self.grad_session.run_with_iobinding(b)
         b.synchronize_outputs()
         outs = b.get_outputs()
-        if scratch is not None:
-            flat[:self._numel].add_(scratch)
         for j, v in enumerate(outs[:3]):
-            flat[self._numel + j].add_(_dlpack.to_torch(v).reshape(()).to(flat.dtype))
-        del keep, grads
+            losses[j].add_(_dlpack.to_torch(v).reshape(()).to(losses.dtype))
+        del keep, outputs
 
     def _update(self, grads: list, lr, feeds: dict | None = None) -> bool:
         """Runs the update graph on grads ((name, OrtValue) pairs) and feeds (name -> host
