@@ -64,7 +64,7 @@ def _torchrun(d: Path, ranks: int, *extra) -> dict:
     p = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", str(ranks),
                         str(Path(__file__).parent / "dp_shard_worker.py"), str(d / "lm.grad.onnx"),
                         str(d / "amp" / "lm.grad.onnx"), str(d / "batches.npz"), str(d), *map(str, extra)],
-                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, f"torchrun exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return dict(np.load(d / f"result{ranks}.npz"))
 
