@@ -47,7 +47,6 @@ def status() -> dict:
 def worker(work: Path, mode: str, steps: int) -> None:
     """One rank: DataParallel(shard=mode) on work/model.grad.onnx; writes work/<mode>-<rank>.json."""
     import numpy as np
-    import onnxruntime as ort
     import torch
     import torch.distributed as dist
 
