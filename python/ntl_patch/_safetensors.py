@@ -68,9 +68,10 @@ def save(path, tensors: dict, metadata: dict[str, str] | None = None) -> None:
         raise
 
 
-def load(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def load(path, names=None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """(tensors, metadata) of a safetensors file; SafetensorsError when it is malformed. Each
-    tensor is read into its own array (the file is never held in memory as a whole)."""
+    tensor is read into its own array (the file is never held in memory as a whole); names:
+    read only these tensors (the others are checked, not read)."""
     path = Path(os.fspath(path))
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -114,6 +115,8 @@ def load(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
             raise SafetensorsError(f"{path}: {body - pos} bytes after the last tensor")
         tensors: dict[str, np.ndarray] = {}
         for begin, end, name, dtype, shape in entries:
+            if names is not None and name not in names:
+                continue
             arr = np.empty(shape, dtype=dtype)
             f.seek(8 + n + begin)
             if end > begin and f.readinto(memoryview(arr.reshape(-1)).cast("B")) != end - begin:

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from . import _dlpack, _lora, _onnx_wire, _safetensors, _state
+from . import _dlpack, _lora, _onnx_wire, _safetensors, _sharding, _state
 
 LOSS_SCALE_STATE = "ntl/state/loss_scale"
 CHECKPOINT_FORMAT = "ntl_patch.DataParallel/1"
@@ -66,10 +66,13 @@ class DataParallel:
     group (default: the world). If torch.distributed is not initialized and torchrun's environment
     is set, ``init_process_group`` is called with gloo (CPU) or NCCL (GPU); with neither, it runs
     as a single process (world size 1).
+    shard: "none" (every rank holds the whole state), "optimizer" (ZeRO stage 1: each rank holds
+    and updates the optimizer moments of its shard of the parameters only) or "gradients" (stage
+    2: also only its shard of the reduced gradient); see ``_sharding``.
     """
 
     def __init__(self, grad_graph, update_graph=None, *, accumulation_steps: int = 1,
-                 providers=None, session_options=None, group=None):
+                 providers=None, session_options=None, group=None, shard: str = "none"):
         try:
             import torch
             import torch.distributed as dist
@@ -100,6 +103,7 @@ class DataParallel:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
+        self.shard = _sharding.check_mode(shard, self.world_size)
 
         meta = _metadata(self.grad_path)
         umeta = _metadata(self.update_path)
@@ -111,9 +115,17 @@ class DataParallel:
         # neither session keeps the state: the parameters (the gradient graph's initializers)
         # and the optimizer state (the update graph's) live once, in self._state
         self.grad_session = _state.session_without(self.grad_path, state_inputs, session_options, providers)
-        self.update_session = _state.session_without(self.update_path, state_inputs, session_options,
-                                                     providers)
-        self._check_graphs()
+        self._check_grad_graph()
+        # the state this rank holds, and the part of it the update graph writes
+        self._sharded = _sharding.Sharded(self, self.shard) if self.shard != "none" else None
+        self._held = self._sharded.held if self._sharded else self.state_names
+        self._updated = self._sharded.updated if self._sharded else self.state_names
+        if self._sharded:
+            self.update_session = self._sharded.session(session_options, providers)
+        else:
+            self.update_session = _state.session_without(self.update_path, state_inputs,
+                                                         session_options, providers)
+        self._check_update_graph()
         self._state = self._initial_state()
         self._broken: str | None = None
         self._steps = int(np.asarray(self._state_host(self.step_input)))
@@ -137,7 +149,7 @@ class DataParallel:
             return providers, "cuda", int(opts.get("device_id", local))
         return providers, "cpu", 0
 
-    def _check_graphs(self) -> None:
+    def _check_grad_graph(self) -> None:
         meta = self.metadata
         self.parameter_names: list[str] = list(meta["parameters"])
         self.data_inputs: list[str] = list(meta["data_inputs"])
@@ -160,11 +172,6 @@ class DataParallel:
         if outs[:3] != self.losses or len(self.grad_names) != len(self.parameter_names):
             raise ValueError(f"{self.grad_path}: outputs {outs[:5]}... are not the losses then one "
                              f"gradient per parameter")
-        uin = {i.name for i in (*self.update_session.get_inputs(),
-                                *self.update_session.get_overridable_initializers())}
-        missing = [n for n in [*self.grad_names, *(i for i, _ in self.state_names)] if n not in uin]
-        if missing:
-            raise ValueError(f"{self.update_path}: inputs {missing[:5]} missing")
         shapes = {o.name: o.shape for o in self.grad_session.get_outputs()}
         self._shapes = [tuple(int(d) for d in shapes[g]) for g in self.grad_names]
         self._spans, off = [], 0
@@ -174,9 +181,17 @@ class DataParallel:
             off += n
         self._numel = off
 
+    def _check_update_graph(self) -> None:
+        uin = {i.name for i in (*self.update_session.get_inputs(),
+                                *self.update_session.get_overridable_initializers())}
+        grads = self._sharded.own_grads if self._sharded else self.grad_names
+        missing = [n for n in [*grads, *(i for i, _ in self._updated)] if n not in uin]
+        if missing:
+            raise ValueError(f"{self.update_path}: inputs {missing[:5]} missing")
+
     def _initial_state(self) -> dict:
         params = set(self.parameter_names)
-        names = [i for i, _ in self.state_names]
+        names = [i for i, _ in self._held]  # a sharded rank reads only its own moments
         try:
             return _state.initial_state([(self.grad_path, [n for n in names if n in params]),
                                          (self.update_path, [n for n in names if n not in params])],
@@ -213,25 +228,50 @@ class DataParallel:
             raise TypeError(f"step() takes a dict of data inputs (accumulation_steps=1) or a list of "
                             f"{self.accumulation_steps} such dicts, not {type(batch).__name__}"
                             + (f" of length {len(batch)}" if isinstance(batch, (list, tuple)) else ""))
-        # the averaged gradient (and the 3 losses): the first micro-batch's gradient graph writes
-        # its gradients into it directly, later ones through a scratch buffer
-        flat = torch.empty(self._numel + 3, dtype=torch.float32, device=self.torch_device)
-        flat[self._numel:] = 0
-        scratch = None
-        for i, b in enumerate(micro):
-            if i == 1:
-                scratch = torch.empty(self._numel, dtype=torch.float32, device=self.torch_device)
-            self._accumulate(b, flat, scratch)
-        del scratch
-        if self.world_size > 1:
-            self._dist.all_reduce(flat, op=self._dist.ReduceOp.SUM, group=self.group)
-        flat.div_(self.world_size * self.accumulation_steps)
-        self.last_step_skipped = self._update(flat, lr)
+        if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating,
+                                                                           np.integer))):
+            raise TypeError(f"lr must be a number, not {type(lr).__name__}")
+        if self._sharded:
+            self.last_step_skipped, losses = self._sharded.step(micro, lr)
+        else:
+            flat = self._gradients(micro)[0]
+            if self.world_size > 1:
+                self._dist.all_reduce(flat, op=self._dist.ReduceOp.SUM, group=self.group)
+            flat.div_(self.world_size * self.accumulation_steps)
+            grads = [_dlpack.from_torch(g) for g in self._views(flat)]
+            self.last_step_skipped = self._update(list(zip(self.grad_names, grads)), lr)
+            del grads
+            losses = flat[self._numel:].tolist()
         if self.last_step_skipped:
             self.skipped_steps += 1
         else:
             self._steps += 1
-        return tuple(float(x) for x in flat[self._numel:].tolist())  # type: ignore[return-value]
+        return tuple(float(x) for x in losses)  # type: ignore[return-value]
+
+    def _gradients(self, micro: list, bounds: list[int] | None = None) -> list:
+        """This rank's summed gradients of the micro-batches, flat, then the 3 summed losses.
+        bounds (parameter indices): one buffer per run of parameters between them, so that a
+        rank can free the others' buffers (default: one buffer). The first micro-batch's
+        gradient graph writes into them directly, later ones through a scratch buffer."""
+        torch = self._torch
+        bounds = bounds or [0, len(self.parameter_names)]
+        parts, views = [], []
+        for a, b in zip(bounds, bounds[1:]):
+            n = sum(m for _, m in self._spans[a:b]) + (3 if b == bounds[-1] else 0)
+            parts.append(torch.empty(n, dtype=torch.float32, device=self.torch_device))
+            views += self._views(parts[-1], self._spans[a][0] if a < b else 0, a, b)
+        losses = parts[-1][-3:]
+        losses.zero_()
+        scratch = None
+        for i, batch in enumerate(micro):
+            if i == 1:
+                scratch = torch.empty(self._numel, dtype=torch.float32, device=self.torch_device)
+                scratch_views = self._views(scratch)
+            self._accumulate(batch, views if scratch is None else scratch_views, losses)
+            if scratch is not None:
+                for g, s in zip(views, scratch_views):
+                    g.add_(s)
+        return parts
 
     def _bind_data(self, binding, batch: dict, keep: list) -> None:
         torch = self._torch
@@ -257,14 +297,15 @@ class DataParallel:
         if self.device != "cpu":
             self._torch.cuda.current_stream(self.torch_device).synchronize()
 
-    def _views(self, buffer) -> list:
-        """OrtValues over buffer's spans, one per gradient, in the gradients' shapes."""
-        return [_dlpack.from_torch(buffer[off:off + n].view(shape))
-                for (off, n), shape in zip(self._spans, self._shapes)]
+    def _views(self, buffer, start: int = 0, first: int = 0, last: int | None = None) -> list:
+        """Views of buffer, one per gradient first..last-1 in the gradients' shapes; buffer
+        starts at flat offset start."""
+        return [buffer[off - start:off - start + n].view(shape)
+                for (off, n), shape in zip(self._spans[first:last], self._shapes[first:last])]
 
-    def _accumulate(self, batch: dict, flat, scratch) -> None:
-        """Runs the gradient graph on batch; its gradients go into flat (scratch None) or are
-        added to flat through scratch."""
+    def _accumulate(self, batch: dict, grads: list, losses) -> None:
+        """Runs the gradient graph on batch; its gradients go into grads (torch views, one per
+        parameter), its losses are added to losses."""
         b = self.grad_session.io_binding()
         keep: list = []
         self._bind_data(b, batch, keep)
@@ -274,32 +315,30 @@ class DataParallel:
             b.bind_ortvalue_input(self._scale_input, self._state[self._scale_input])
         for name in self.losses:
             b.bind_output(name, self.device, self.device_id)
-        grads = self._views(flat if scratch is None else scratch)
-        for name, g in zip(self.grad_names, grads):
+        outputs = [_dlpack.from_torch(g) for g in grads]  # alive until the run is done
+        for name, g in zip(self.grad_names, outputs):
             b.bind_ortvalue_output(name, g)
         self._sync_torch()
         self.grad_session.run_with_iobinding(b)
         b.synchronize_outputs()
         outs = b.get_outputs()
-        if scratch is not None:
-            flat[:self._numel].add_(scratch)
         for j, v in enumerate(outs[:3]):
-            flat[self._numel + j].add_(_dlpack.to_torch(v).reshape(()).to(flat.dtype))
-        del keep, grads
+            losses[j].add_(_dlpack.to_torch(v).reshape(()).to(losses.dtype))
+        del keep, outputs
 
-    def _update(self, flat, lr) -> bool:
-        """Runs the update graph; True when it skipped the step (fp16, an inf/NaN gradient)."""
+    def _update(self, grads: list, lr, feeds: dict | None = None) -> bool:
+        """Runs the update graph on grads ((name, OrtValue) pairs) and feeds (name -> host
+        array); True when it skipped the step (fp16, an inf/NaN gradient)."""
         b = self.update_session.io_binding()
-        grads = self._views(flat)
-        for name, _ in self.state_names:
+        for name, _ in self._updated:
             b.bind_ortvalue_input(name, self._state[name])
-        for name, g in zip(self.grad_names, grads):
+        for name, g in grads:
             b.bind_ortvalue_input(name, g)
+        for name, value in (feeds or {}).items():
+            b.bind_cpu_input(name, value)
         if lr is not None:
-            if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating, np.integer)):
-                raise TypeError(f"lr must be a number, not {type(lr).__name__}")
             b.bind_ortvalue_input(self.lr_input, ort.OrtValue.ortvalue_from_numpy(np.array(lr, np.float32)))
-        _state.bind_next(b, self.state_names, self._state, self._in_place, self.device, self.device_id)
+        _state.bind_next(b, self._updated, self._state, self._in_place, self.device, self.device_id)
         if self.skip_output:
             b.bind_output(self.skip_output, "cpu")
         self._sync_torch()
@@ -312,11 +351,10 @@ class DataParallel:
         b.synchronize_outputs()
         values = b.get_outputs()
         b.clear_binding_inputs()
-        _state.take_next(self.state_names, self._state, self._in_place, values)
-        del grads
+        _state.take_next(self._updated, self._state, self._in_place, values)
         if not self.skip_output:
             return False
-        return bool(np.asarray(values[len(self.state_names)].numpy()).reshape(-1)[0])
+        return bool(np.asarray(values[len(self._updated)].numpy()).reshape(-1)[0])
 
     # --- state ---------------------------------------------------------------------------
 
@@ -330,9 +368,10 @@ class DataParallel:
         return _state.host(self._state[name])
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Parameters, optimizer moments and the step count, copied to host (state input names)."""
+        """Parameters, optimizer moments and the step count, copied to host (state input names).
+        Sharded: this rank's state (every parameter, the moments of its shard)."""
         self._check_usable()
-        return {n: self._state_host(n) for n, _ in self.state_names}
+        return {n: self._state_host(n) for n, _ in self._held}
 
     def parameters(self) -> dict[str, np.ndarray]:
         """The trained parameters, copied to host."""
@@ -345,7 +384,7 @@ class DataParallel:
         self._load(state, copy=True)
 
     def _load(self, state: dict, copy: bool) -> None:
-        names = [n for n, _ in self.state_names]
+        names = [n for n, _ in self._held]
         _state.check_state(names, self._state, state)
         _state.replace_state(names, self._state, state, self.device, self.device_id, copy=copy)
         self._broken = None
@@ -360,13 +399,19 @@ class DataParallel:
 
     def save_state(self, path) -> Path:
         """Write the state (parameters, optimizer moments, step count) as a safetensors file.
-        Call it on every rank: rank 0 writes (all ranks hold the same state), the others wait."""
+        Call it on every rank: rank 0 writes (all ranks hold the same state), the others wait.
+        Sharded: each rank writes its shard beside path (``NAME.shard<r>of<R>.safetensors``) and
+        path is their index; it loads with any number of ranks (>= 2) and the same shard mode."""
         path = Path(os.fspath(path))
+        meta = {"format": CHECKPOINT_FORMAT, "shard": self.shard,
+                "parameters": json.dumps(self.parameter_names),
+                "optimizer": json.dumps(self.metadata.get("optimizer")),
+                "steps": str(self._steps)}
+        if self._sharded:
+            self._check_usable()
+            self._sharded.save(path, meta)
+            return path
         if self.rank == 0:
-            meta = {"format": CHECKPOINT_FORMAT,
-                    "parameters": json.dumps(self.parameter_names),
-                    "optimizer": json.dumps(self.metadata.get("optimizer")),
-                    "steps": str(self._steps)}
             self._check_usable()
             # straight from the state's memory on CPU, one tensor at a time off a GPU
             _safetensors.save(path, {n: _state.host_bytes(self._state[n]) for n, _ in self.state_names},
@@ -376,9 +421,15 @@ class DataParallel:
 
     def load_state(self, path) -> None:
         """Load a save_state() file on every rank (it must be readable from each)."""
-        tensors, meta = _safetensors.load(path)
+        path = Path(os.fspath(path))
+        _, meta = _safetensors.load(path, names=())
         if meta.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: not a DataParallel checkpoint (format {meta.get('format')!r})")
+        mode = meta.get("shard", "none")
+        if mode != self.shard:
+            raise ValueError(f"{path}: a checkpoint of shard={mode!r} training; load it with "
+                             f"DataParallel(..., shard={mode!r}), not shard={self.shard!r}")
+        tensors = self._sharded.load(path, meta) if self._sharded else _safetensors.load(path)[0]
         self._load(tensors, copy=False)  # the arrays are fresh: the state may keep them
 
     def save_inference_model(self, original_model, out, strict: bool = True,
@@ -428,4 +479,4 @@ class DataParallel:
     def __repr__(self) -> str:
         return (f"DataParallel({str(self.grad_path)!r}, rank {self.rank}/{self.world_size}, "
                 f"device={self.device}:{self.device_id}, accumulation_steps="
-                f"{self.accumulation_steps}, steps_taken={self._steps})")
+                f"{self.accumulation_steps}, shard={self.shard!r}, steps_taken={self._steps})")

@@ -32,7 +32,9 @@
 # CPU process that averages both shards' gradients itself: losses and final parameters within 1e-4
 # (relative; lm_flat's k.bias, whose exact gradient is zero, left out), the resumed run
 # bit-identical. Report OUT/gpu-check-dp.json (+ gpu-check-dp.log). `--dp --cpu`: the same with
-# gloo and the CPU provider, on any machine (a dry run of the script).
+# gloo and the CPU provider, on any machine (a dry run of the script). Run three times: unsharded,
+# then --shard optimizer and --shard gradients (ZeRO stage 1 / 2: per-shard updates, NCCL reduces
+# and per-tensor broadcasts), each against the same reference (gpu-check-dp-<shard>.json).
 # --precision (mixed-precision step graphs, scripts/gpu/gpu_check_precision.py): `ntl-patch step
 # --precision fp32|fp16|bf16` on gpt2_ts and llama_ts, 20 AdamW steps with StepRunner on
 # CUDAExecutionProvider against torch on the same GPU (autocast + GradScaler for fp16, autocast
@@ -223,8 +225,13 @@ if [[ "${1:-}" == "--dp" ]]; then
   fi
   ensure_venv "$dp_venv" "${dp_pkgs[@]}"
   find_bin
-  exec "$dp_venv/bin/python" "$root/scripts/gpu/gpu_check_dp.py" --bin "$bin" \
-    --out "${OUT:-$root/target/gpu-check}" ${dp_args[@]+"${dp_args[@]}"}
+  # unsharded, then ZeRO stage 1 and 2 (DataParallel shard=...): each against the same reference
+  status=0
+  for shard in none optimizer gradients; do
+    "$dp_venv/bin/python" "$root/scripts/gpu/gpu_check_dp.py" --bin "$bin" --shard "$shard" \
+      --out "${OUT:-$root/target/gpu-check}" ${dp_args[@]+"${dp_args[@]}"} || { rc=$?; if (( rc > status )); then status=$rc; fi; }
+  done
+  exit "$status"
 fi
 
 # -- mixed-precision step graphs against torch autocast (--precision)

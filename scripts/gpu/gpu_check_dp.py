@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GPU check of ntl_patch.DataParallel: 2 processes, one GPU each, NCCL (scripts/gpu/gpu-check.sh --dp).
 
-    gpu_check_dp.py --bin NTL_PATCH --out DIR [--steps 10] [--cpu]
+    gpu_check_dp.py --bin NTL_PATCH --out DIR [--steps 10] [--cpu] [--shard none|optimizer|gradients]
 
 1. `ntl-patch step fixtures/models/lm_flat.onnx --split --max-grad-norm 0.5` (AdamW, lr 1e-3);
 2. `torchrun --standalone --nproc-per-node 2 gpu_check_dp.py --worker ...`: each rank trains its
@@ -15,7 +15,10 @@
    turns round-off there into +-lr steps that differ between devices); resumed run bit-identical
    to the uninterrupted one on the GPUs.
 --cpu: the same with gloo and the CPU provider (a dry run of this script on any machine).
-Report: OUT/gpu-check-dp.json. Exit 0 pass, 1 a comparison failed, 2 the run could not happen.
+--shard optimizer|gradients: DataParallel(shard=...) (ZeRO stage 1 / 2: each rank updates its
+shard of the parameters, the NCCL reduce / all-reduce and per-tensor broadcasts on the GPUs);
+the same reference and criteria.
+Report: OUT/gpu-check-dp.json (OUT/gpu-check-dp-<shard>.json for a sharded run). Exit 0 pass, 1 a comparison failed, 2 the run could not happen.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ def worker(args) -> None:
     so.log_severity_level = 3
 
     def trainer():
-        dp = DataParallel(args.grad, providers=providers, session_options=so)
+        dp = DataParallel(args.grad, providers=providers, session_options=so, shard=args.shard)
         used = dp.grad_session.get_providers()[0]
         if not args.cpu and (used != "CUDAExecutionProvider" or dp.device != "cuda"):
             raise SystemExit(f"rank {rank}: onnxruntime runs on {used}, not CUDA")
@@ -95,7 +98,7 @@ def worker(args) -> None:
     for s in range(steps // 2, steps):
         dp2.step({"input_ids": z[f"x/{s}/{rank}"], "labels": z[f"y/{s}/{rank}"]})
     resumed = dp2.parameters()
-    info = {"rank": rank, "world": dp.world_size, "device": f"{dp.device}:{dp.device_id}",
+    info = {"rank": rank, "world": dp.world_size, "shard": dp.shard, "device": f"{dp.device}:{dp.device_id}",
             "providers": dp.grad_session.get_providers(), "torch": torch.__version__, "ort": ort.__version__}
     infos = [None] * dp.world_size
     dist.all_gather_object(infos, info)
@@ -141,6 +144,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rtol", type=float, default=1e-4)
     ap.add_argument("--cpu", action="store_true", help="gloo + CPU provider (dry run without GPUs)")
+    ap.add_argument("--shard", choices=("none", "optimizer", "gradients"), default="none")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--grad", help=argparse.SUPPRESS)
     ap.add_argument("--batches", help=argparse.SUPPRESS)
@@ -164,14 +168,16 @@ def main() -> int:
            __file__, "--worker", "--grad", str(grad), "--batches", str(work / "batches.npz"), "--out", str(work)]
     if args.cpu:
         cmd.append("--cpu")
+    cmd += ["--shard", args.shard]
+    name = "gpu-check-dp" if args.shard == "none" else f"gpu-check-dp-{args.shard}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if not args.cpu:
         env.setdefault("NCCL_DEBUG", "WARN")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    (report_dir / "gpu-check-dp.log").write_text(p.stdout + p.stderr)
+    (report_dir / f"{name}.log").write_text(p.stdout + p.stderr)
     if p.returncode != 0:
         print(f"gpu-check-dp: torchrun exited {p.returncode}; last lines (full log "
-              f"{report_dir / 'gpu-check-dp.log'}):\n{(p.stdout + p.stderr)[-4000:]}", file=sys.stderr)
+              f"{report_dir / f'{name}.log'}):\n{(p.stdout + p.stderr)[-4000:]}", file=sys.stderr)
         return 2
     got = np.load(work / "dp.npz")
     ref_losses, ref = reference(grad, z)
@@ -183,12 +189,12 @@ def main() -> int:
     bitwise = all(np.array_equal(got[f"full/{p}"], got[f"resumed/{p}"]) for p in ref)
     worst = max(errs, key=errs.get)
     ok = loss_err <= args.rtol and errs[worst] <= args.rtol and bitwise
-    report = {"mode": "cpu-gloo" if args.cpu else "cuda-nccl", "steps": args.steps, "rtol": args.rtol,
+    report = {"mode": "cpu-gloo" if args.cpu else "cuda-nccl", "shard": args.shard, "steps": args.steps, "rtol": args.rtol,
               "ranks": json.loads((work / "ranks.json").read_text()), "loss_max_rel_err": loss_err,
               "param_worst": worst, "param_worst_norm_rel_err": errs[worst], "param_errors": errs,
               "left_out": sorted(ZERO_GRAD), "resume_bit_identical": bitwise, "passed": ok}
-    (report_dir / "gpu-check-dp.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(f"gpu-check-dp ({report['mode']}, ranks on {[i['device'] for i in report['ranks']]}): losses "
+    (report_dir / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(f"{name} ({report['mode']}, ranks on {[i['device'] for i in report['ranks']]}): losses "
           f"{loss_err:.2e}, worst parameter {worst} {errs[worst]:.2e} (rtol {args.rtol:g}), resume "
           f"bit-identical: {bitwise} -> {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1

@@ -39,10 +39,10 @@ def main() -> None:
     dp = DataParallel(grad, providers=["CPUExecutionProvider"], session_options=so)
     accumulate, at = dp._accumulate, {"step": 0}
 
-    def poisoned(batch, flat, *rest):
-        accumulate(batch, flat, *rest)
+    def poisoned(batch, grads, losses):
+        accumulate(batch, grads, losses)
         if rank == 1 and at["step"] == INF_STEP:
-            flat[0] = float("inf")
+            grads[0].view(-1)[0] = float("inf")
     dp._accumulate = poisoned
     rng = np.random.default_rng(rank)
     rows = []

@@ -82,7 +82,8 @@ class Logits(torch.nn.Module):
         return self.lm.logits(input_ids)
 
 
-def run_ddp(z, rank, steps, k, opt_meta):
+def run_ddp(z, rank, steps, k, opt_meta, zero=False):
+    """zero: torch's ZeroRedundancyOptimizer (ZeRO stage 1) around the same AdamW."""
     import ntl_torch
     import tiny_lm
     from tiny_lm import VOCAB
@@ -92,8 +93,14 @@ def run_ddp(z, rank, steps, k, opt_meta):
     lm.train()
     model = torch.nn.parallel.DistributedDataParallel(Logits(lm))
     params = dict(lm.named_parameters())
-    opt = torch.optim.AdamW(params.values(), lr=opt_meta["lr"], betas=(opt_meta["beta1"], opt_meta["beta2"]),
-                            eps=opt_meta["eps"], weight_decay=opt_meta["weight_decay"], foreach=False)
+    hyper = dict(lr=opt_meta["lr"], betas=(opt_meta["beta1"], opt_meta["beta2"]), eps=opt_meta["eps"],
+                 weight_decay=opt_meta["weight_decay"], foreach=False)
+    if zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(list(params.values()), optimizer_class=torch.optim.AdamW, **hyper)
+    else:
+        opt = torch.optim.AdamW(params.values(), **hyper)
     obj = ntl_torch.ntloss_object("wasserstein")
     losses, clipped = [], 0
     for s in range(steps):

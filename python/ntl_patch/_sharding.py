@@ -1,0 +1,238 @@
+"""ZeRO stage 1 and 2 for DataParallel: the optimizer state split over the ranks (``shard=
+"optimizer"``), and with ``shard="gradients"`` the reduced gradient too.
+
+The trained parameters, in the graphs' order, are cut into R contiguous runs of whole tensors
+(``partition``: each cut at the tensor edge nearest to r/R of the elements), so a rank's gradient
+is one slice of the flat gradient buffer. Each rank runs the update graph cut at load time to its
+own shard (``_onnx_wire.cut_graph``): it reads and writes only its parameters, their moments and
+the shared scalars (step count, loss scale and its tracker), each written in place as before. The
+moments of other shards never exist on a rank, not even their initial zeros: the initial state is
+read tensor by tensor, and only the rank's own. The update graph's two global decisions become
+inputs of the cut graph, computed from one all-reduce of Σ‖g‖² over the shards: the squared
+clipping norm (``ntl/opt/grad_norm_sq``) and fp16's overflow flag (``ntl/amp/found_inf``), so every
+rank clips by the global norm and skips the same steps. Then each owner broadcasts its updated
+parameters, tensor by tensor into the other ranks' parameter memory (no staging buffer; gloo has
+no all-gather of unequal sizes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from . import _dlpack, _onnx_wire, _safetensors, _state
+
+MODES = ("none", "optimizer", "gradients")
+# the update graph's tensors that read every gradient (src/passes/step/optimizer.rs, loss_scale.rs)
+NORM_SQ = ("Sum", re.compile(r"ntl/opt/grad_norm_sq(_\d+)?"))
+FOUND_INF = ("Or", re.compile(r"ntl/amp/found_inf(_\d+)?"))
+FLOAT, BOOL = 1, 9
+
+
+def check_mode(mode, world_size: int) -> str:
+    if mode not in MODES:
+        raise ValueError(f"shard must be 'none', 'optimizer' or 'gradients', not {mode!r}")
+    if mode != "none" and world_size < 2:
+        raise ValueError(f"shard={mode!r} splits the optimizer state over the ranks and needs at "
+                         f"least 2 (world size {world_size}): start with `torchrun "
+                         f"--nproc-per-node N` (N >= 2), or use shard='none'")
+    return mode
+
+
+def partition(sizes: list[int], ranks: int) -> list[int]:
+    """Boundaries b (b[0] = 0, b[ranks] = len(sizes)): rank r owns tensors b[r]..b[r+1]-1. Each
+    cut is the tensor edge nearest to r/ranks of the elements (the earlier edge on a tie), so
+    the same sizes and ranks always give the same shards."""
+    prefix = np.cumsum([0, *sizes], dtype=np.int64)
+    bounds = [0]
+    for r in range(1, ranks):
+        target = prefix[-1] * r / ranks
+        edges = range(bounds[-1], len(sizes) + 1)
+        bounds.append(min(edges, key=lambda i: (abs(prefix[i] - target), i)))
+    return bounds + [len(sizes)]
+
+
+def state_owners(state_names, parameters) -> dict:
+    """state input -> the parameter it belongs to (the parameter itself, or one of its moments,
+    ``ntl/state/<param>/<slot>``, listed after it); None for the shared scalars."""
+    params, owner, current = set(parameters), {}, None
+    for name, _ in state_names:
+        if name in params:
+            current = name
+            owner[name] = name
+        else:
+            owner[name] = current if current and name.startswith(f"ntl/state/{current}/") else None
+    return owner
+
+
+def shard_file(path: Path, rank: int, world: int) -> Path:
+    return path.with_name(f"{path.stem}.shard{rank}of{world}{path.suffix}")
+
+
+def _find_output(nodes, spec) -> str:
+    op, pattern = spec
+    found = [n.outputs[0] for n in nodes if n.op_type == op and n.outputs
+             and pattern.fullmatch(n.outputs[0])]
+    if len(found) != 1:
+        raise ValueError(f"the update graph has {len(found)} {op} nodes writing "
+                         f"{pattern.pattern}, expected one: write it again with this version's "
+                         f"`ntl-patch step --split`")
+    return found[0]
+
+
+class Sharded:
+    """One rank's shard of the update: which state it holds and updates, its cut update graph,
+    the step's reduction, update and broadcast, and checkpoints of its shard."""
+
+    def __init__(self, dp, mode: str):
+        self.dp, self.mode = dp, mode
+        params = dp.parameter_names
+        self.bounds = partition([n for _, n in dp._spans], dp.world_size)
+        self.shards = [params[a:b] for a, b in zip(self.bounds, self.bounds[1:])]
+        self.rank_of = {p: r for r, shard in enumerate(self.shards) for p in shard}
+        own = set(self.shards[dp.rank])
+        owner = state_owners(dp.state_names, params)
+        self.owner = owner
+        # every rank holds every parameter (the gradient graph reads them); moments: its own only
+        self.held = [(i, o) for i, o in dp.state_names
+                     if owner[i] is None or owner[i] == i or owner[i] in own]
+        self.updated = [(i, o) for i, o in dp.state_names if owner[i] is None or owner[i] in own]
+        first, last = self.bounds[dp.rank], self.bounds[dp.rank + 1]
+        self.lo = dp._spans[first][0] if first < len(params) else dp._numel
+        self.hi = self.lo + sum(n for _, n in dp._spans[first:last])
+        self.own_grads = dp.grad_names[first:last]
+        self.own_spans = [(off - self.lo, n) for off, n in dp._spans[first:last]]
+        self.own_shapes = dp._shapes[first:last]
+        self.norm_input = self.found_input = None
+
+    # --- the cut update graph ----------------------------------------------------------------
+
+    def session(self, session_options, providers) -> ort.InferenceSession:
+        """The update graph without any state initializer, cut to this rank's outputs."""
+        dp = self.dp
+        model = _onnx_wire.session_model(dp.update_path, [i for i, _ in dp.state_names])
+        nodes = _onnx_wire.nodes(model)
+        feeds = {}
+        if (dp.metadata.get("optimizer") or {}).get("max_grad_norm") is not None:
+            self.norm_input = _find_output(nodes, NORM_SQ)
+            feeds[self.norm_input] = FLOAT
+        if dp.skip_output:
+            self.found_input = _find_output(nodes, FOUND_INF)
+            feeds[self.found_input] = BOOL
+        outputs = [o for _, o in self.updated] + ([dp.skip_output] if dp.skip_output else [])
+        model = _onnx_wire.cut_graph(model, outputs, feeds)
+        so = session_options if session_options is not None else _state.default_session_options()
+        return ort.InferenceSession(model, sess_options=so, providers=providers)
+
+    # --- one step ----------------------------------------------------------------------------
+
+    def _global_rank(self, r: int) -> int:
+        group = self.dp.group
+        return r if group is None else self.dp._dist.get_global_rank(group, r)
+
+    def _reduce(self, micro):
+        """This rank's slice of the summed gradient of micro, and the summed losses (a list)."""
+        dp, dist = self.dp, self.dp._dist
+        if self.mode == "optimizer":  # one all-reduce; the full sum lives until the update ran
+            flat = dp._gradients(micro)[0]
+            dist.all_reduce(flat, group=dp.group)
+            return flat[self.lo:self.hi], flat[dp._numel:].tolist()
+        # gradients: one buffer per shard, each reduced to its owner (a reduce-scatter of
+        # unequal sizes, which gloo has too); then the other shards' buffers are freed
+        parts = dp._gradients(micro, self.bounds)
+        losses = parts[-1][-3:].clone()
+        dist.all_reduce(losses, group=dp.group)
+        for r, part in enumerate(parts):
+            n = part.numel() - (3 if r == len(parts) - 1 else 0)
+            if n:
+                dist.reduce(part[:n], dst=self._global_rank(r), group=dp.group)
+        return parts[dp.rank][:self.hi - self.lo], losses.tolist()
+
+    def _global_feeds(self, views) -> dict:
+        """The update graph's global scalars from Σ‖g‖² over all shards (one all-reduce)."""
+        if self.norm_input is None and self.found_input is None:
+            return {}
+        torch, dp = self.dp._torch, self.dp
+        sq = torch.zeros(1, dtype=torch.float64, device=dp.torch_device)
+        for g in views:  # per tensor in float32, as the graph's ReduceSum, summed in float64
+            sq += torch.dot(g.reshape(-1), g.reshape(-1)).double()
+        dp._dist.all_reduce(sq, group=dp.group)
+        total = float(sq.item())
+        feeds = {}
+        if self.norm_input:  # the norm of the unscaled gradient: fp16's 1/scale is a power of 2
+            inv = 1.0 / dp.loss_scale if dp.loss_scale else 1.0
+            feeds[self.norm_input] = np.array(total * inv * inv, np.float32)
+        if self.found_input:  # an inf/NaN in any shard makes the sum inf/NaN on every rank
+            feeds[self.found_input] = np.array(not math.isfinite(total))
+        return feeds
+
+    def step(self, micro, lr) -> tuple[bool, list[float]]:
+        """Gradients of the micro-batches, reduced; this shard's update; every shard's
+        parameters broadcast by its owner. Returns (skipped, the three mean losses)."""
+        dp = self.dp
+        grad, losses = self._reduce(micro)
+        mean = dp.world_size * dp.accumulation_steps
+        grad.div_(mean)
+        views = [grad[off:off + m].view(shape) for (off, m), shape in zip(self.own_spans, self.own_shapes)]
+        feeds = self._global_feeds(views)
+        grads = [(name, _dlpack.from_torch(v)) for name, v in zip(self.own_grads, views)]
+        skipped = dp._update(grads, lr, feeds)
+        del grads, views, grad  # the gradient buffer is freed before the broadcasts
+        if not skipped:
+            self._broadcast()
+        return skipped, [x / mean for x in losses]
+
+    def _broadcast(self) -> None:
+        dp = self.dp
+        for p in dp.parameter_names:
+            dp._dist.broadcast(_dlpack.to_torch(dp._state[p]), src=self._global_rank(self.rank_of[p]),
+                               group=dp.group)
+
+    # --- checkpoints -------------------------------------------------------------------------
+
+    def metadata(self) -> dict:
+        return {"shard": self.mode, "world_size": str(self.dp.world_size),
+                "partition": json.dumps(self.shards)}
+
+    def save(self, path: Path, meta: dict) -> None:
+        """Each rank writes its shard (its parameters, their moments and the shared scalars) to
+        shard_file(path); rank 0 then writes path, an index of the shard files."""
+        dp = self.dp
+        R = dp.world_size
+        meta = {**meta, **self.metadata()}
+        _safetensors.save(shard_file(path, dp.rank, R),
+                          {n: _state.host_bytes(dp._state[n]) for n, _ in self.updated},
+                          {**meta, "rank": str(dp.rank)})
+        dp._barrier()
+        if dp.rank == 0:  # the index last: it exists only when every shard does
+            files = [shard_file(path, r, R).name for r in range(R)]
+            _safetensors.save(path, {}, {**meta, "files": json.dumps(files)})
+        dp._barrier()
+
+    def load(self, path: Path, meta: dict) -> dict:
+        """The state this rank holds, read from the shard files of the index at path: any number
+        of ranks wrote them (the tensors are found by name), and only this rank's moments and
+        every parameter are read."""
+        try:
+            files = [path.with_name(f) for f in json.loads(meta["files"])]
+            shards = json.loads(meta["partition"])
+        except (KeyError, ValueError):
+            raise ValueError(f"{path}: a sharded checkpoint index without its shard files") from None
+        where = {p: r for r, shard in enumerate(shards) for p in shard}
+        wanted: dict[int, set] = {}
+        for name, _ in self.held:
+            owner = self.owner[name]
+            wanted.setdefault(where.get(owner, 0) if owner else 0, set()).add(name)
+        state: dict = {}
+        for r, names in sorted(wanted.items()):
+            if r >= len(files):
+                raise ValueError(f"{path}: the index lists {len(files)} shard files for "
+                                 f"{len(shards)} shards")
+            tensors, _ = _safetensors.load(files[r], names=names)
+            state.update(tensors)
+        return state
