@@ -1,6 +1,6 @@
 """One rank of tests/python/test_lora.py's two-rank check, started by `torchrun --nproc-per-node 2`.
 
-    torchrun --standalone --nproc-per-node 2 dp_lora_worker.py GRAD_GRAPH BATCHES.npz OUT_DIR
+    torchrun --standalone --nproc-per-node 2 dp_lora_worker.py GRAD_GRAPH BATCHES.npz OUT_DIR [SHARD]
 
 Every rank trains the LoRA `--split` graphs with ntl_patch.DataParallel (gloo, CPU) on its own
 shards x/<step>/<rank>, y/<step>/<rank> for `steps` steps, then calls save_adapter(OUT_DIR/adapter)
@@ -27,12 +27,13 @@ from ntl_patch import DataParallel  # noqa: E402
 
 def main() -> None:
     grad, batches, out = (Path(a) for a in sys.argv[1:4])
+    shard = sys.argv[4] if len(sys.argv) > 4 else "none"
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.intra_op_num_threads = 1
-    dp = DataParallel(grad, providers=["CPUExecutionProvider"], session_options=so)
+    dp = DataParallel(grad, providers=["CPUExecutionProvider"], session_options=so, shard=shard)
     assert dp.world_size == 2 and dp.rank == rank
     z = np.load(batches)
     losses = [dp.step({"input_ids": z[f"x/{s}/{rank}"], "labels": z[f"y/{s}/{rank}"]})

@@ -906,10 +906,12 @@ def test_data_parallel_saves_the_same_adapter(trained, tmp_path):
         assert norm_rel(ta[k], tb[k].astype(np.float64), 1e-6) <= 1e-6, k
 
 
-def test_data_parallel_two_ranks_train_only_the_adapters(tmp_path):
+@pytest.mark.parametrize("shard", ["none", "gradients"])
+def test_data_parallel_two_ranks_train_only_the_adapters(shard, tmp_path):
     """Two gloo ranks (torchrun) on the tiny LM's LoRA --split graphs: the all-reduced gradient
     buffer holds A and B only; 5 steps equal torch + PEFT (float64) on the mean of the two
-    shards' losses (DDP's mean of per-rank means); rank 0 writes the adapter."""
+    shards' losses (DDP's mean of per-rank means); rank 0 writes the adapter. Also with the
+    adapters' optimizer state and gradients sharded over the ranks (ZeRO-2)."""
     import os
 
     case = "tiny"
@@ -926,7 +928,7 @@ def test_data_parallel_two_ranks_train_only_the_adapters(tmp_path):
     torchrun = Path(sys.executable).parent / "torchrun"
     p = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2",
                         str(Path(__file__).parent / "dp_lora_worker.py"), str(grad),
-                        str(tmp_path / "batches.npz"), str(tmp_path)],
+                        str(tmp_path / "batches.npz"), str(tmp_path), shard],
                        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, f"torchrun exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     res = np.load(tmp_path / "result.npz")
