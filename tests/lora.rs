@@ -376,6 +376,18 @@ fn lora_refusals_are_one_line_and_write_nothing() {
     fails(
         Some("step"),
         &llama,
+        &["--lora-r", "86"],
+        "--lora-r 86 makes the adapter of 'model.layers.0.self_attn.v_proj' (32 -> 16) over 8x the size of its weight; use --lora-r 85 or less",
+    );
+    fails(
+        Some("step"),
+        &llama,
+        &["--lora-r", "99999999999"],
+        "--lora-r must be",
+    );
+    fails(
+        Some("step"),
+        &llama,
         &["--lora-r", "-2"],
         "--lora-r must be",
     );

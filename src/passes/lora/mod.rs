@@ -38,6 +38,9 @@ pub struct LoraOptions {
 /// times a layer's width cannot overflow.
 const MAX_R: i64 = 1 << 20;
 
+/// An adapter (`r·(in + out)` values) may be at most this many times its weight (`in·out`).
+const MAX_ADAPTER_RATIO: i64 = 8;
+
 impl LoraOptions {
     pub fn scaling(&self) -> f64 {
         if self.use_rslora {
@@ -238,6 +241,21 @@ pub fn insert(model: &mut ModelProto, o: &LoraOptions) -> Result<Adapted, Error>
         .into_iter()
         .filter(|l| targets.iter().any(|t| l.matches(t)))
         .collect();
+    // PEFT allows a rank past a layer's sides (the tests use r 64 on 16-wide layers); the
+    // adapters' memory stays bounded by the weights' all the same
+    let largest = |l: &Linear| {
+        MAX_ADAPTER_RATIO * l.in_features * l.out_features / (l.in_features + l.out_features)
+    };
+    if let Some(l) = chosen.iter().find(|l| o.r > largest(l)) {
+        return Err(Error::Usage(format!(
+            "--lora-r {} makes the adapter of '{}' ({} -> {}) over {MAX_ADAPTER_RATIO}x the size of its weight; use --lora-r {} or less",
+            o.r,
+            l.key(),
+            l.in_features,
+            l.out_features,
+            largest(l)
+        )));
+    }
     let mut b = Builder::new(PREFIX, opset, index.taken_names());
     let consumers: BTreeMap<String, Vec<usize>> = layers_outputs(&index, &chosen);
     drop(index);
