@@ -72,7 +72,8 @@ def _torchrun(d: Path, ranks: int, *extra) -> dict:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     d = tmp_path_factory.mktemp("shard")
-    _step_graph(d / "lm.grad.onnx")
+    # the float32 graphs with the fused LM head (chunks of 3 positions), the fp16 ones dense
+    _step_graph(d / "lm.grad.onnx", "--fused-head", "on", "--head-chunk-tokens", "3")
     (d / "amp").mkdir()
     _step_graph(d / "amp" / "lm.grad.onnx", "--precision", "fp16")
     np.savez(d / "batches.npz", **_batches(3))
