@@ -2,7 +2,8 @@
 
 Two torchrun launches of dp_shard_worker.py (2 ranks, then 3), each running every shard mode on
 lm_flat's split graphs (AdamW, --max-grad-norm at a threshold that clips some steps and not
-others) and its fp16 split graphs (also clipped). Checked:
+others; the fused LM head over chunks of 3 positions) and its fp16 split graphs (also clipped,
+dense head). Checked:
   - sharded equals unsharded DataParallel: losses and final parameters within 1e-6, 10 steps,
     and with 2-micro-batch accumulation; parameters bit-identical on every rank;
   - fp16: an inf in rank 0's shard, put there by the last rank, skips that step on every rank
