@@ -121,6 +121,7 @@ fn weight_read<'g>(
 fn linear_of(
     index: &GraphIndex,
     inits: &HashSet<&str>,
+    gathered: &HashSet<&str>,
     i: usize,
     node: &NodeProto,
 ) -> Option<Linear> {
@@ -148,9 +149,18 @@ fn linear_of(
         Layout::OutIn => (t.dims[1], t.dims[0]),
         Layout::InOut => (t.dims[0], t.dims[1]),
     };
-    let module = module_of_scope(node.name())
-        .map(|m| (m, PathSource::NodeScope))
-        .or_else(|| module_of_weight(t.name()).map(|m| (m, PathSource::WeightName)));
+    // The weight's name is the module's own path; TorchScript's scope lists only the modules
+    // whose forward ran (OPT's causal LM calls its decoder directly: `decoder.layers.0...`
+    // for `model.decoder.layers.0...`), so it is the fallback — and the only name a tied head
+    // has, whose weight is the embedding's.
+    let scope = || module_of_scope(node.name()).map(|m| (m, PathSource::NodeScope));
+    let module = if gathered.contains(t.name()) {
+        scope()
+    } else {
+        module_of_weight(t.name())
+            .map(|m| (m, PathSource::WeightName))
+            .or_else(scope)
+    };
     Some(Linear {
         node: i,
         weight: t.name().to_string(),
@@ -178,11 +188,8 @@ pub fn linear_layers(index: &GraphIndex) -> Vec<Linear> {
         .node
         .iter()
         .enumerate()
-        .filter_map(|(i, n)| linear_of(index, &inits, i, n))
-        .filter(|l| {
-            !gathered.contains(l.weight.as_str())
-                || matches!(l.module, Some((_, PathSource::NodeScope)))
-        })
+        .filter_map(|(i, n)| linear_of(index, &inits, &gathered, i, n))
+        .filter(|l| !gathered.contains(l.weight.as_str()) || l.module.is_some())
         .collect()
 }
 
