@@ -18,9 +18,9 @@
 //!
 //! Measured with onnxruntime 1.19 and 1.31 (`ORT_ENABLE_ALL`, tests/python/test_lora_half.py):
 //! a Cast (or CastLike) of a constant half initializer is folded into a float32 initializer
-//! whatever reads it, so the kept weights are also declared graph inputs (initializers with
-//! a default value, which onnxruntime never folds: `declare_inputs`); then one Cast per
-//! reading node survives its optimiser.
+//! whatever reads it, so frozen weights are also declared graph inputs (initializers with a
+//! default value, which onnxruntime never folds: `declare_frozen` in `mod.rs`); then one Cast
+//! per reading node survives its optimiser.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
@@ -206,23 +206,6 @@ fn drop_unread_casts(graph: &mut GraphProto, set: &mut WidenedSet) {
         !(n.op_type() == "Cast" && n.output.len() == 1 && unread.contains(&n.output[0]))
     });
     set.by_wide.retain(|w, _| !unread.contains(w));
-}
-
-/// The kept weights as graph inputs too (their initializers are the default values): a
-/// runtime cannot fold their casts into float32 constants (module doc).
-pub fn declare_inputs(graph: &mut GraphProto, set: &WidenedSet) {
-    let declared: HashSet<String> = graph.input.iter().map(|i| i.name().to_string()).collect();
-    let mut kept: Vec<&crate::onnx::TensorProto> = graph
-        .initializer
-        .iter()
-        .filter(|t| set.kept.contains(t.name()) && !declared.contains(t.name()))
-        .collect();
-    kept.sort_by_key(|t| t.name());
-    let infos: Vec<_> = kept
-        .iter()
-        .map(|t| super::tensor_info(t.name(), t.data_type(), &t.dims))
-        .collect();
-    graph.input.extend(infos);
 }
 
 /// The step graph's widening Casts made per reading node (module doc). Runs last, on the

@@ -709,7 +709,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         let graph = model.graph.as_mut().expect("graph");
         let taken = GraphIndex::new(graph).taken_names();
         frozen_half::cast_per_use(graph, &widened, opset, taken);
-        frozen_half::declare_inputs(graph, &widened);
+        declare_frozen(graph, &frozen);
     }
     if update.is_none() {
         // the parameters are read by the backward pass too: only the optimizer's own state
@@ -824,6 +824,26 @@ fn widen_half_export(
     let keep: std::collections::HashSet<String> = kept.into_iter().map(|(n, _)| n).collect();
     upcast::to_float32(graph, b, &keep)?;
     Ok(widened)
+}
+
+/// Frozen weights (more than one value) as graph inputs too, their initializers the defaults
+/// (nothing to feed). onnxruntime folds what a constant initializer alone computes into new
+/// initializers: the backward's `Transpose` of each frozen weight became a second, transposed
+/// copy of it (2.3x the float initializers of a LoRA step graph after ORT_ENABLE_ALL,
+/// measured), and a half weight's cast a float32 copy. An input is never folded, so those run
+/// per step, each copy freed after its node.
+fn declare_frozen(graph: &mut GraphProto, frozen: &[String]) {
+    let declared: BTreeSet<&str> = graph.input.iter().map(|i| i.name()).collect();
+    let by_name: std::collections::HashMap<&str, &TensorProto> =
+        graph.initializer.iter().map(|t| (t.name(), t)).collect();
+    let infos: Vec<ValueInfoProto> = frozen
+        .iter()
+        .filter(|n| !declared.contains(n.as_str()))
+        .filter_map(|n| by_name.get(n.as_str()))
+        .filter(|t| t.dims.iter().product::<i64>() > 1)
+        .map(|t| tensor_info(t.name(), t.data_type(), &t.dims))
+        .collect();
+    graph.input.extend(infos);
 }
 
 /// The model's own data inputs: graph inputs that are not initializers.
