@@ -1,7 +1,9 @@
 //! Read-only questions about a graph: who produces and consumes a tensor, which names are
 //! taken, and what static shape a tensor has where the graph says so.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashSet;
+
+use super::hash::{map_with_capacity, HashMap};
 
 use super::elem_types::ElemTypes;
 use super::ranks::{self, Ranks};
@@ -15,12 +17,17 @@ pub struct GraphIndex<'g> {
     ranks: std::cell::OnceCell<Ranks>,
     /// Element types followed forward through the whole graph, computed on first use.
     types: std::cell::OnceCell<ElemTypes>,
+    /// What [`GraphIndex::elem_type_backward`] found past each node it walked through: a
+    /// chain of type-keeping nodes is walked once, not once per question.
+    backward_types: std::cell::RefCell<HashMap<usize, Option<i32>>>,
 }
 
 impl<'g> GraphIndex<'g> {
     pub fn new(graph: &'g GraphProto) -> Self {
-        let mut producer = HashMap::new();
-        let mut consumers: HashMap<&str, Vec<usize>> = HashMap::new();
+        // sized once: growing a map of a million names rehashes every one of them several times
+        let tensors = graph.node.iter().map(|n| n.output.len()).sum();
+        let mut producer = map_with_capacity(tensors);
+        let mut consumers: HashMap<&str, Vec<usize>> = map_with_capacity(tensors);
         for (i, node) in graph.node.iter().enumerate() {
             for out in node.output.iter().filter(|o| !o.is_empty()) {
                 producer.insert(out.as_str(), i);
@@ -35,6 +42,7 @@ impl<'g> GraphIndex<'g> {
             consumers,
             ranks: std::cell::OnceCell::new(),
             types: std::cell::OnceCell::new(),
+            backward_types: Default::default(),
         }
     }
 
@@ -61,9 +69,10 @@ impl<'g> GraphIndex<'g> {
 
     /// Every name in use: node names, tensor names (inputs, outputs, initializers, value infos,
     /// node outputs). New names must avoid all of them.
-    pub fn taken_names(&self) -> BTreeSet<String> {
+    /// (A hash set: only ever asked whether it holds a name, never listed, so no order.)
+    pub fn taken_names(&self) -> HashSet<String> {
         let g = self.graph;
-        let mut names = BTreeSet::new();
+        let mut names = HashSet::with_capacity(2 * g.node.len() + g.initializer.len());
         for n in &g.node {
             names.insert(n.name().to_string());
             names.extend(n.output.iter().cloned());
@@ -135,13 +144,26 @@ impl<'g> GraphIndex<'g> {
 
     /// Back through producers that keep their input's type, to a declared type.
     fn elem_type_backward(&self, tensor: &str) -> Option<i32> {
+        // every tensor on the way has the answer of the walk's end
+        let mut walked = Vec::new();
+        let found = self.walk_types_back(tensor, &mut walked);
+        let mut memo = self.backward_types.borrow_mut();
+        memo.extend(walked.into_iter().map(|t| (t, found)));
+        found
+    }
+
+    fn walk_types_back(&self, tensor: &str, walked: &mut Vec<usize>) -> Option<i32> {
         // iterative, and bounded: a chain of type-keeping nodes can be as long as the graph
         let mut tensor = tensor;
         for _ in 0..=self.graph.node.len() {
             if let Some((Some(t), _)) = self.declared_shape(tensor) {
                 return Some(t);
             }
-            let (_, node) = self.producer(tensor)?;
+            let (i, node) = self.producer(tensor)?;
+            if let Some(&found) = self.backward_types.borrow().get(&i) {
+                return found;
+            }
+            walked.push(i);
             let keeps_type = matches!(
                 node.op_type(),
                 "Reshape"
