@@ -213,7 +213,10 @@ impl TempFile {
 /// `dest` (see [`TempFile::persist`]). The name is registered while it exists.
 fn replace_with(file: &File, dest: &Path) -> std::io::Result<()> {
     use rand::distributions::{Alphanumeric, DistString};
-    let dir = crate::io::model_io::model_dir(dest);
+    let dir = match dest.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
     for _ in 0..100 {
         let name = format!(
             "{PREFIX}{}{SUFFIX}",
