@@ -354,3 +354,33 @@ fn static_rank_at(index: &GraphIndex, tensor: &str, depth: usize) -> Option<usiz
         _ => None,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The element type of every tensor of a long Identity chain, asked one by one, costs one
+    /// walk in all: each walk back stops where an earlier one passed (quadratic before).
+    #[test]
+    fn element_types_along_a_chain_are_walked_once() {
+        let n = 20_000;
+        let graph = GraphProto {
+            node: (0..n)
+                .map(|i| NodeProto {
+                    op_type: Some("Identity".into()),
+                    input: vec![if i == 0 { "x".into() } else { format!("t{}", i - 1) }],
+                    output: vec![format!("t{i}")],
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        };
+        let index = GraphIndex::new(&graph);
+        let started = std::time::Instant::now();
+        for i in (0..n).rev() {
+            assert_eq!(index.elem_type_backward(&format!("t{i}")), None);
+        }
+        let took = started.elapsed();
+        assert!(took < std::time::Duration::from_secs(5), "{took:?}");
+    }
+}
