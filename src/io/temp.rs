@@ -116,7 +116,14 @@ impl TempFile {
     pub fn new_in(dir: &Path) -> std::io::Result<TempFile> {
         crate::io::fsio::check_writable_folder(dir)?;
         sweep_stale(dir);
-        match unnamed::create_in(dir) {
+        // without /proc an unnamed file may not be linkable later (AT_EMPTY_PATH needs a
+        // capability): a named one then
+        let linkable = Path::new("/proc/self/fd").is_dir();
+        match unnamed::create_in(dir).and_then(|f| {
+            linkable
+                .then_some(f)
+                .ok_or_else(|| std::io::ErrorKind::Unsupported.into())
+        }) {
             Ok(file) => {
                 // the lock covers the name it may get in `persist` (see there)
                 try_lock(&file);
