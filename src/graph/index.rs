@@ -197,14 +197,43 @@ impl<'g> GraphIndex<'g> {
         if depth > 32 {
             return None;
         }
-        if let Some((_, dims)) = self.declared_shape(tensor) {
-            let i = normalize_axis(axis, dims.len())?;
-            // a declared size below 1 (malformed, or -1 for "unknown") tells nothing
-            if let Some(d) = dims[i].filter(|&d| d > 0) {
-                return Some(d);
+        // back through ops that keep their input's shape in a loop, not counted as depth: a
+        // chain of them can be as long as the graph
+        let mut tensor = tensor;
+        let mut steps = 0;
+        let node = loop {
+            if let Some((_, dims)) = self.declared_shape(tensor) {
+                let i = normalize_axis(axis, dims.len())?;
+                // a declared size below 1 (malformed, or -1 for "unknown") tells nothing
+                if let Some(d) = dims[i].filter(|&d| d > 0) {
+                    return Some(d);
+                }
             }
-        }
-        let (_, node) = self.producer(tensor)?;
+            let (_, node) = self.producer(tensor)?;
+            let keeps_shape = matches!(
+                node.op_type(),
+                "Identity"
+                    | "Cast"
+                    | "LogSoftmax"
+                    | "Softmax"
+                    | "Relu"
+                    | "Dropout"
+                    | "Tanh"
+                    | "Sigmoid"
+                    | "Gelu"
+                    | "Erf"
+                    | "Neg"
+                    | "Exp"
+                    | "Log"
+                    | "Abs"
+                    | "Sqrt"
+            );
+            if !keeps_shape || steps > self.graph.node.len() {
+                break node;
+            }
+            tensor = node.input.first().map(String::as_str).filter(|s| !s.is_empty())?;
+            steps += 1;
+        };
         let input = |k: usize| {
             node.input
                 .get(k)
@@ -212,10 +241,6 @@ impl<'g> GraphIndex<'g> {
                 .filter(|s| !s.is_empty())
         };
         match node.op_type() {
-            "Identity" | "Cast" | "LogSoftmax" | "Softmax" | "Relu" | "Dropout" | "Tanh"
-            | "Sigmoid" | "Gelu" | "Erf" | "Neg" | "Exp" | "Log" | "Abs" | "Sqrt" => {
-                self.static_dim(input(0)?, axis, depth + 1)
-            }
             "Add" | "Sub" | "Mul" | "Div" if axis == -1 => input(0)
                 .and_then(|a| self.static_dim(a, -1, depth + 1).filter(|&d| d > 1))
                 .or_else(|| input(1).and_then(|b| self.static_dim(b, -1, depth + 1))),
@@ -382,5 +407,43 @@ mod tests {
         }
         let took = started.elapsed();
         assert!(took < std::time::Duration::from_secs(5), "{took:?}");
+    }
+
+    /// A width declared before a chain of shape-keeping nodes longer than the recursion depth
+    /// is still found statically (no whole-graph shape inference needed).
+    #[test]
+    fn static_dims_pass_long_shape_keeping_chains() {
+        use crate::onnx::proto::tensor_shape_proto::{dimension, Dimension};
+        use crate::onnx::proto::{type_proto, TensorShapeProto, TypeProto};
+        let n = 1000;
+        let dims = [2, 48].map(|d| Dimension {
+            value: Some(dimension::Value::DimValue(d)),
+            ..Default::default()
+        });
+        let graph = GraphProto {
+            node: (0..n)
+                .map(|i| NodeProto {
+                    op_type: Some(if i % 2 == 0 { "Identity" } else { "Relu" }.into()),
+                    input: vec![if i == 0 { "x".into() } else { format!("t{}", i - 1) }],
+                    output: vec![format!("t{i}")],
+                    ..Default::default()
+                })
+                .collect(),
+            input: vec![crate::onnx::ValueInfoProto {
+                name: Some("x".into()),
+                r#type: Some(TypeProto {
+                    value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                        elem_type: Some(1),
+                        shape: Some(TensorShapeProto { dim: dims.to_vec() }),
+                    })),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let index = GraphIndex::new(&graph);
+        assert_eq!(index.static_last_dim(&format!("t{}", n - 1)), Some(48));
+        assert_eq!(index.static_dim(&format!("t{}", n - 1), 0, 0), Some(2));
     }
 }
