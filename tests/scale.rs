@@ -516,3 +516,107 @@ fn symlinks_ending_inside_the_folder_or_in_the_hub_cache_blobs_are_read() {
         );
     }
 }
+
+/// Writes `lm_flat` plus an unused float initializer of `bytes` zero bytes that are a hole of
+/// the file (no disk blocks): the initializer's `raw_data` is the last field of the file.
+fn sparse_model(path: &Path, bytes: u64) {
+    use prost::encoding::{encode_key, encode_varint, encoded_len_varint, WireType};
+    let mut m = read_model(&model("lm_flat"));
+    let graph = m.graph.take().unwrap().encode_to_vec();
+    let header = TensorProto {
+        name: Some("big.zeros".into()),
+        dims: vec![(bytes / 4) as i64],
+        data_type: Some(ntl_patch::onnx::FLOAT),
+        ..Default::default()
+    }
+    .encode_to_vec();
+    let raw_len = 1 + encoded_len_varint(bytes) as u64 + bytes; // field 9: key, length, bytes
+    let tensor_len = header.len() as u64 + raw_len;
+    let graph_len =
+        graph.len() as u64 + 1 + encoded_len_varint(tensor_len) as u64 + tensor_len; // field 5
+    let mut out = m.encode_to_vec();
+    encode_key(7, WireType::LengthDelimited, &mut out); // ModelProto.graph
+    encode_varint(graph_len, &mut out);
+    out.extend_from_slice(&graph);
+    encode_key(5, WireType::LengthDelimited, &mut out); // GraphProto.initializer
+    encode_varint(tensor_len, &mut out);
+    out.extend_from_slice(&header);
+    encode_key(9, WireType::LengthDelimited, &mut out); // TensorProto.raw_data
+    encode_varint(bytes, &mut out);
+    let f = std::fs::File::create(path).unwrap();
+    std::io::Write::write_all(&mut &f, &out).unwrap();
+    f.set_len(out.len() as u64 + bytes).unwrap();
+}
+
+/// Name, length, modification time and (for small files) bytes of every entry of `dir`.
+fn listing(dir: &Path) -> Vec<(String, u64, std::time::SystemTime, Vec<u8>)> {
+    let mut v: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            let meta = std::fs::symlink_metadata(e.path()).unwrap();
+            let bytes = if meta.len() < 1 << 20 {
+                std::fs::read(e.path()).unwrap()
+            } else {
+                Vec::new()
+            };
+            let name = e.file_name().to_string_lossy().into_owned();
+            (name, meta.len(), meta.modified().unwrap(), bytes)
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// The largest file in `dir` (other than `except`) that process `pid` has open, in bytes.
+fn open_file_size_in(pid: u32, dir: &Path, except: &Path) -> u64 {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return 0;
+    };
+    fds.flatten()
+        .filter(|fd| {
+            std::fs::read_link(fd.path())
+                .is_ok_and(|target| target.starts_with(dir) && target != except)
+        })
+        .filter_map(|fd| std::fs::metadata(fd.path()).ok())
+        .map(|m| m.len())
+        .max()
+        .unwrap_or(0)
+}
+
+/// SIGKILL during the write of a large output (a 1 GiB inline initializer, copied into the
+/// output) leaves the folder exactly as it was: the output is written into an unnamed file
+/// (O_TMPFILE) that only gets a name once complete, so no temporary file remains, and the
+/// output it would have replaced is untouched.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_run_killed_during_a_large_write_leaves_the_folder_as_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("big.onnx");
+    sparse_model(&input, 1 << 30);
+    std::fs::copy(tokenizer(), dir.path().join("tokenizer.json")).unwrap();
+    let out = dir.path().join("out.onnx");
+    std::fs::write(&out, b"the previous output").unwrap();
+    let before = listing(dir.path());
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("ntl-patch"))
+        .arg(&input)
+        .arg("-o")
+        .arg(&out)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+    // kill it once 64 MiB of the output are written
+    while open_file_size_in(child.id(), dir.path(), &input) < 64 << 20 {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before it was killed"
+        );
+        assert!(std::time::Instant::now() < deadline, "no output written");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    assert_eq!(listing(dir.path()), before);
+}

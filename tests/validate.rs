@@ -1114,3 +1114,71 @@ fn a_symbolic_vocabulary_dim_gets_the_vocabulary_width() {
         assert_passes(&report, code);
     }
 }
+
+/// The minimal graph — one SoftmaxCrossEntropyLoss over a scores input — with a symbolic class
+/// dim, patched with `--vocab-size 48`, validates in tract for every spelling of the scores'
+/// shape: the class dim gets the table width whatever its name (or none), and the positions
+/// get the same sizes in the scores and the labels. tract used to panic ("index out of
+/// bounds") or fail to broadcast: `[N, V]` scores got N = batch, their `[N]` labels batch × seq.
+#[test]
+fn every_symbolic_spelling_of_the_scores_shape_validates_in_tract() {
+    use ntl_patch::onnx::proto::tensor_proto::DataType;
+    use ntl_patch::onnx::proto::tensor_shape_proto::{dimension, Dimension};
+    use ntl_patch::onnx::GraphProto;
+    // a value info whose dims are named (Some) or unnamed (None)
+    let declared = |name: &str, elem: DataType, dims: &[Option<&str>]| {
+        let mut v = value(name, elem, &vec![None; dims.len()]);
+        let Some(ntl_patch::onnx::proto::type_proto::Value::TensorType(t)) =
+            v.r#type.as_mut().and_then(|t| t.value.as_mut())
+        else {
+            unreachable!()
+        };
+        for (d, n) in t.shape.as_mut().unwrap().dim.iter_mut().zip(dims) {
+            *d = Dimension {
+                value: n.map(|n| dimension::Value::DimParam(n.into())),
+                ..Default::default()
+            };
+        }
+        v
+    };
+    // (scores dims, labels dims, scores transposed [B, T, V] → [B, V, T] before the CE)
+    let cases: [(&[Option<&str>], &[Option<&str>], bool); 8] = [
+        (&[Some("N"), Some("V")], &[Some("N")], false),
+        (&[Some("positions"), Some("classes")], &[Some("positions")], false),
+        (&[Some("B"), Some("V"), Some("T")], &[Some("B"), Some("T")], false),
+        (&[Some("B"), Some("T"), Some("V")], &[Some("B"), Some("T")], true),
+        (&[None, None], &[None], false),
+        (&[None, None, None], &[None, None], false),
+        (&[None, None, None], &[None, None], true),
+        (&[Some("N"), None], &[Some("N")], false),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(tokenizer(), dir.path().join("tokenizer.json")).unwrap();
+    for (k, (scores, labels, transposed)) in cases.into_iter().enumerate() {
+        let mut nodes = Vec::new();
+        let ce_scores = if transposed {
+            let perm = ntl_patch::onnx::ints_attr("perm", &[0, 2, 1]);
+            nodes.push(node("Transpose", &["scores"], &["scores_bvt"], vec![perm]));
+            "scores_bvt"
+        } else {
+            "scores"
+        };
+        nodes.push(sce(ce_scores, "labels", "loss"));
+        let graph = GraphProto {
+            name: Some("scores_input".into()),
+            node: nodes,
+            input: vec![
+                declared("scores", DataType::Float, scores),
+                declared("labels", DataType::Int64, labels),
+            ],
+            output: vec![value("loss", DataType::Float, &[])],
+            ..Default::default()
+        };
+        let input = dir.path().join(format!("scores_{k}.onnx"));
+        std::fs::write(&input, model_proto(graph, 17).encode_to_vec()).unwrap();
+        let out = patch(&input, dir.path(), &["--vocab-size", "48"]);
+        let (code, report) = validate_json(&out, &["--runtime", "tract"], &[]);
+        assert!(code == 0, "scores {scores:?}, labels {labels:?}: {report}");
+        assert_passes(&report, code);
+    }
+}

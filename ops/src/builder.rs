@@ -1,7 +1,7 @@
 //! A small node emitter: every node and tensor it creates gets a unique, readable name under
 //! one prefix, and ops are written in the form the model's opset expects.
 
-use std::collections::BTreeSet;
+use std::collections::HashSet;
 
 use crate::onnx::{
     f32_tensor, i64_tensor, int_attr, ints_attr, AttributeProto, NodeProto, TensorProto,
@@ -15,7 +15,7 @@ pub struct Builder {
     prefix: String,
     /// The model's default-domain opset: some ops moved attributes to inputs over time.
     opset: i64,
-    taken: BTreeSet<String>,
+    taken: HashSet<String>,
     /// Per base name, the suffix to try next (names are only ever added, so the first free
     /// suffix never goes down): `fresh` stays linear when one hint is used many times.
     next_suffix: std::collections::HashMap<String, u64>,
@@ -25,7 +25,7 @@ pub struct Builder {
 
 impl Builder {
     /// `taken` holds every name already in the graph; new names never collide with them.
-    pub fn new(prefix: &str, opset: i64, taken: BTreeSet<String>) -> Self {
+    pub fn new(prefix: &str, opset: i64, taken: HashSet<String>) -> Self {
         Builder {
             prefix: prefix.to_string(),
             opset,

@@ -3,7 +3,7 @@
 //! to write a plain `Cast` where `CastLike` would otherwise be needed (MIGraphX takes no
 //! `CastLike`).
 
-use std::collections::HashMap;
+use crate::graph::hash::HashMap;
 
 use crate::onnx::{attr, attr_i, GraphProto, BOOL, INT32, INT64};
 
@@ -14,7 +14,7 @@ pub struct ElemTypes(HashMap<String, i32>);
 
 impl ElemTypes {
     pub fn infer(g: &GraphProto) -> ElemTypes {
-        let mut types = HashMap::new();
+        let mut types = HashMap::default();
         for t in &g.initializer {
             types.insert(t.name().to_string(), t.data_type());
         }

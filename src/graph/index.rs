@@ -1,7 +1,9 @@
 //! Read-only questions about a graph: who produces and consumes a tensor, which names are
 //! taken, and what static shape a tensor has where the graph says so.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashSet;
+
+use super::hash::{map_with_capacity, HashMap};
 
 use super::elem_types::ElemTypes;
 use super::ranks::{self, Ranks};
@@ -15,12 +17,17 @@ pub struct GraphIndex<'g> {
     ranks: std::cell::OnceCell<Ranks>,
     /// Element types followed forward through the whole graph, computed on first use.
     types: std::cell::OnceCell<ElemTypes>,
+    /// What [`GraphIndex::elem_type_backward`] found past each node it walked through: a
+    /// chain of type-keeping nodes is walked once, not once per question.
+    backward_types: std::cell::RefCell<HashMap<usize, Option<i32>>>,
 }
 
 impl<'g> GraphIndex<'g> {
     pub fn new(graph: &'g GraphProto) -> Self {
-        let mut producer = HashMap::new();
-        let mut consumers: HashMap<&str, Vec<usize>> = HashMap::new();
+        // sized once: growing a map of a million names rehashes every one of them several times
+        let tensors = graph.node.iter().map(|n| n.output.len()).sum();
+        let mut producer = map_with_capacity(tensors);
+        let mut consumers: HashMap<&str, Vec<usize>> = map_with_capacity(tensors);
         for (i, node) in graph.node.iter().enumerate() {
             for out in node.output.iter().filter(|o| !o.is_empty()) {
                 producer.insert(out.as_str(), i);
@@ -35,6 +42,7 @@ impl<'g> GraphIndex<'g> {
             consumers,
             ranks: std::cell::OnceCell::new(),
             types: std::cell::OnceCell::new(),
+            backward_types: Default::default(),
         }
     }
 
@@ -61,9 +69,10 @@ impl<'g> GraphIndex<'g> {
 
     /// Every name in use: node names, tensor names (inputs, outputs, initializers, value infos,
     /// node outputs). New names must avoid all of them.
-    pub fn taken_names(&self) -> BTreeSet<String> {
+    /// (A hash set: only ever asked whether it holds a name, never listed, so no order.)
+    pub fn taken_names(&self) -> HashSet<String> {
         let g = self.graph;
-        let mut names = BTreeSet::new();
+        let mut names = HashSet::with_capacity(2 * g.node.len() + g.initializer.len());
         for n in &g.node {
             names.insert(n.name().to_string());
             names.extend(n.output.iter().cloned());
@@ -135,13 +144,26 @@ impl<'g> GraphIndex<'g> {
 
     /// Back through producers that keep their input's type, to a declared type.
     fn elem_type_backward(&self, tensor: &str) -> Option<i32> {
+        // every tensor on the way has the answer of the walk's end
+        let mut walked = Vec::new();
+        let found = self.walk_types_back(tensor, &mut walked);
+        let mut memo = self.backward_types.borrow_mut();
+        memo.extend(walked.into_iter().map(|t| (t, found)));
+        found
+    }
+
+    fn walk_types_back(&self, tensor: &str, walked: &mut Vec<usize>) -> Option<i32> {
         // iterative, and bounded: a chain of type-keeping nodes can be as long as the graph
         let mut tensor = tensor;
         for _ in 0..=self.graph.node.len() {
             if let Some((Some(t), _)) = self.declared_shape(tensor) {
                 return Some(t);
             }
-            let (_, node) = self.producer(tensor)?;
+            let (i, node) = self.producer(tensor)?;
+            if let Some(&found) = self.backward_types.borrow().get(&i) {
+                return found;
+            }
+            walked.push(i);
             let keeps_type = matches!(
                 node.op_type(),
                 "Reshape"
@@ -175,14 +197,43 @@ impl<'g> GraphIndex<'g> {
         if depth > 32 {
             return None;
         }
-        if let Some((_, dims)) = self.declared_shape(tensor) {
-            let i = normalize_axis(axis, dims.len())?;
-            // a declared size below 1 (malformed, or -1 for "unknown") tells nothing
-            if let Some(d) = dims[i].filter(|&d| d > 0) {
-                return Some(d);
+        // back through ops that keep their input's shape in a loop, not counted as depth: a
+        // chain of them can be as long as the graph
+        let mut tensor = tensor;
+        let mut steps = 0;
+        let node = loop {
+            if let Some((_, dims)) = self.declared_shape(tensor) {
+                let i = normalize_axis(axis, dims.len())?;
+                // a declared size below 1 (malformed, or -1 for "unknown") tells nothing
+                if let Some(d) = dims[i].filter(|&d| d > 0) {
+                    return Some(d);
+                }
             }
-        }
-        let (_, node) = self.producer(tensor)?;
+            let (_, node) = self.producer(tensor)?;
+            let keeps_shape = matches!(
+                node.op_type(),
+                "Identity"
+                    | "Cast"
+                    | "LogSoftmax"
+                    | "Softmax"
+                    | "Relu"
+                    | "Dropout"
+                    | "Tanh"
+                    | "Sigmoid"
+                    | "Gelu"
+                    | "Erf"
+                    | "Neg"
+                    | "Exp"
+                    | "Log"
+                    | "Abs"
+                    | "Sqrt"
+            );
+            if !keeps_shape || steps > self.graph.node.len() {
+                break node;
+            }
+            tensor = node.input.first().map(String::as_str).filter(|s| !s.is_empty())?;
+            steps += 1;
+        };
         let input = |k: usize| {
             node.input
                 .get(k)
@@ -190,10 +241,6 @@ impl<'g> GraphIndex<'g> {
                 .filter(|s| !s.is_empty())
         };
         match node.op_type() {
-            "Identity" | "Cast" | "LogSoftmax" | "Softmax" | "Relu" | "Dropout" | "Tanh"
-            | "Sigmoid" | "Gelu" | "Erf" | "Neg" | "Exp" | "Log" | "Abs" | "Sqrt" => {
-                self.static_dim(input(0)?, axis, depth + 1)
-            }
             "Add" | "Sub" | "Mul" | "Div" if axis == -1 => input(0)
                 .and_then(|a| self.static_dim(a, -1, depth + 1).filter(|&d| d > 1))
                 .or_else(|| input(1).and_then(|b| self.static_dim(b, -1, depth + 1))),
@@ -330,5 +377,73 @@ fn static_rank_at(index: &GraphIndex, tensor: &str, depth: usize) -> Option<usiz
             static_rank_at(index, node.input.first()?, depth + 1)
         }
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The element type of every tensor of a long Identity chain, asked one by one, costs one
+    /// walk in all: each walk back stops where an earlier one passed (quadratic before).
+    #[test]
+    fn element_types_along_a_chain_are_walked_once() {
+        let n = 20_000;
+        let graph = GraphProto {
+            node: (0..n)
+                .map(|i| NodeProto {
+                    op_type: Some("Identity".into()),
+                    input: vec![if i == 0 { "x".into() } else { format!("t{}", i - 1) }],
+                    output: vec![format!("t{i}")],
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        };
+        let index = GraphIndex::new(&graph);
+        let started = std::time::Instant::now();
+        for i in (0..n).rev() {
+            assert_eq!(index.elem_type_backward(&format!("t{i}")), None);
+        }
+        let took = started.elapsed();
+        assert!(took < std::time::Duration::from_secs(5), "{took:?}");
+    }
+
+    /// A width declared before a chain of shape-keeping nodes longer than the recursion depth
+    /// is still found statically (no whole-graph shape inference needed).
+    #[test]
+    fn static_dims_pass_long_shape_keeping_chains() {
+        use crate::onnx::proto::tensor_shape_proto::{dimension, Dimension};
+        use crate::onnx::proto::{type_proto, TensorShapeProto, TypeProto};
+        let n = 1000;
+        let dims = [2, 48].map(|d| Dimension {
+            value: Some(dimension::Value::DimValue(d)),
+            ..Default::default()
+        });
+        let graph = GraphProto {
+            node: (0..n)
+                .map(|i| NodeProto {
+                    op_type: Some(if i % 2 == 0 { "Identity" } else { "Relu" }.into()),
+                    input: vec![if i == 0 { "x".into() } else { format!("t{}", i - 1) }],
+                    output: vec![format!("t{i}")],
+                    ..Default::default()
+                })
+                .collect(),
+            input: vec![crate::onnx::ValueInfoProto {
+                name: Some("x".into()),
+                r#type: Some(TypeProto {
+                    value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                        elem_type: Some(1),
+                        shape: Some(TensorShapeProto { dim: dims.to_vec() }),
+                    })),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let index = GraphIndex::new(&graph);
+        assert_eq!(index.static_last_dim(&format!("t{}", n - 1)), Some(48));
+        assert_eq!(index.static_dim(&format!("t{}", n - 1), 0, 0), Some(2));
     }
 }

@@ -3,6 +3,7 @@
 //! command runs first — and [`patch`], the one place a model changes.
 
 pub mod elem_types;
+pub mod hash;
 pub mod index;
 pub mod patch;
 pub mod ranks;

@@ -2,7 +2,9 @@
 //! replaces. Applying it is the only place the model is changed, and every application ends
 //! with a consistency check of the whole graph.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::HashSet;
+
+use super::hash::set_with_capacity;
 
 use crate::error::Error;
 use crate::onnx::{
@@ -59,21 +61,21 @@ pub fn apply(model: &mut ModelProto, patch: Patch) -> Result<(), Error> {
 /// removed nodes), so no declaration outlives its tensor.
 fn drop_stale_value_info(model: &mut ModelProto) {
     let graph = model.graph.as_mut().expect("loaded models have a graph");
-    let defined: BTreeSet<String> = graph
-        .input
+    let defined: super::hash::HashSet<&str> =
+        defined_before_nodes(graph).chain(node_outputs(graph)).collect();
+    let keep: Vec<bool> = graph
+        .value_info
         .iter()
-        .map(|v| v.name().to_string())
-        .chain(graph.initializer.iter().map(|t| t.name().to_string()))
-        .chain(graph.node.iter().flat_map(|n| n.output.iter().cloned()))
+        .map(|v| defined.contains(v.name()))
         .collect();
-    graph.value_info.retain(|v| defined.contains(v.name()));
+    let mut keep = keep.into_iter();
+    graph.value_info.retain(|_| keep.next().unwrap_or(true));
 }
 
-/// Every node input is defined before use, every tensor is produced once, every graph output
-/// is defined.
-pub fn check_consistency(model: &ModelProto) -> Result<(), String> {
-    let graph = model.graph.as_ref().expect("loaded models have a graph");
-    let mut defined: BTreeSet<&str> = graph
+/// The tensors a graph defines before its first node: inputs, initializers and sparse
+/// initializers. With the nodes' outputs ([`node_outputs`]), every tensor it defines.
+fn defined_before_nodes(graph: &GraphProto) -> impl Iterator<Item = &str> {
+    graph
         .input
         .iter()
         .map(|v| v.name())
@@ -84,8 +86,23 @@ pub fn check_consistency(model: &ModelProto) -> Result<(), String> {
                 .iter()
                 .filter_map(|s| s.values.as_ref().map(|v| v.name())),
         )
-        .collect();
-    let mut produced: BTreeSet<&str> = BTreeSet::new();
+}
+
+fn node_outputs(graph: &GraphProto) -> impl Iterator<Item = &str> {
+    graph
+        .node
+        .iter()
+        .flat_map(|n| n.output.iter().map(String::as_str))
+        .filter(|o| !o.is_empty())
+}
+
+/// Every node input is defined before use, every tensor is produced once, every graph output
+/// is defined.
+pub fn check_consistency(model: &ModelProto) -> Result<(), String> {
+    let graph = model.graph.as_ref().expect("loaded models have a graph");
+    let mut defined = set_with_capacity(graph.input.len() + graph.initializer.len() + graph.node.len());
+    defined.extend(defined_before_nodes(graph));
+    let mut produced = set_with_capacity(graph.node.len());
     for node in &graph.node {
         for input in node.input.iter().filter(|i| !i.is_empty()) {
             if !defined.contains(input.as_str()) {
@@ -179,4 +196,51 @@ pub fn outer_references(node: &NodeProto) -> Vec<&str> {
         walk(sub, &mut outer);
     }
     outer
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::onnx::proto::SparseTensorProto;
+
+    fn value_info(name: &str) -> ValueInfoProto {
+        ValueInfoProto {
+            name: Some(name.into()),
+            ..Default::default()
+        }
+    }
+
+    /// `apply` keeps the declarations of exactly what its consistency check counts as defined:
+    /// a sparse initializer's value info stays, a removed node's output's goes.
+    #[test]
+    fn value_infos_follow_the_defined_tensors() {
+        let node = |input: &str, output: &str| NodeProto {
+            op_type: Some("Identity".into()),
+            input: vec![input.into()],
+            output: vec![output.into()],
+            ..Default::default()
+        };
+        let mut model = ModelProto {
+            graph: Some(GraphProto {
+                node: vec![node("sparse", "a"), node("a", "b")],
+                sparse_initializer: vec![SparseTensorProto {
+                    values: Some(TensorProto {
+                        name: Some("sparse".into()),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }],
+                value_info: vec![value_info("sparse"), value_info("a"), value_info("b")],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let patch = Patch {
+            replacements: vec![(1, vec![node("a", "c")])],
+            ..Default::default()
+        };
+        apply(&mut model, patch).unwrap();
+        let kept: Vec<&str> = model.graph.as_ref().unwrap().value_info.iter().map(|v| v.name()).collect();
+        assert_eq!(kept, ["sparse", "a"]);
+    }
 }

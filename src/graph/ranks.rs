@@ -3,7 +3,7 @@
 //! exporters often write no `value_info`. Dimensions themselves stay symbolic: rules read
 //! them at run time with `Shape`.
 
-use std::collections::HashMap;
+use crate::graph::hash::HashMap;
 
 use crate::onnx::{attr, attr_i, attr_ints, GraphProto, NodeProto};
 

@@ -7,7 +7,7 @@
 //! Shape vectors (`Shape` → `Gather` → `Unsqueeze` → `Concat` → `Reshape`, how exporters write
 //! reshapes) are followed by value, so reshapes to run-time shapes keep their dims.
 
-use std::collections::HashMap;
+use crate::graph::hash::HashMap;
 
 use crate::graph::GraphIndex;
 use crate::onnx::proto::tensor_shape_proto::dimension;

@@ -8,3 +8,4 @@ pub mod model_io;
 pub mod prescan;
 pub mod progress;
 pub mod temp;
+pub mod unnamed;

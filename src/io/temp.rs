@@ -1,8 +1,11 @@
 //! Temporary files and folders that never outlive the run.
 //!
-//! Every output is written to a temporary name in its target folder (`.ntl-patch-XXXXXX.tmp`,
-//! six random letters or digits) and renamed into place. Each live temporary path is kept in
-//! a registry and holds an exclusive `flock` while it exists:
+//! Every output is written to an unnamed file in its target folder (`O_TMPFILE`, see
+//! [`TempFile`]) and linked into place when complete; nothing of it exists for a killed run
+//! to leave behind. Where the file system refuses unnamed files, and for temporary folders,
+//! it is a temporary name (`.ntl-patch-XXXXXX.tmp`, six random letters or digits) renamed
+//! into place. Each live temporary path is kept in a registry and holds an exclusive `flock`
+//! while it exists:
 //! - errors: the temporary is removed when its guard drops (also after a failed rename);
 //! - SIGINT, SIGTERM, SIGHUP: the binary (`install_signal_handlers`) removes every registered
 //!   path, then dies of the same signal; SIGBUS (a memory-mapped input truncated by another
@@ -20,6 +23,8 @@ use std::sync::{Mutex, OnceLock};
 use std::time::SystemTime;
 
 use tempfile::NamedTempFile;
+
+use crate::io::unnamed;
 
 pub const PREFIX: &str = ".ntl-patch-";
 pub const SUFFIX: &str = ".tmp";
@@ -90,18 +95,49 @@ fn try_lock(_: &File) -> bool {
 }
 
 /// A temporary file in the target folder, removed unless [`TempFile::persist`]ed.
+///
+/// Where the file system allows, the file has no name until it is complete ([`unnamed`]):
+/// a run killed at any moment, by SIGKILL too, leaves no temporary behind. Elsewhere it is
+/// `.ntl-patch-XXXXXX.tmp`, registered and swept as above.
 pub struct TempFile {
     // drop order: the file is removed first, then the registry entry
-    file: Option<NamedTempFile>,
-    _registered: Registered,
+    file: Option<Kind>,
+    _registered: Option<Registered>,
+}
+
+enum Kind {
+    Unnamed(File),
+    Named(NamedTempFile),
 }
 
 impl TempFile {
-    /// Creates `.ntl-patch-XXXXXX.tmp` in `dir`, after removing stale ones left there by
-    /// killed runs.
+    /// Creates an unnamed file in `dir`, or where `O_TMPFILE` is refused
+    /// `.ntl-patch-XXXXXX.tmp`; first removes stale temporaries left there by killed runs.
     pub fn new_in(dir: &Path) -> std::io::Result<TempFile> {
         crate::io::fsio::check_writable_folder(dir)?;
         sweep_stale(dir);
+        // without /proc an unnamed file may not be linkable later (AT_EMPTY_PATH needs a
+        // capability): a named one then
+        let linkable = Path::new("/proc/self/fd").is_dir();
+        match unnamed::create_in(dir).and_then(|f| {
+            linkable
+                .then_some(f)
+                .ok_or_else(|| std::io::ErrorKind::Unsupported.into())
+        }) {
+            Ok(file) => {
+                // the lock covers the name it may get in `persist` (see there)
+                try_lock(&file);
+                Ok(TempFile {
+                    file: Some(Kind::Unnamed(file)),
+                    _registered: None,
+                })
+            }
+            Err(_) => Self::named_in(dir),
+        }
+    }
+
+    /// `.ntl-patch-XXXXXX.tmp` in `dir`, registered (the fallback of [`TempFile::new_in`]).
+    pub fn named_in(dir: &Path) -> std::io::Result<TempFile> {
         let (file, registered) = Registered::create(false, || {
             let file = tempfile::Builder::new()
                 .prefix(PREFIX)
@@ -113,47 +149,103 @@ impl TempFile {
         })?;
         try_lock(file.as_file());
         Ok(TempFile {
-            file: Some(file),
-            _registered: registered,
+            file: Some(Kind::Named(file)),
+            _registered: Some(registered),
         })
     }
 
+    /// True when the file has no name (`O_TMPFILE`).
+    pub fn is_unnamed(&self) -> bool {
+        matches!(self.file, Some(Kind::Unnamed(_)))
+    }
+
     pub fn as_file(&self) -> &File {
-        self.file
-            .as_ref()
-            .expect("present until persisted")
-            .as_file()
+        match self.file.as_ref().expect("present until persisted") {
+            Kind::Unnamed(f) => f,
+            Kind::Named(f) => f.as_file(),
+        }
     }
 
     pub fn as_file_mut(&mut self) -> &mut File {
-        self.file
-            .as_mut()
-            .expect("present until persisted")
-            .as_file_mut()
+        match self.file.as_mut().expect("present until persisted") {
+            Kind::Unnamed(f) => f,
+            Kind::Named(f) => f.as_file_mut(),
+        }
     }
 
-    /// Renames the file to `dest`, replacing a regular file there (nothing else). On error
-    /// the temporary file is removed.
+    /// Puts the file at `dest`, replacing a regular file there (nothing else). On error the
+    /// temporary file is removed.
+    ///
+    /// An unnamed file is linked to `dest` when nothing is there: one step, all or nothing.
+    /// `linkat` cannot replace, so over an existing `dest` it is linked to a fresh
+    /// `.ntl-patch-XXXXXX.tmp` and that is renamed over `dest` (atomic: `dest` is the old
+    /// file or the new one, never part of one). Between those two calls a SIGKILL leaves the
+    /// complete file under the temporary name and `dest` untouched; the name is registered
+    /// (removed on SIGINT/SIGTERM/SIGHUP) and still `flock`ed by this process (a concurrent
+    /// run's sweep keeps it), and the next run in the folder sweeps it. No work happens in
+    /// that window: it is two system calls long.
     pub fn persist(mut self, dest: &Path) -> std::io::Result<()> {
         crate::io::fsio::check_output_path(dest)?;
-        let file = self.file.take().expect("present until persisted");
-        file.persist(dest).map(drop).map_err(|e| e.error)
+        match self.file.take().expect("present until persisted") {
+            Kind::Named(file) => file.persist(dest).map(drop).map_err(|e| e.error),
+            Kind::Unnamed(file) => match unnamed::link(&file, dest) {
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    replace_with(&file, dest)
+                }
+                other => other,
+            },
+        }
     }
 
-    /// Renames the file to `dest` unless something exists there (`AlreadyExists`). On error
+    /// Puts the file at `dest` unless something exists there (`AlreadyExists`). On error
     /// the temporary file is removed. `dest` stays registered (removed on a signal) until
     /// the returned guard drops: a file that is only useful once the whole output exists
     /// (an external data copy) does not outlive an interrupted run either.
     pub fn persist_noclobber(mut self, dest: &Path) -> std::io::Result<Tracked> {
         let file = self.file.take().expect("present until persisted");
         let ((), registered) = Registered::create(false, || {
-            file.persist_noclobber(dest).map_err(|e| e.error)?;
+            match file {
+                Kind::Unnamed(f) => unnamed::link(&f, dest)?,
+                Kind::Named(f) => drop(f.persist_noclobber(dest).map_err(|e| e.error)?),
+            }
             Ok(((), dest.to_path_buf()))
         })?;
         Ok(Tracked {
             _registered: registered,
         })
     }
+}
+
+/// Links the unnamed `file` to a fresh temporary name beside `dest`, then renames that over
+/// `dest` (see [`TempFile::persist`]). The name is registered while it exists.
+fn replace_with(file: &File, dest: &Path) -> std::io::Result<()> {
+    use rand::distributions::{Alphanumeric, DistString};
+    let dir = match dest.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    for _ in 0..100 {
+        let name = format!(
+            "{PREFIX}{}{SUFFIX}",
+            Alphanumeric.sample_string(&mut rand::thread_rng(), RAND_LEN)
+        );
+        let tmp = dir.join(name);
+        let linked = Registered::create(false, || {
+            unnamed::link(file, &tmp)?;
+            Ok(((), tmp.clone()))
+        });
+        let ((), _registered) = match linked {
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            other => other?,
+        };
+        return std::fs::rename(&tmp, dest).inspect_err(|_| {
+            let _ = std::fs::remove_file(&tmp);
+        });
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::AlreadyExists,
+        "no free temporary name beside the output",
+    ))
 }
 
 /// A finished file still removed on a signal until this guard drops.
@@ -410,16 +502,68 @@ mod tests {
     }
 
     #[test]
-    fn a_temp_file_is_removed_unless_persisted() {
+    fn a_named_temp_file_is_removed_unless_persisted() {
         let dir = tempfile::tempdir().unwrap();
-        let t = TempFile::new_in(dir.path()).unwrap();
-        let path = t.file.as_ref().unwrap().path().to_path_buf();
+        let t = TempFile::named_in(dir.path()).unwrap();
+        let Some(Kind::Named(f)) = &t.file else {
+            panic!("named")
+        };
+        let path = f.path().to_path_buf();
         assert!(path.exists() && live().iter().any(|e| e.path == path));
         drop(t);
         assert!(!path.exists() && !live().iter().any(|e| e.path == path));
-        let t = TempFile::new_in(dir.path()).unwrap();
+        let t = TempFile::named_in(dir.path()).unwrap();
         t.persist(&dir.path().join("out")).unwrap();
         assert!(dir.path().join("out").exists());
         assert!(live().is_empty() || !live().iter().any(|e| e.path.starts_with(dir.path())));
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    fn written(dir: &Path, bytes: &[u8]) -> TempFile {
+        use std::io::Write;
+        let mut t = TempFile::new_in(dir).unwrap();
+        assert!(t.is_unnamed(), "this file system takes O_TMPFILE");
+        t.as_file_mut().write_all(bytes).unwrap();
+        t
+    }
+
+    /// An unnamed file is invisible until persisted: as a new file, over an existing one (via
+    /// a temporary name that is gone afterwards), and refused over one by `persist_noclobber`.
+    #[test]
+    fn an_unnamed_temp_file_has_no_name_until_persisted() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = written(dir.path(), b"new");
+        assert!(names(dir.path()).is_empty());
+        drop(t);
+        assert!(names(dir.path()).is_empty());
+
+        let out = dir.path().join("out");
+        written(dir.path(), b"first").persist(&out).unwrap();
+        assert_eq!(std::fs::read(&out).unwrap(), b"first");
+        written(dir.path(), b"second").persist(&out).unwrap();
+        assert_eq!(std::fs::read(&out).unwrap(), b"second");
+        assert_eq!(names(dir.path()), ["out"]);
+
+        let err = written(dir.path(), b"third")
+            .persist_noclobber(&out)
+            .err()
+            .unwrap();
+        assert_eq!(err.kind(), std::io::ErrorKind::AlreadyExists);
+        assert_eq!(std::fs::read(&out).unwrap(), b"second");
+        let data = dir.path().join("data");
+        let guard = written(dir.path(), b"data").persist_noclobber(&data).unwrap();
+        assert!(live().iter().any(|e| e.path == data));
+        drop(guard);
+        assert_eq!(std::fs::read(&data).unwrap(), b"data");
+        assert_eq!(names(dir.path()), ["data", "out"]);
+        assert!(!live().iter().any(|e| e.path.starts_with(dir.path())));
     }
 }

@@ -119,13 +119,13 @@ pub fn patch_model(req: &PatchRequest, output: &Path) -> Result<Patched, Error> 
             "--add-loss is for logits-only graphs and this one already has a cross-entropy; drop --add-loss".into(),
         ));
     }
-    let added = wants_added_loss(req, &index);
-    drop(index);
-    if added {
+    let index = if wants_added_loss(req, &index) {
+        drop(index);
         notices.push(crate::ce::add_loss::add_loss(&mut model, req.shift)?);
-    }
-    let graph = model.graph.as_ref().expect("checked on load");
-    let index = GraphIndex::new(graph);
+        GraphIndex::new(model.graph.as_ref().expect("checked on load"))
+    } else {
+        index
+    };
     let site = select_site(&index, req.ce_node.as_deref())?;
     let width = logits_width(&index, &site, req.vocab_size)?;
     let tokenizer = req

@@ -28,10 +28,7 @@ const FRACTION_BASE: f32 = 1.02;
 
 pub fn build(b: &mut Builder, seq: &SeqInputs, tokens: &NumberTokens) -> String {
     let digit_ids = tokens.digits.expect("digit ids resolved for del");
-    let ids = b.const_i64("del_digit_ids", &[10], &digit_ids);
-    let z = b.gather(&seq.logits, &ids, 1, "digit_logits");
-    let shape = runs::digit_shape(b, seq);
-    let z = b.node("Reshape", &[&z, &shape], "digit_logits_btk", vec![]);
+    let z = runs::digit_logits_btk(b, seq, &digit_ids, "del");
     let p = b.softmax(&z, -1, "digit_probs");
 
     let digits = runs::digits(b, seq, &digit_ids);

@@ -25,10 +25,7 @@ pub fn build(
     opts: &LossOptions,
 ) -> String {
     let digit_ids = tokens.digits.expect("digit ids resolved for dist2");
-    let ids = b.const_i64("dist2_digit_ids", &[10], &digit_ids);
-    let z = b.gather(&seq.logits, &ids, 1, "digit_logits");
-    let shape = runs::digit_shape(b, seq);
-    let z = b.node("Reshape", &[&z, &shape], "digit_logits_btk", vec![]);
+    let z = runs::digit_logits_btk(b, seq, &digit_ids, "dist2");
     let log_q = b.node(
         "LogSoftmax",
         &[&z],

@@ -44,15 +44,7 @@ pub fn build(
 ) -> String {
     let digit_ids = tokens.digits.expect("digit ids resolved for NTIL");
     let n = &opts.ntil;
-    let ids = b.const_i64("ntil_digit_ids", &[10], &digit_ids);
-    let digit_logits = b.gather(&seq.logits, &ids, 1, "digit_logits");
-    let shape = runs::digit_shape(b, seq);
-    let z = b.node(
-        "Reshape",
-        &[&digit_logits, &shape],
-        "digit_logits_btk",
-        vec![],
-    );
+    let z = runs::digit_logits_btk(b, seq, &digit_ids, "ntil");
 
     let digits = runs::digits(b, seq, &digit_ids);
     let runs = runs::runs(b, seq, &digits, None);

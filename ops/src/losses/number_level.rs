@@ -20,8 +20,7 @@ pub fn build(
     opts: &LossOptions,
 ) -> String {
     let digit_ids = tokens.digits.expect("digit ids resolved for number-level");
-    let ids = b.const_i64("nl_digit_ids", &[10], &digit_ids);
-    let digit_logits = b.gather(&seq.logits, &ids, 1, "digit_logits");
+    let digit_logits = runs::digit_logits(b, seq, &digit_ids, "nl");
     let p = b.softmax(&digit_logits, 1, "digit_probs");
 
     let digits = runs::digits(b, seq, &digit_ids);

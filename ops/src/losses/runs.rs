@@ -141,7 +141,26 @@ pub fn runs(b: &mut Builder, seq: &SeqInputs, digits: &Digits, dot: Option<i64>)
 }
 
 /// `[3]` int64 `[B, -1, 10]`: the gathered `[B·T, 10]` digit logits regrouped by sequence.
-pub fn digit_shape(b: &mut Builder, seq: &SeqInputs) -> String {
+/// `[N, 10]` logits of the digits 0..9 (`digit_ids` in that order), gathered from the flat
+/// logits. `loss` prefixes the ids constant's name, so each loss keeps its own names.
+pub fn digit_logits(b: &mut Builder, seq: &SeqInputs, digit_ids: &[i64; 10], loss: &str) -> String {
+    let ids = b.const_i64(&format!("{loss}_digit_ids"), &[10], digit_ids);
+    b.gather(&seq.logits, &ids, 1, "digit_logits")
+}
+
+/// The digit logits regrouped by sequence, `[B, T, 10]`.
+pub fn digit_logits_btk(
+    b: &mut Builder,
+    seq: &SeqInputs,
+    digit_ids: &[i64; 10],
+    loss: &str,
+) -> String {
+    let z = digit_logits(b, seq, digit_ids, loss);
+    let shape = digit_shape(b, seq);
+    b.node("Reshape", &[&z, &shape], "digit_logits_btk", vec![])
+}
+
+fn digit_shape(b: &mut Builder, seq: &SeqInputs) -> String {
     let rest = b.const_i64("digit_shape_rest", &[2], &[-1, 10]);
     b.concat(&[&seq.batch, &rest], 0, "digit_shape")
 }

@@ -941,7 +941,7 @@ fn update_model(
     zeros: &mut ZeroState,
 ) -> Result<ModelProto, Error> {
     let opset = default_opset(model).expect("checked");
-    let taken: BTreeSet<String> = state
+    let taken: std::collections::HashSet<String> = state
         .iter()
         .flat_map(|(i, o, _, _)| [i.clone(), o.clone()])
         .chain(grad_names.iter().cloned())

@@ -2,18 +2,18 @@
 //! the graph validate runs does not depend on the code it checks. Names live under
 //! `ntl_validate/` and avoid every name already in the graph.
 
-use std::collections::BTreeSet;
+use std::collections::HashSet;
 
 use crate::onnx::{AttributeProto, NodeProto, TensorProto};
 
 pub struct Emitter {
-    taken: BTreeSet<String>,
+    taken: HashSet<String>,
     pub nodes: Vec<NodeProto>,
     pub initializers: Vec<TensorProto>,
 }
 
 impl Emitter {
-    pub fn new(taken: BTreeSet<String>) -> Self {
+    pub fn new(taken: HashSet<String>) -> Self {
         Emitter {
             taken,
             nodes: Vec::new(),

@@ -2,7 +2,7 @@
 //! the labels, and deterministic values for them (from a seed), so every branch of the loss is
 //! exercised: number labels, other labels and the ignore index.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -114,9 +114,53 @@ pub enum LabelStyle {
 pub struct Shape {
     pub batch: usize,
     pub seq: usize,
-    /// The symbolic dim that is the logits' width (`--vocab-size` where the graph leaves it
-    /// symbolic), and that width: an input with that dim (logits fed as an input) gets it.
-    pub vocab: Option<(String, usize)>,
+    /// The cross-entropy's class axis: an input dim that is it (logits fed as an input) gets
+    /// the logits' width.
+    pub class: Option<ClassDim>,
+}
+
+/// The class axis of the scores, and the logits' width (`--vocab-size` where the graph
+/// leaves it symbolic).
+pub struct ClassDim {
+    pub width: usize,
+    /// Its symbol, where the graph names one: any input dim of that name is the class dim.
+    pub symbol: Option<String>,
+    /// The graph input axis the scores' class axis comes from, named or not.
+    pub input_axis: Option<(String, usize)>,
+}
+
+impl ClassDim {
+    fn is(&self, spec: &InputSpec, axis: usize) -> bool {
+        let named = spec.dim_names.get(axis).and_then(Option::as_deref);
+        (self.symbol.is_some() && named == self.symbol.as_deref())
+            || self
+                .input_axis
+                .as_ref()
+                .is_some_and(|(name, a)| *name == spec.name && *a == axis)
+    }
+}
+
+/// The graph input axis that `tensor`'s axis `axis` is, followed back through ops that keep
+/// or permute axes (Identity, Cast, elementwise unary ops, Transpose).
+pub fn input_axis(index: &GraphIndex, tensor: &str, axis: usize) -> Option<(String, usize)> {
+    let (mut tensor, mut axis) = (tensor, axis);
+    // iterative and bounded: a chain of such nodes can be as long as the graph
+    for _ in 0..=index.graph.node.len() {
+        if index.is_graph_input(tensor) {
+            return Some((tensor.to_string(), axis));
+        }
+        let (_, node) = index.producer(tensor)?;
+        match node.op_type() {
+            "Identity" | "Cast" | "Neg" | "Relu" | "Tanh" | "Sigmoid" | "Exp" | "Log" => {}
+            "Transpose" => {
+                let perm = crate::onnx::attr_ints(node, "perm")?;
+                axis = usize::try_from(*perm.get(axis)?).ok()?;
+            }
+            _ => return None,
+        }
+        tensor = node.input.first().filter(|i| !i.is_empty())?;
+    }
+    None
 }
 
 /// Values for every input, deterministic in `seed`: symbolic dims become `batch` (first axis)
@@ -131,6 +175,8 @@ pub fn generate(
     shape: &Shape,
     seed: u64,
 ) -> Result<Vec<HostTensor>, Error> {
+    // a symbol gets one size in every input: the first input that has it decides
+    let mut named = HashMap::new();
     specs
         .iter()
         .enumerate()
@@ -138,7 +184,7 @@ pub fn generate(
             // one ChaCha stream per input: adding an input does not change the others' values
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
             rng.set_stream(k as u64);
-            let dims = concrete_dims(spec, shape)?;
+            let dims = concrete_dims(spec, shape, &mut named)?;
             let data = match labels.filter(|l| l.input == spec.name) {
                 Some(plan) => {
                     let n = dims.iter().product();
@@ -162,24 +208,40 @@ pub fn generate(
         .collect()
 }
 
-fn concrete_dims(spec: &InputSpec, shape: &Shape) -> Result<Vec<usize>, Error> {
+fn concrete_dims(
+    spec: &InputSpec,
+    shape: &Shape,
+    named: &mut HashMap<String, usize>,
+) -> Result<Vec<usize>, Error> {
+    let is_class = |axis| shape.class.as_ref().is_some_and(|c| c.is(spec, axis));
+    // the positions are the dims besides the class axis: `[N, V]` scores are N positions
+    // like their `[N]` labels, `[B, V, T]` ones B × T like `[B, T]` labels
+    let class_axis = (0..spec.dims.len()).find(|&a| is_class(a));
+    let positions = spec.dims.len() - usize::from(class_axis.is_some());
     let dims: Vec<usize> = spec
         .dims
         .iter()
         .enumerate()
-        .map(|(axis, d)| match d {
-            Some(v) if *v >= 0 => *v as usize,
-            _ if shape.vocab.as_ref().is_some_and(|(name, _)| {
-                spec.dim_names.get(axis).and_then(Option::as_deref) == Some(name.as_str())
-            }) =>
-            {
-                shape.vocab.as_ref().map_or(0, |(_, width)| *width)
+        .map(|(axis, d)| {
+            if let Some(v) = d.filter(|v| *v >= 0) {
+                return v as usize;
             }
-            // a rank-1 symbolic input is a flat run of positions (`labels[N]` of `[N, V]` logits,
-            // beside `[B, T]` ids): batch × seq of them
-            Some(_) | None if spec.dims.len() == 1 => shape.batch * shape.seq,
-            Some(_) | None if axis == 0 => shape.batch,
-            Some(_) | None => shape.seq,
+            let size = if Some(axis) == class_axis {
+                shape.class.as_ref().map_or(0, |c| c.width)
+            } else {
+                let k = axis - usize::from(class_axis.is_some_and(|c| c < axis));
+                // a rank-1 symbolic input is a flat run of positions (`labels[N]` of `[N, V]`
+                // logits, beside `[B, T]` ids): batch × seq of them
+                match k {
+                    _ if positions == 1 => shape.batch * shape.seq,
+                    0 => shape.batch,
+                    _ => shape.seq,
+                }
+            };
+            match spec.dim_names.get(axis).and_then(Option::as_ref) {
+                Some(name) => *named.entry(name.clone()).or_insert(size),
+                None => size,
+            }
         })
         .collect();
     let count = dims

@@ -45,7 +45,7 @@ pub use ort_lib::HOW_TO_INSTALL as ORT_HOW_TO_INSTALL;
 pub use report::{Against, Check, Report};
 
 use copy::ValidationCopy;
-use inputs::{LabelPlan, LabelStyle, Shape};
+use inputs::{ClassDim, LabelPlan, LabelStyle, Shape};
 use meta::{LossSpec, PatchMeta};
 use reference::{Batch, CeReduction, NtlKind};
 use reference_ntil::{DigitTokens, Sequences};
@@ -131,7 +131,7 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
             dot: vocab.id_of("."),
         },
     };
-    let vocab_dim = vocab_symbol(&model, &meta);
+    let class = class_dim(&model, &meta);
     let feeds = feeds(
         req,
         &meta,
@@ -139,7 +139,7 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
         &copy,
         label_input.as_deref(),
         style,
-        vocab_dim,
+        class,
     )?;
 
     let dir = model_dir(&req.model);
@@ -291,17 +291,31 @@ struct Feeds {
     description: String,
 }
 
-/// The symbolic dim the patched cross-entropy's class axis has, where the graph names it (a
-/// graph patched with `--vocab-size`): generated inputs with that dim get the vocabulary
-/// width, not `--seq`, or the logits would be narrower than the number table.
-fn vocab_symbol(model: &ModelProto, meta: &PatchMeta) -> Option<String> {
-    let (_, ce) = copy::find_ce_node(model, meta).ok()?;
-    let graph = model.graph.as_ref()?;
-    let shapes = crate::graph::shapes::Shapes::infer(&GraphIndex::new(graph));
-    match shapes.get(ce.input.first()?)?.get(1)? {
-        crate::graph::shapes::Dim::Sym(name) => Some(name.clone()),
-        _ => None,
+/// Where the patched cross-entropy's class axis is symbolic (a graph patched with
+/// `--vocab-size`): its symbol, whatever its name, and the graph input axis it comes from,
+/// named or not. Generated inputs get the vocabulary width there, not `--seq`, or the logits
+/// would be narrower than the number table.
+fn class_dim(model: &ModelProto, meta: &PatchMeta) -> ClassDim {
+    let mut class = ClassDim {
+        width: meta.vocab_width,
+        symbol: None,
+        input_axis: None,
+    };
+    let (Ok((_, ce)), Some(graph)) = (copy::find_ce_node(model, meta), model.graph.as_ref())
+    else {
+        return class;
+    };
+    let Some(scores) = ce.input.first() else {
+        return class;
+    };
+    let index = GraphIndex::new(graph);
+    let shapes = crate::graph::shapes::Shapes::infer(&index);
+    if let Some(crate::graph::shapes::Dim::Sym(name)) = shapes.get(scores).and_then(|s| s.get(1))
+    {
+        class.symbol = Some(name.clone());
     }
+    class.input_axis = inputs::input_axis(&index, scores, 1);
+    class
 }
 
 fn feeds(
@@ -311,7 +325,7 @@ fn feeds(
     copy: &ValidationCopy,
     label_input: Option<&str>,
     style: LabelStyle,
-    vocab_dim: Option<String>,
+    class: ClassDim,
 ) -> Result<Feeds, Error> {
     let graph = copy.model.graph.as_ref().expect("checked on load");
     let specs = inputs::feedable_inputs(graph)?;
@@ -332,7 +346,7 @@ fn feeds(
     let shape = Shape {
         batch: req.batch,
         seq: req.seq,
-        vocab: vocab_dim.map(|name| (name, meta.vocab_width)),
+        class: Some(class),
     };
     Ok(Feeds {
         inputs: inputs::generate(&specs, plan.as_ref(), meta.vocab_width, &shape, req.seed)?,
