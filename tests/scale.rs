@@ -532,8 +532,7 @@ fn sparse_model(path: &Path, bytes: u64) {
     .encode_to_vec();
     let raw_len = 1 + encoded_len_varint(bytes) as u64 + bytes; // field 9: key, length, bytes
     let tensor_len = header.len() as u64 + raw_len;
-    let graph_len =
-        graph.len() as u64 + 1 + encoded_len_varint(tensor_len) as u64 + tensor_len; // field 5
+    let graph_len = graph.len() as u64 + 1 + encoded_len_varint(tensor_len) as u64 + tensor_len; // field 5
     let mut out = m.encode_to_vec();
     encode_key(7, WireType::LengthDelimited, &mut out); // ModelProto.graph
     encode_varint(graph_len, &mut out);

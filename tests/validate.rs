@@ -1144,9 +1144,21 @@ fn every_symbolic_spelling_of_the_scores_shape_validates_in_tract() {
     // (scores dims, labels dims, scores transposed [B, T, V] → [B, V, T] before the CE)
     let cases: [(&[Option<&str>], &[Option<&str>], bool); 8] = [
         (&[Some("N"), Some("V")], &[Some("N")], false),
-        (&[Some("positions"), Some("classes")], &[Some("positions")], false),
-        (&[Some("B"), Some("V"), Some("T")], &[Some("B"), Some("T")], false),
-        (&[Some("B"), Some("T"), Some("V")], &[Some("B"), Some("T")], true),
+        (
+            &[Some("positions"), Some("classes")],
+            &[Some("positions")],
+            false,
+        ),
+        (
+            &[Some("B"), Some("V"), Some("T")],
+            &[Some("B"), Some("T")],
+            false,
+        ),
+        (
+            &[Some("B"), Some("T"), Some("V")],
+            &[Some("B"), Some("T")],
+            true,
+        ),
         (&[None, None], &[None], false),
         (&[None, None, None], &[None, None], false),
         (&[None, None, None], &[None, None], true),

@@ -231,7 +231,11 @@ impl<'g> GraphIndex<'g> {
             if !keeps_shape || steps > self.graph.node.len() {
                 break node;
             }
-            tensor = node.input.first().map(String::as_str).filter(|s| !s.is_empty())?;
+            tensor = node
+                .input
+                .first()
+                .map(String::as_str)
+                .filter(|s| !s.is_empty())?;
             steps += 1;
         };
         let input = |k: usize| {
@@ -393,7 +397,11 @@ mod tests {
             node: (0..n)
                 .map(|i| NodeProto {
                     op_type: Some("Identity".into()),
-                    input: vec![if i == 0 { "x".into() } else { format!("t{}", i - 1) }],
+                    input: vec![if i == 0 {
+                        "x".into()
+                    } else {
+                        format!("t{}", i - 1)
+                    }],
                     output: vec![format!("t{i}")],
                     ..Default::default()
                 })
@@ -424,7 +432,11 @@ mod tests {
             node: (0..n)
                 .map(|i| NodeProto {
                     op_type: Some(if i % 2 == 0 { "Identity" } else { "Relu" }.into()),
-                    input: vec![if i == 0 { "x".into() } else { format!("t{}", i - 1) }],
+                    input: vec![if i == 0 {
+                        "x".into()
+                    } else {
+                        format!("t{}", i - 1)
+                    }],
                     output: vec![format!("t{i}")],
                     ..Default::default()
                 })

@@ -61,8 +61,9 @@ pub fn apply(model: &mut ModelProto, patch: Patch) -> Result<(), Error> {
 /// removed nodes), so no declaration outlives its tensor.
 fn drop_stale_value_info(model: &mut ModelProto) {
     let graph = model.graph.as_mut().expect("loaded models have a graph");
-    let defined: super::hash::HashSet<&str> =
-        defined_before_nodes(graph).chain(node_outputs(graph)).collect();
+    let defined: super::hash::HashSet<&str> = defined_before_nodes(graph)
+        .chain(node_outputs(graph))
+        .collect();
     let keep: Vec<bool> = graph
         .value_info
         .iter()
@@ -100,7 +101,8 @@ fn node_outputs(graph: &GraphProto) -> impl Iterator<Item = &str> {
 /// is defined.
 pub fn check_consistency(model: &ModelProto) -> Result<(), String> {
     let graph = model.graph.as_ref().expect("loaded models have a graph");
-    let mut defined = set_with_capacity(graph.input.len() + graph.initializer.len() + graph.node.len());
+    let mut defined =
+        set_with_capacity(graph.input.len() + graph.initializer.len() + graph.node.len());
     defined.extend(defined_before_nodes(graph));
     let mut produced = set_with_capacity(graph.node.len());
     for node in &graph.node {
@@ -240,7 +242,14 @@ mod tests {
             ..Default::default()
         };
         apply(&mut model, patch).unwrap();
-        let kept: Vec<&str> = model.graph.as_ref().unwrap().value_info.iter().map(|v| v.name()).collect();
+        let kept: Vec<&str> = model
+            .graph
+            .as_ref()
+            .unwrap()
+            .value_info
+            .iter()
+            .map(|v| v.name())
+            .collect();
         assert_eq!(kept, ["sparse", "a"]);
     }
 }

@@ -559,7 +559,9 @@ mod tests {
         assert_eq!(err.kind(), std::io::ErrorKind::AlreadyExists);
         assert_eq!(std::fs::read(&out).unwrap(), b"second");
         let data = dir.path().join("data");
-        let guard = written(dir.path(), b"data").persist_noclobber(&data).unwrap();
+        let guard = written(dir.path(), b"data")
+            .persist_noclobber(&data)
+            .unwrap();
         assert!(live().iter().any(|e| e.path == data));
         drop(guard);
         assert_eq!(std::fs::read(&data).unwrap(), b"data");

@@ -91,6 +91,7 @@ pub fn link(_file: &File, _dest: &Path) -> std::io::Result<()> {
 #[cfg(target_os = "linux")]
 fn c_path(p: &Path) -> std::io::Result<std::ffi::CString> {
     use std::os::unix::ffi::OsStrExt;
-    std::ffi::CString::new(p.as_os_str().as_bytes())
-        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "a NUL byte in the path"))
+    std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(|_| {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, "a NUL byte in the path")
+    })
 }

@@ -210,7 +210,7 @@ fn drop_unread_casts(graph: &mut GraphProto, set: &mut WidenedSet) {
 
 /// The step graph's widening Casts made per reading node (module doc). Runs last, on the
 /// finished graph.
-pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken: BTreeSet<String>) {
+pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken: HashSet<String>) {
     if set.is_empty() {
         return;
     }

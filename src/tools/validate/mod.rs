@@ -301,8 +301,7 @@ fn class_dim(model: &ModelProto, meta: &PatchMeta) -> ClassDim {
         symbol: None,
         input_axis: None,
     };
-    let (Ok((_, ce)), Some(graph)) = (copy::find_ce_node(model, meta), model.graph.as_ref())
-    else {
+    let (Ok((_, ce)), Some(graph)) = (copy::find_ce_node(model, meta), model.graph.as_ref()) else {
         return class;
     };
     let Some(scores) = ce.input.first() else {
@@ -310,8 +309,7 @@ fn class_dim(model: &ModelProto, meta: &PatchMeta) -> ClassDim {
     };
     let index = GraphIndex::new(graph);
     let shapes = crate::graph::shapes::Shapes::infer(&index);
-    if let Some(crate::graph::shapes::Dim::Sym(name)) = shapes.get(scores).and_then(|s| s.get(1))
-    {
+    if let Some(crate::graph::shapes::Dim::Sym(name)) = shapes.get(scores).and_then(|s| s.get(1)) {
         class.symbol = Some(name.clone());
     }
     class.input_axis = inputs::input_axis(&index, scores, 1);
