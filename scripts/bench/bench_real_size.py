@@ -690,7 +690,7 @@ def run_one(args, work: Path, meta: dict, kind: str) -> dict:
         tail = [line for line in stderr.strip().splitlines() if not line.startswith("phase: ")][-1:] \
             or [f"exit {rc}"]
         if rc < 0:
-            tail = [f"killed by signal {-rc} (out of memory?) in "
+            tail = [f"killed by signal {-rc}{' (out of memory?)' if rc == -9 else ''} in "
                     f"{phases[-1].removeprefix('phase: ') if phases else 'start'}"]
         return {"error": f"exit {rc}: {tail[0][:500]}", "wall_s": wall, "polled_peak_mib": peak,
                 "phases": phases}
