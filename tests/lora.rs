@@ -5,30 +5,10 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use common::*;
 use ntl_patch::onnx::ModelProto;
-use prost::Message;
-
-fn case(src: &Path, edit: impl FnOnce(&mut ModelProto)) -> (tempfile::TempDir, PathBuf) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("model.onnx");
-    let mut m = read_model(src);
-    edit(&mut m);
-    std::fs::write(&path, m.encode_to_vec()).unwrap();
-    std::fs::copy(tokenizer(), dir.path().join("tokenizer.json")).unwrap();
-    (dir, path)
-}
-
-fn listing(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    v.sort();
-    v
-}
 
 /// `ntl-patch [command] MODEL args` fails in one line naming `needle`, writing nothing.
 fn fails(command: Option<&str>, model: &Path, args: &[&str], needle: &str) {
@@ -372,91 +352,35 @@ fn validate_trains_a_lora_step_graph_in_tract_like_onnxruntime() {
 fn lora_refusals_are_one_line_and_write_nothing() {
     let (_d, flat) = case(&model("lm_flat"), |_| {});
     let (_e, llama) = case(&model("llama_dynamo"), |_| {});
-    fails(Some("step"), &llama, &["--lora-r", "0"], "--lora-r must be");
-    fails(
-        Some("step"),
-        &llama,
-        &["--lora-r", "86"],
-        "--lora-r 86 makes the adapter of 'model.layers.0.self_attn.v_proj' (32 -> 16) over 8x the size of its weight; use --lora-r 85 or less",
-    );
-    fails(
-        Some("step"),
-        &llama,
-        &["--lora-r", "99999999999"],
-        "--lora-r must be",
-    );
-    fails(
-        Some("step"),
-        &llama,
-        &["--lora-r", "-2"],
-        "--lora-r must be",
-    );
-    fails(
-        Some("step"),
-        &llama,
-        &["--lora-r", "4", "--lora-alpha", "-1"],
-        "--lora-alpha must be",
-    );
-    fails(
-        Some("step"),
-        &llama,
-        &["--lora-r", "4", "--lora-alpha", "0"],
-        "--lora-alpha must be",
-    );
-    fails(
-        Some("step"),
-        &llama,
-        &["--lora-r", "4", "--lora-alpha", "NaN"],
-        "--lora-alpha must be",
-    );
-    fails(
-        Some("step"),
-        &llama,
-        &["--lora-r", "4", "--lora-dropout", "0.1"],
-        "--lora-dropout > 0 is not built",
-    );
-    fails(
-        Some("step"),
-        &llama,
-        &["--lora-r", "4", "--lora-dropout", "1"],
-        "--lora-dropout must be",
-    );
-    fails(
-        Some("step"),
-        &llama,
-        &["--lora-r", "4", "--lora-targets", "no_such_proj"],
-        "--lora-targets 'no_such_proj' matches no linear layer",
-    );
-    fails(
-        Some("step"),
-        &llama,
-        &["--lora-r", "4", "--lora-targets", "q_proj,"],
-        "--lora-targets must name modules",
-    );
-    fails(
-        Some("step"),
-        &llama,
-        &["--lora-r", "4", "--lora-targets", "input_layernorm"],
-        "which no linear layer reads",
-    );
-    fails(
-        Some("step"),
-        &llama,
-        &["--lora-r", "4", "--train", "no.such."],
-        "--train 'no.such.' matches no weight",
-    );
-    fails(
-        Some("step"),
-        &llama,
-        &["--train", "lm_head"],
-        "--train adds base weights to what LoRA trains",
-    );
-    fails(
-        Some("step"),
-        &llama,
-        &["--lora-alpha", "16"],
-        "add --lora-r R",
-    );
+    let step_cases: &[(&[&str], &str)] = &[
+        (&["--lora-r", "0"], "--lora-r must be"),
+        (&["--lora-r", "-2"], "--lora-r must be"),
+        (&["--lora-r", "99999999999"], "--lora-r must be"),
+        (
+            &["--lora-r", "86"],
+            "--lora-r 86 makes the adapter of 'model.layers.0.self_attn.v_proj' (32 -> 16) over 8x the size of its weight; use --lora-r 85 or less",
+        ),
+        (&["--lora-r", "4", "--lora-alpha", "-1"], "--lora-alpha must be"),
+        (&["--lora-r", "4", "--lora-alpha", "0"], "--lora-alpha must be"),
+        (&["--lora-r", "4", "--lora-alpha", "NaN"], "--lora-alpha must be"),
+        (&["--lora-r", "4", "--lora-dropout", "0.1"], "--lora-dropout > 0 is not built"),
+        (&["--lora-r", "4", "--lora-dropout", "1"], "--lora-dropout must be"),
+        (
+            &["--lora-r", "4", "--lora-targets", "no_such_proj"],
+            "--lora-targets 'no_such_proj' matches no linear layer",
+        ),
+        (&["--lora-r", "4", "--lora-targets", "q_proj,"], "--lora-targets must name modules"),
+        (
+            &["--lora-r", "4", "--lora-targets", "input_layernorm"],
+            "which no linear layer reads",
+        ),
+        (&["--lora-r", "4", "--train", "no.such."], "--train 'no.such.' matches no weight"),
+        (&["--train", "lm_head"], "--train adds base weights to what LoRA trains"),
+        (&["--lora-alpha", "16"], "add --lora-r R"),
+    ];
+    for (args, needle) in step_cases {
+        fails(Some("step"), &llama, args, needle);
+    }
     fails(
         Some("step"),
         &flat,

@@ -4,34 +4,13 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use common::*;
 use ntl_patch::onnx::proto::type_proto::Value;
 use ntl_patch::onnx::{ModelProto, FLOAT};
 
 const DOUBLE: i32 = ntl_patch::onnx::proto::tensor_proto::DataType::Double as i32;
-use prost::Message;
-
-/// A temp folder with `model.onnx` (from `src`, optionally edited) and the fixture tokenizer.
-fn case(src: &Path, edit: impl FnOnce(&mut ModelProto)) -> (tempfile::TempDir, PathBuf) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("model.onnx");
-    let mut m = read_model(src);
-    edit(&mut m);
-    std::fs::write(&path, m.encode_to_vec()).unwrap();
-    std::fs::copy(tokenizer(), dir.path().join("tokenizer.json")).unwrap();
-    (dir, path)
-}
-
-fn listing(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    v.sort();
-    v
-}
 
 fn step_fails(model: &Path, args: &[&str], needle: &str) {
     let dir = model.parent().unwrap();

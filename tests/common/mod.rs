@@ -199,3 +199,24 @@ pub fn artifacts_folder(grad_outputs: &[&str]) -> tempfile::TempDir {
     artifacts_folder_with(root.path(), &training_graph(grad_outputs));
     root
 }
+
+/// A temp folder with `model.onnx` (from `src`, optionally edited) and the fixture tokenizer.
+pub fn case(src: &Path, edit: impl FnOnce(&mut ModelProto)) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.onnx");
+    let mut m = read_model(src);
+    edit(&mut m);
+    std::fs::write(&path, m.encode_to_vec()).unwrap();
+    std::fs::copy(tokenizer(), dir.path().join("tokenizer.json")).unwrap();
+    (dir, path)
+}
+
+/// The names in `dir`, sorted.
+pub fn listing(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
