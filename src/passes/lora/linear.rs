@@ -67,7 +67,7 @@ impl Linear {
 }
 
 /// Names exporters generate for weights they copied or folded: no module path in them.
-pub fn is_generated_name(name: &str) -> bool {
+fn is_generated_name(name: &str) -> bool {
     name.starts_with("onnx::") || name.starts_with("val_") || name.starts_with("_val_")
 }
 

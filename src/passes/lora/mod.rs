@@ -20,8 +20,6 @@ use linear::{linear_layers, Linear};
 use ntl_ops::names::PREFIX;
 use ntl_ops::Builder;
 
-pub use linear::is_generated_name;
-
 /// What the user chose: PEFT's `LoraConfig` fields, and the seed of `A`'s initialisation.
 #[derive(Debug, Clone)]
 pub struct LoraOptions {
@@ -244,7 +242,8 @@ pub fn insert(model: &mut ModelProto, o: &LoraOptions) -> Result<Adapted, Error>
     // PEFT allows a rank past a layer's sides (the tests use r 64 on 16-wide layers); the
     // adapters' memory stays bounded by the weights' all the same
     let largest = |l: &Linear| {
-        MAX_ADAPTER_RATIO * l.in_features * l.out_features / (l.in_features + l.out_features)
+        let (i, o) = (l.in_features as i128, l.out_features as i128);
+        (MAX_ADAPTER_RATIO as i128 * i * o / (i + o)).min(MAX_R as i128) as i64
     };
     if let Some(l) = chosen.iter().find(|l| o.r > largest(l)) {
         return Err(Error::Usage(format!(
