@@ -117,12 +117,8 @@ pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
 
 /// The `lora` entry of a step graph's metadata, if any.
 fn step_lora(model: &crate::onnx::ModelProto) -> Option<serde_json::Value> {
-    let meta = model
-        .metadata_props
-        .iter()
-        .find(|p| p.key() == crate::passes::step::STEP_METADATA_KEY)?;
-    let v: serde_json::Value = serde_json::from_str(meta.value()).ok()?;
-    v.get("lora").filter(|l| l.is_object()).cloned()
+    let meta = crate::passes::step::step_metadata(model)?.ok()?;
+    meta.get("lora").filter(|l| l.is_object()).cloned()
 }
 
 fn lora_text(l: &serde_json::Value) -> String {

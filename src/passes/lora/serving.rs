@@ -15,7 +15,7 @@ use crate::io::model_io::{
     check_external_data, load_model, load_model_source, model_dir, plan_external_data, same_file,
     save_model_from,
 };
-use crate::passes::step::STEP_METADATA_KEY;
+use crate::passes::step::step_metadata;
 
 pub struct ServingRequest {
     pub model: PathBuf,
@@ -48,13 +48,9 @@ fn step_options(step: &Path) -> Result<(LoraOptions, Vec<String>), Error> {
             step.display()
         ))
     };
-    let raw = m
-        .metadata_props
-        .iter()
-        .find(|p| p.key() == STEP_METADATA_KEY)
-        .ok_or_else(|| usage("is not a step graph"))?;
-    let meta: serde_json::Value =
-        serde_json::from_str(raw.value()).map_err(|_| usage("has unreadable step metadata"))?;
+    let meta = step_metadata(&m)
+        .ok_or_else(|| usage("is not a step graph"))?
+        .map_err(|_| usage("has unreadable step metadata"))?;
     let l = meta
         .get("lora")
         .filter(|l| l.is_object())
@@ -97,11 +93,7 @@ pub fn run(req: &ServingRequest) -> Result<ServingSummary, Error> {
     }
     let (o, wanted) = step_options(&req.step)?;
     let (mut model, source) = load_model_source(&req.model)?;
-    if model
-        .metadata_props
-        .iter()
-        .any(|p| p.key() == STEP_METADATA_KEY)
-    {
+    if step_metadata(&model).is_some() {
         return Err(Error::Usage(format!(
             "'{}' is a step graph; give the exported model the adapters go into",
             req.model.display()

@@ -53,6 +53,11 @@ impl WidenedSet {
             .map(|w| w.half.as_str())
     }
 
+    /// The widened tensors' names.
+    pub fn wide_names(&self) -> impl Iterator<Item = &String> {
+        self.by_wide.keys()
+    }
+
     pub fn contains(&self, wide: &str) -> bool {
         self.by_wide.contains_key(wide)
     }
@@ -92,6 +97,12 @@ fn rename_node_inputs(node: &mut NodeProto, renames: &HashMap<String, String>) {
     for a in &mut node.attribute {
         for g in a.g.iter_mut().chain(a.graphs.iter_mut()) {
             rename_inputs(g, renames);
+            // a subgraph output may be an outer tensor itself (subgraph_reads counts it)
+            for o in &mut g.output {
+                if let Some(w) = renames.get(o.name()) {
+                    o.name = Some(w.clone());
+                }
+            }
         }
     }
 }
@@ -167,14 +178,14 @@ fn is_layout_of_widened(node: &NodeProto, set: &WidenedSet) -> bool {
         && node.input[1..].iter().all(|i| !set.contains(i))
 }
 
-fn reader_counts(nodes: &[NodeProto]) -> HashMap<String, usize> {
-    let mut counts = HashMap::new();
+/// Every name the nodes (and their subgraphs) read.
+fn read_names(nodes: &[NodeProto]) -> HashSet<String> {
+    let mut read = HashSet::new();
     for n in nodes {
-        for i in n.input.iter().chain(subgraph_reads(n).iter()) {
-            *counts.entry(i.clone()).or_insert(0) += 1;
-        }
+        read.extend(n.input.iter().cloned());
+        read.extend(subgraph_reads(n));
     }
-    counts
+    read
 }
 
 /// Names a node's subgraphs read (outer-scope references included).
@@ -194,12 +205,12 @@ fn subgraph_reads(node: &NodeProto) -> Vec<String> {
 
 /// Widening Casts nothing reads any more (their layout op took the half tensor) go.
 fn drop_unread_casts(graph: &mut GraphProto, set: &mut WidenedSet) {
-    let counts = reader_counts(&graph.node);
+    let read = read_names(&graph.node);
     let outputs: HashSet<&str> = graph.output.iter().map(|o| o.name()).collect();
     let unread: HashSet<String> = set
         .by_wide
         .keys()
-        .filter(|w| !counts.contains_key(w.as_str()) && !outputs.contains(w.as_str()))
+        .filter(|w| !read.contains(w.as_str()) && !outputs.contains(w.as_str()))
         .cloned()
         .collect();
     graph.node.retain(|n| {

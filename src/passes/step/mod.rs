@@ -39,6 +39,16 @@ use zero_state::ZeroState;
 
 /// Metadata key of step graphs.
 pub const STEP_METADATA_KEY: &str = "ntl_step";
+
+/// A step graph's `ntl_step` metadata: None where the model has none, an error where it is
+/// not JSON.
+pub fn step_metadata(model: &ModelProto) -> Option<serde_json::Result<serde_json::Value>> {
+    let entry = model
+        .metadata_props
+        .iter()
+        .find(|p| p.key() == STEP_METADATA_KEY)?;
+    Some(serde_json::from_str(entry.value()))
+}
 pub const LR_INPUT: &str = "ntl/lr";
 pub const STEP_INPUT: &str = "ntl/state/step";
 

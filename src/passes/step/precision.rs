@@ -296,11 +296,7 @@ impl<'a, 'b> Pass<'a, 'b> {
             }
         }
         // a frozen half weight is a weight: a MatMul's bias among them joins its half type
-        for n in &inp.graph.node {
-            if let Some(out) = n.output.first().filter(|o| inp.widened.contains(o)) {
-                initializers.insert(out.clone());
-            }
-        }
+        initializers.extend(inp.widened.wide_names().cloned());
         for v in &inp.graph.input {
             if let Some((t, _)) = crate::onnx::value_info_shape(v) {
                 ty.insert(v.name().to_string(), t);

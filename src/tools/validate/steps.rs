@@ -100,11 +100,7 @@ pub fn check(
 
 /// The half type a `--precision fp16|bf16` step graph computes in (its `ntl_step` metadata).
 pub fn half_type(model: &ModelProto) -> Option<i32> {
-    let meta = model
-        .metadata_props
-        .iter()
-        .find(|p| p.key() == STEP_METADATA_KEY)?;
-    let meta: serde_json::Value = serde_json::from_str(meta.value()).ok()?;
+    let meta = crate::passes::step::step_metadata(model)?.ok()?;
     let precision = match meta["precision"].as_str()? {
         "fp16" => crate::passes::step::Precision::Fp16,
         "bf16" => crate::passes::step::Precision::Bf16,
