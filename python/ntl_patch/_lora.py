@@ -170,17 +170,8 @@ def _shown(names: list[str]) -> str:
 
 
 def _write_json(path: Path, obj) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
+    _onnx_wire._atomic_write(path, [text.encode("utf-8")])
 
 
 def save_adapter(directory, lora: dict, values, base_model_name_or_path: str | None = None,
@@ -339,15 +330,12 @@ def save_onnx_adapter(out, lora: dict, values, adapter_version: int = 1, model_v
     fmt.set_model_version(int(model_version))
     fmt.set_parameters(params)
     out = Path(os.fspath(out))
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent or ".")
+    fd, tmp = _onnx_wire._temp_beside(out)  # its mode as the umask asks, like every output
     os.close(fd)
     try:
         fmt.export_adapter(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
