@@ -388,24 +388,29 @@ fn static_rank_at(index: &GraphIndex, tensor: &str, depth: usize) -> Option<usiz
 mod tests {
     use super::*;
 
+    /// `x -> t0 -> t1 -> ... -> t{n-1}`, node i of op `op(i)`.
+    fn chain(n: usize, op: impl Fn(usize) -> &'static str) -> Vec<NodeProto> {
+        (0..n)
+            .map(|i| NodeProto {
+                op_type: Some(op(i).into()),
+                input: vec![if i == 0 {
+                    "x".into()
+                } else {
+                    format!("t{}", i - 1)
+                }],
+                output: vec![format!("t{i}")],
+                ..Default::default()
+            })
+            .collect()
+    }
+
     /// The element type of every tensor of a long Identity chain, asked one by one, costs one
     /// walk in all: each walk back stops where an earlier one passed (quadratic before).
     #[test]
     fn element_types_along_a_chain_are_walked_once() {
         let n = 20_000;
         let graph = GraphProto {
-            node: (0..n)
-                .map(|i| NodeProto {
-                    op_type: Some("Identity".into()),
-                    input: vec![if i == 0 {
-                        "x".into()
-                    } else {
-                        format!("t{}", i - 1)
-                    }],
-                    output: vec![format!("t{i}")],
-                    ..Default::default()
-                })
-                .collect(),
+            node: chain(n, |_| "Identity"),
             ..Default::default()
         };
         let index = GraphIndex::new(&graph);
@@ -429,18 +434,7 @@ mod tests {
             ..Default::default()
         });
         let graph = GraphProto {
-            node: (0..n)
-                .map(|i| NodeProto {
-                    op_type: Some(if i % 2 == 0 { "Identity" } else { "Relu" }.into()),
-                    input: vec![if i == 0 {
-                        "x".into()
-                    } else {
-                        format!("t{}", i - 1)
-                    }],
-                    output: vec![format!("t{i}")],
-                    ..Default::default()
-                })
-                .collect(),
+            node: chain(n, |i| if i % 2 == 0 { "Identity" } else { "Relu" }),
             input: vec![crate::onnx::ValueInfoProto {
                 name: Some("x".into()),
                 r#type: Some(TypeProto {
