@@ -93,13 +93,20 @@ PRESETS = {
     # Qwen2-1.5B: 1.54 B parameters (tied embeddings); LoRA against torch + PEFT by default
     "qwen1.5b": dict(layers=28, dim=1536, heads=12, kv_heads=2, mlp=8960, vocab=151936, batch=1, seq=256,
                      min_available_gib=12, max_load=1.5, rss_limit_gib=20, configs="lora,peft"),
+    # long sequences (issue 25): the Qwen2-0.5B shape at 4096 tokens per step, recomputation
+    # against torch's gradient checkpointing (`--batch 2 --seq 2048` for the other split)
+    "qwen0.5b-long": dict(layers=24, dim=896, heads=14, kv_heads=2, mlp=4864, vocab=151936, batch=1,
+                          seq=4096, min_available_gib=21, max_load=1.5, rss_limit_gib=20,
+                          configs="recompute,torch_ckpt,default,torch"),
     # a quick check of the script itself
     "small": dict(layers=2, dim=128, heads=4, kv_heads=2, mlp=256, vocab=4096, batch=2, seq=64,
                   min_available_gib=0, max_load=None),
 }
 LORA_ARGS = "--lora-r 16 --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
-STEP_CONFIGS = {"dense": "--fused-head off", "default": "", "lora": LORA_ARGS}
-TORCH_KINDS = ("torch", "peft")
+STEP_CONFIGS = {"dense": "--fused-head off", "default": "", "lora": LORA_ARGS,
+                "recompute": "--recompute layers"}
+# torch_ckpt: torch with model.gradient_checkpointing_enable() (each decoder layer recomputed)
+TORCH_KINDS = ("torch", "peft", "torch_ckpt")
 PYTHONS = {"step": REPO / ".venv-rt/bin/python", "torch": REPO / ".venv/bin/python"}
 # keys of a preset that are not the model's shape
 RUN_KEYS = ("min_available_gib", "max_load", "rss_limit_gib", "configs")
@@ -392,8 +399,8 @@ def worker(argv) -> None:
     ids, labels = z["input_ids"], z["labels"]
     t_load = time.perf_counter()
     phase("load")
-    if kind == "torch":
-        step, extra = torch_step(work, ids, labels, threads, device)
+    if kind in ("torch", "torch_ckpt"):
+        step, extra = torch_step(work, ids, labels, threads, device, checkpoint=kind == "torch_ckpt")
     elif kind == "peft":
         step, extra = torch_step(work, ids, labels, threads, device, lora_graph=work / argv[5])
     else:
@@ -501,7 +508,8 @@ def peft_wrap(model, lora_graph: Path):
     return pm, [p for p in pm.parameters() if p.requires_grad], lora
 
 
-def torch_step(work: Path, ids, labels, threads: int, device: str, lora_graph: Path | None = None):
+def torch_step(work: Path, ids, labels, threads: int, device: str, lora_graph: Path | None = None,
+               checkpoint: bool = False):
     import ntloss
     import torch
     from transformers import PreTrainedTokenizerFast
@@ -521,6 +529,8 @@ def torch_step(work: Path, ids, labels, threads: int, device: str, lora_graph: P
         model = model.float()
         trained = list(model.parameters())
     model = model.to(device)
+    if checkpoint:  # what Hugging Face users turn on for long sequences
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     tok = PreTrainedTokenizerFast(tokenizer_file=str(work / "tokenizer.json"))
     ntl = ntloss.NTLoss(tok, vocab_size=spec["vocab"], digit_level=True, reweigh=False)
     opt = torch.optim.AdamW(trained, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -671,7 +681,7 @@ def run_one(args, work: Path, meta: dict, kind: str) -> dict:
     cmd = [python, __file__, "worker", worker_kind, str(work), str(args.steps), str(args.threads), args.device]
     if kind == "peft":
         cmd += [meta["step_graphs"][args.peft_of]["path"]]
-    elif kind != "torch":
+    elif kind not in ("torch", "torch_ckpt"):
         cmd += [meta["step_graphs"][kind]["path"], args.runner_python]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONDONTWRITEBYTECODE": "1"}
     if args.no_cpu_arena:
@@ -729,7 +739,11 @@ def reference(args, meta: dict, kind: str) -> str | None:
     if kind in TORCH_KINDS:
         return None
     g = meta["step_graphs"].get(kind, {})
-    return "peft" if "--lora-r" in shlex.split(g.get("args", "")) else "torch"
+    if "--lora-r" in shlex.split(g.get("args", "")):
+        return "peft"
+    if "--recompute" in shlex.split(g.get("args", "")) and "torch_ckpt" in args.config_list:
+        return "torch_ckpt"
+    return "torch"
 
 
 def loss_diff(a: list, b: list) -> float:

@@ -13,6 +13,9 @@ use ntl_ops::options::{
 use ntl_patch::io::model_io::ExternalDataAction;
 use ntl_patch::passes::artifacts::{run_artifacts, ArtifactsRequest};
 use ntl_patch::passes::fused_head::{FusedHeadOptions, Mode as FusedHeadMode};
+use ntl_patch::passes::recompute::{
+    Hints as RecomputeHints, Mode as RecomputeMode, RecomputeOptions,
+};
 use ntl_patch::passes::lora::LoraOptions;
 use ntl_patch::passes::pipeline::{run_patch, PatchRequest};
 use ntl_patch::passes::step::loss_scale::LossScaleOptions;
@@ -153,6 +156,17 @@ struct StepArgs {
     /// 32 Mi values (128 MiB), 16..4096].
     #[arg(long, value_name = "N")]
     head_chunk_tokens: Option<i64>,
+    /// Recompute each layer's forward in the backward instead of keeping its activations
+    /// (torch's gradient checkpointing): auto = where the kept activations would outweigh the
+    /// parameters and optimizer state at the step's shape.
+    #[arg(long, value_enum, default_value_t = RecomputeArg::Off)]
+    recompute: RecomputeArg,
+    /// --recompute auto: the batch size a step runs with, where the graph's is symbolic.
+    #[arg(long, value_name = "B")]
+    batch: Option<u64>,
+    /// --recompute auto: the sequence length a step runs with, where the graph's is symbolic.
+    #[arg(long, value_name = "T")]
+    seq: Option<u64>,
     /// Output path [default: MODEL.step.onnx beside the model; with --split MODEL.grad.onnx].
     #[arg(short, long)]
     output: Option<PathBuf>,
@@ -197,6 +211,13 @@ struct LoraModelArgs {
 enum LoraInitArg {
     /// A as nn.Linear's default (Kaiming-uniform, a = sqrt(5)), B zeros.
     Peft,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum RecomputeArg {
+    Off,
+    Layers,
+    Auto,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -771,6 +792,16 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
         OptimizerArg::Sgd => OptimizerKind::Sgd,
     };
     let (precision, loss_scale) = precision_options(&args)?;
+    let recompute_mode = match args.recompute {
+        RecomputeArg::Off => RecomputeMode::Off,
+        RecomputeArg::Layers => RecomputeMode::Layers,
+        RecomputeArg::Auto => RecomputeMode::Auto,
+    };
+    if recompute_mode != RecomputeMode::Auto && (args.batch.is_some() || args.seq.is_some()) {
+        return Err(ntl_patch::Error::Usage(
+            "--batch and --seq are the step's shape for --recompute auto; add --recompute auto or drop them".into(),
+        ));
+    }
     let req = StepRequest {
         patch: PatchRequest {
             model: args.model,
@@ -810,6 +841,13 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
             },
             chunk_tokens: args.head_chunk_tokens,
         },
+        recompute: RecomputeOptions {
+            mode: recompute_mode,
+            hints: RecomputeHints {
+                batch: args.batch,
+                seq: args.seq,
+            },
+        },
     };
     let s = run_step(&req)?;
     for n in s.patch.notices.iter().chain(&s.notes) {
@@ -835,6 +873,7 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
             "buffers": s.buffers,
             "fused_head": s.fused_head_chunk_tokens.map(|c| serde_json::json!({"chunk_tokens": c})),
             "lora": s.lora,
+            "recompute": s.recompute,
             "warnings": s.warnings,
         })
         .to_string()
@@ -856,6 +895,14 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
             Some(c) => format!("; LM head fused, {c} positions per chunk"),
             None => String::new(),
         };
+        let recompute = match s.recompute["blocks"].as_u64() {
+            Some(n) if n > 0 => format!("; {n} layers recomputed in the backward"),
+            _ => String::new(),
+        };
+        let recompute = match s.recompute["reason"].as_str() {
+            Some(why) => format!("{recompute}; recompute {why}"),
+            None => recompute,
+        };
         let lora = match (&s.lora, &req.lora) {
             (Some(meta), Some(o)) => format!(
                 "; LoRA r={} alpha={} on {} layers ({})",
@@ -874,7 +921,7 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
             _ => String::new(),
         };
         format!(
-            "wrote {} ({} on {}, {} parameters / {} values trained with {}{}{}{}{})",
+            "wrote {} ({} on {}, {} parameters / {} values trained with {}{}{}{}{}{})",
             outputs.join(" and "),
             req.patch.loss.kind.name(),
             s.patch.ce_node,
@@ -887,7 +934,8 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
             lora,
             frozen,
             buffers,
-            fused
+            fused,
+            recompute
         )
     })
 }

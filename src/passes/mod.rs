@@ -8,5 +8,6 @@ pub mod grad;
 pub mod lora;
 pub mod loss_inputs;
 pub mod pipeline;
+pub mod recompute;
 pub mod rewrite;
 pub mod step;

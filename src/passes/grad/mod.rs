@@ -37,6 +37,9 @@ pub struct Ctx<'a> {
     runtime_zero: Option<String>,
     /// Sparse contributions a rule hands back instead of a dense gradient (see `Scatter`).
     scatters: Vec<(String, Scatter)>,
+    /// Forward tensor → its summed gradient, for every node output the walk passed
+    /// (recomputation reads a block's incoming gradient from it).
+    pub gradient_of: HashMap<String, String>,
 }
 
 /// A gradient that is zero except at a few places along one axis: `updates` belong at
@@ -67,6 +70,7 @@ impl<'a> Ctx<'a> {
             loss: None,
             runtime_zero: None,
             scatters: Vec::new(),
+            gradient_of: HashMap::new(),
         }
     }
 
@@ -385,6 +389,11 @@ fn backward(
             .iter()
             .map(|o| grads.remove(o).map(|parts| parts.total(ctx, o)))
             .collect();
+        for (o, g) in node.output.iter().zip(&gy) {
+            if let Some(g) = g {
+                ctx.gradient_of.insert(o.clone(), g.clone());
+            }
+        }
         let positions = gradient_inputs(node);
         let Some(rule) = rules::rule(node.op_type()).filter(|_| positions.is_some()) else {
             let param = node

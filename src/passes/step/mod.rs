@@ -29,6 +29,7 @@ use crate::passes::fused_head::{self, FusedHeadOptions, Outcome};
 use crate::passes::grad::{self, Ctx};
 use crate::passes::lora::{self, Adapted, LoraOptions};
 use crate::passes::pipeline::{patch_model, PatchRequest, PatchSummary};
+use crate::passes::recompute::{self, RecomputeOptions, StepFacts};
 use loss_scale::{LossScaleOptions, ScaleState, SCALE_STATE, SKIP_OUTPUT, TRACKER_STATE};
 use ntl_ops::names::{CE_OUTPUT, NUMBER_OUTPUT, PREFIX};
 use ntl_ops::Builder;
@@ -79,6 +80,8 @@ pub struct StepRequest {
     pub lora: Option<LoraOptions>,
     /// With LoRA: initializer-name prefixes of base weights to train too.
     pub train: Vec<String>,
+    /// `--recompute`: the backward recomputes each layer's forward.
+    pub recompute: RecomputeOptions,
 }
 
 impl StepRequest {
@@ -101,6 +104,8 @@ pub struct StepSummary {
     pub fused_head_chunk_tokens: Option<i64>,
     /// LoRA: the options and the adapted layers (the metadata's `lora`).
     pub lora: Option<serde_json::Value>,
+    /// `--recompute`: what was chosen and why (the metadata's `recompute`).
+    pub recompute: serde_json::Value,
 }
 
 /// `model.onnx` → `model.step.onnx` (or `model.grad.onnx` + `model.update.onnx`).
@@ -213,6 +218,7 @@ pub fn run_step(req: &StepRequest) -> Result<StepSummary, Error> {
         warnings: built.warnings,
         fused_head_chunk_tokens: built.fused_head_chunk_tokens,
         lora: built.lora,
+        recompute: built.recompute,
     };
     // Everything but the main graph first, removed again if a later write fails: an error
     // leaves no output at all.
@@ -255,6 +261,7 @@ struct Built {
     zeros: ZeroState,
     fused_head_chunk_tokens: Option<i64>,
     lora: Option<serde_json::Value>,
+    recompute: serde_json::Value,
 }
 
 fn is_buffer_name(name: &str) -> bool {
@@ -543,11 +550,13 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
     }
 
     let nodes = graph.node.clone();
-    let grads = {
+    let (grads, gradient_of) = {
         let mut ctx = Ctx::new(&mut b, &mut ranks, &shapes, &types, opset);
         let seed = scale_state.as_ref().map(|s| s.scale.as_str());
-        grad::differentiate(&mut ctx, &nodes, &loss, &params, seed)?
+        let grads = grad::differentiate(&mut ctx, &nodes, &loss, &params, seed)?;
+        (grads, std::mem::take(&mut ctx.gradient_of))
     };
+    let forward_data_inputs = data_inputs(graph);
     // Mixed precision: forward and backward retyped together; the optimizer stays float32.
     let mixed = match precision.half_type() {
         Some(half) => {
@@ -715,6 +724,21 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         None
     };
     fused_head::lower::lower(model);
+    let recomputed = {
+        let graph = model.graph.as_mut().expect("graph");
+        let mut b = Builder::new(PREFIX, opset, GraphIndex::new(graph).taken_names());
+        let state_bytes = parameter_elements.saturating_mul(1 + slots.len() as u64) * 4;
+        let facts = StepFacts {
+            losses: &[loss.as_str(), CE_OUTPUT, NUMBER_OUTPUT],
+            data_inputs: &forward_data_inputs,
+            gradient_of: &gradient_of,
+            state_bytes,
+        };
+        recompute::recompute(graph, &mut b, &req.recompute, &facts)?
+    };
+    warnings.extend(recomputed.warnings.iter().cloned());
+    let recompute_json = recomputed.to_json(req.recompute.mode);
+    meta["recompute"] = recompute_json.clone();
     {
         let graph = model.graph.as_mut().expect("graph");
         let taken = GraphIndex::new(graph).taken_names();
@@ -748,6 +772,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         zeros,
         fused_head_chunk_tokens: fused.map(|v| v.chunk_tokens),
         lora: lora_meta,
+        recompute: recompute_json,
     })
 }
 
