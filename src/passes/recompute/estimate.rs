@@ -64,12 +64,22 @@ pub(super) fn decide(view: &View, hints: &Hints, state_bytes: u64) -> (bool, Str
         (Some(b), Some(t)) => format!(" at batch {b}, sequence {t}"),
         _ => String::new(),
     };
-    let (kept_gib, state_gib) = (kept as f64 / GIB, state_bytes as f64 / GIB);
+    let (kept_h, state_h) = (human(kept), human(state_bytes));
     if kept > state_bytes {
-        (true, format!("layers: the forward would keep {kept_gib:.2} GiB of activations{at}, more than the {state_gib:.2} GiB of parameters and optimizer state"))
+        (true, format!("layers: the forward would keep {kept_h} of activations{at}, more than the {state_h} of parameters and optimizer state"))
     } else {
-        (false, format!("off: the forward keeps {kept_gib:.2} GiB of activations{at}, less than the {state_gib:.2} GiB of parameters and optimizer state"))
+        (false, format!("off: the forward keeps {kept_h} of activations{at}, less than the {state_h} of parameters and optimizer state"))
     }
+}
+
+/// `1.25 GiB`, `3.0 MiB`, `12.0 KiB`.
+fn human(bytes: u64) -> String {
+    let units = [("GiB", GIB), ("MiB", GIB / 1024.0), ("KiB", GIB / 1048576.0)];
+    let (unit, size) = units
+        .iter()
+        .find(|(_, size)| bytes as f64 >= *size)
+        .unwrap_or(&units[2]);
+    format!("{:.2} {unit}", bytes as f64 / size)
 }
 
 /// Sizes of the data inputs' symbolic dims: axis 0 is the batch, axis 1 the sequence. Err:

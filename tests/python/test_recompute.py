@@ -1,0 +1,214 @@
+"""`ntl-patch step --recompute`: activation recomputation of the repeated blocks.
+
+References: the same step graph without recomputation (gradients equal to 1e-6 norm-relative,
+floor 1e-3·‖all‖ as test_step.py), torch autograd in float64 (fixtures/reference/step, from
+fixtures/generate_step.py) and 20 AdamW steps of torch (the same file). What onnxruntime's
+optimiser leaves of the recomputation is counted in the graph it writes out
+(`optimized_model_filepath`), in this environment's onnxruntime (1.19) and in .venv-rt's 1.31:
+the backward must read far fewer forward activations than without recomputation, at every
+optimisation level — the count goes back up if a runtime could merge the copies back into the
+stored forward (common-subexpression elimination) or run them in the forward.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import MODELS, TOKENIZER, run_patch
+from test_ort_training import _norm_rel, _quiet_ort
+from test_step import (HEADS, HF_MODELS, STEPS, TRAJ_RTOL, _assert_params_close, _hf_reference,
+                       _run_step_graph, _zero_grad_mask)
+
+REPO = Path(__file__).resolve().parents[2]
+GRAD_RTOL = 1e-6
+
+
+def _step(model: str, out: Path, *extra, ok=True):
+    args = ["step", MODELS / f"{model}.onnx", "--loss", "wasserstein", "--tokenizer", TOKENIZER,
+            "--weight", "0.3", "-o", out, "--json", *extra]
+    r = run_patch(args)
+    if ok:
+        assert r.returncode == 0, f"exit {r.returncode}\n{r.stderr}"
+        return json.loads(r.stdout)
+    return r
+
+
+def _grads(path: Path, x, y, optimise=True):
+    ort = _quiet_ort()
+    so = ort.SessionOptions()
+    if not optimise:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    meta = json.loads(sess.get_modelmeta().custom_metadata_map["ntl_step"])
+    outs = sess.run(None, {"input_ids": x, "labels": y})
+    return outs[:3], dict(zip(meta["parameters"], outs[3:]))
+
+
+def _assert_same_gradients(a: dict, b: dict, rtol: float) -> None:
+    all_a = np.concatenate([v.ravel() for v in a.values()]).astype(np.float64)
+    floor = 1e-3 * float(np.linalg.norm(all_a))
+    errs = {p: _norm_rel(b[p].astype(np.float64), a[p].astype(np.float64), floor) for p in a}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= rtol, (worst, errs[worst])
+
+
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("model", HF_MODELS)
+def test_gradients_equal_those_without_recomputation(model, head, tmp_path):
+    ref = _hf_reference(model)
+    x, y = ref["batch/input_ids"], ref["batch/labels"]
+    plain = _step(model, tmp_path / "a.grad.onnx", "--split", *HEADS[head])
+    summary = _step(model, tmp_path / "b.grad.onnx", "--split", "--recompute", "layers", *HEADS[head])
+    assert summary["recompute"]["blocks"] == 2 and summary["recompute"]["mode"] == "layers"
+    assert summary["parameters"] == plain["parameters"]
+    # the same arithmetic: equal as written (onnxruntime's optimiser off) ...
+    la, ga = _grads(tmp_path / "a.grad.onnx", x, y, optimise=False)
+    lb, gb = _grads(tmp_path / "b.grad.onnx", x, y, optimise=False)
+    np.testing.assert_allclose(lb, la, rtol=1e-6)
+    _assert_same_gradients(ga, gb, GRAD_RTOL)
+    # ... and as onnxruntime runs them, where its fusions may now differ (the forward's inner
+    # activations feed only the forward): within float32 rounding of each other and of torch's
+    # float64 autograd, as test_step checks the graph without recomputation
+    la, ga = _grads(tmp_path / "a.grad.onnx", x, y)
+    lb, gb = _grads(tmp_path / "b.grad.onnx", x, y)
+    np.testing.assert_allclose(lb, la, rtol=1e-6)
+    _assert_same_gradients(ga, gb, 1e-5)
+    want = {p: ref[f"grad/wasserstein/float64/{p}"] for p in gb}
+    _assert_same_gradients(want, gb, 1e-5)
+
+
+@pytest.mark.parametrize("model", HF_MODELS)
+def test_trains_like_torch(model, tmp_path):
+    ref = _hf_reference(model)
+    out = tmp_path / "m.step.onnx"
+    _step(model, out, "--recompute", "layers", "--lr", "1e-3", *HEADS["fused"])
+    batches = [(ref[f"traj/batch/{k:02d}/input_ids"], ref[f"traj/batch/{k:02d}/labels"]) for k in range(STEPS)]
+    losses, params, _ = _run_step_graph(out, batches)
+    np.testing.assert_allclose(losses, ref["traj/adamw/loss"][:, 0], rtol=TRAJ_RTOL)
+    zero = _zero_grad_mask({p: ref[f"grad/wasserstein/float64/{p}"] for p in params})
+    _assert_params_close(params, {p: ref[f"traj/adamw/final/{p}"] for p in params}, zero)
+
+
+LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_ALL")
+_OPTIMISE = """
+import sys, onnxruntime as ort
+for level in sys.argv[3:]:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+    so.optimized_model_filepath = sys.argv[2] + "." + level + ".onnx"
+    ort.InferenceSession(sys.argv[1], so, providers=["CPUExecutionProvider"])
+"""
+
+
+def _stored_activations(path: Path, out: Path, python: str) -> dict:
+    """Forward activations (float tensors computed from the batch; not shape vectors) the backward
+    reads in the graph onnxruntime runs (after its optimiser at `level`): what a step keeps from
+    the forward to the backward, per level. Types from onnx's shape inference of the emitted
+    graph."""
+    r = subprocess.run([python, "-c", _OPTIMISE, str(path), str(out), *LEVELS], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    emitted = onnx.shape_inference.infer_shapes(onnx.load(str(path))).graph
+    floats = {v.name for v in emitted.value_info
+              if v.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)}
+    return {level: _stored(onnx.load(f"{out}.{level}.onnx").graph, floats) for level in LEVELS}
+
+
+def _stored(g, floats: set) -> set:
+    producer = {o: i for i, n in enumerate(g.node) for o in n.output}
+    forward, needed = set(), {o.name for o in g.output[:3]}
+    for i in range(len(g.node) - 1, -1, -1):
+        if any(o in needed for o in g.node[i].output):
+            forward.add(i)
+            needed.update(g.node[i].input)
+    data = {"input_ids", "labels"}
+    for n in g.node:
+        if data.intersection(n.input):
+            data.update(n.output)
+    return {x for i, n in enumerate(g.node) if i not in forward for x in n.input
+            if producer.get(x) in forward and x in data and x in floats}
+
+
+@pytest.mark.parametrize("runtime", ["1.31", "1.19"])
+@pytest.mark.parametrize("model", ["llama_ts", "gpt2_dynamo"])
+def test_onnxruntime_neither_merges_nor_drops_the_recomputation(model, runtime, tmp_path):
+    python = str(REPO / ".venv-rt" / "bin" / "python") if runtime == "1.31" else sys.executable
+    _step(model, tmp_path / "a.grad.onnx", "--split", *HEADS["fused"])
+    _step(model, tmp_path / "b.grad.onnx", "--split", "--recompute", "layers", *HEADS["fused"])
+    plain_at = _stored_activations(tmp_path / "a.grad.onnx", tmp_path / "a.opt", python)
+    recomputed_at = _stored_activations(tmp_path / "b.grad.onnx", tmp_path / "b.opt", python)
+    for level in LEVELS:
+        plain, recomputed = plain_at[level], recomputed_at[level]
+        print(f"{model} onnxruntime {runtime} {level}: {len(plain)} -> {len(recomputed)} stored")
+        assert len(recomputed) <= 0.5 * len(plain), (level, len(plain), len(recomputed))
+        # no block's inner activation is kept: what the blocks compute stays inside them
+        inner = [x for x in recomputed if "/layers.1/self_attn/" in x or "/h.1/attn/" in x]
+        assert not inner, (level, inner)
+
+
+def test_with_lora_and_fp16(tmp_path):
+    ref = _hf_reference("llama_dynamo")
+    x, y = ref["batch/input_ids"], ref["batch/labels"]
+    for extra, rtol in ((["--lora-r", "4", "--lora-targets", "q_proj,v_proj,down_proj"], GRAD_RTOL),
+                        (["--precision", "fp16"], 1e-3)):
+        _step("llama_dynamo", tmp_path / "a.grad.onnx", "--split", *extra)
+        s = _step("llama_dynamo", tmp_path / "b.grad.onnx", "--split", "--recompute", "layers", *extra)
+        assert s["recompute"]["blocks"] == 2
+        la, ga = _grads(tmp_path / "a.grad.onnx", x, y, optimise=False)
+        lb, gb = _grads(tmp_path / "b.grad.onnx", x, y, optimise=False)
+        np.testing.assert_allclose(lb, la, rtol=rtol)
+        _assert_same_gradients(ga, gb, rtol)
+
+
+def test_python_step_and_runner(tmp_path):
+    sys.path.insert(0, str(REPO / "python"))
+    import ntl_patch
+
+    ref = _hf_reference("gpt2_ts")
+    batches = [(ref[f"traj/batch/{k:02d}/input_ids"], ref[f"traj/batch/{k:02d}/labels"]) for k in range(3)]
+    losses = {}
+    for mode in ("off", "layers"):
+        out = tmp_path / f"{mode}.step.onnx"
+        s = ntl_patch.step(MODELS / "gpt2_ts.onnx", loss="wasserstein", tokenizer=TOKENIZER, out=out,
+                           recompute=mode)
+        assert s["recompute"]["mode"] == mode
+        runner = ntl_patch.StepRunner(out, providers=["CPUExecutionProvider"])
+        losses[mode] = [runner.step({"input_ids": a, "labels": b}) for a, b in batches]
+    np.testing.assert_allclose(losses["layers"], losses["off"], rtol=1e-6)
+
+
+def test_auto_decides_from_the_step_shape(tmp_path):
+    out = tmp_path / "m.step.onnx"
+    small = _step("llama_dynamo", out, "--recompute", "auto", "--batch", "1", "--seq", "2")
+    assert small["recompute"]["blocks"] == 0
+    assert small["recompute"]["reason"].startswith("off: the forward keeps"), small["recompute"]
+    long = _step("llama_dynamo", out, "--recompute", "auto", "--batch", "8", "--seq", "4096")
+    assert long["recompute"]["blocks"] == 2
+    assert long["recompute"]["reason"].startswith("layers: the forward would keep"), long["recompute"]
+    unknown = _step("llama_dynamo", out, "--recompute", "auto")
+    assert unknown["recompute"]["blocks"] == 0 and "--batch and --seq" in unknown["recompute"]["reason"]
+    # no repeated blocks: auto warns and keeps recomputation off
+    r = _step("lm_flat", out, "--recompute", "auto", ok=False)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["recompute"]["blocks"] == 0
+    assert any("--recompute auto found no repeated blocks" in w for w in summary["warnings"])
+
+
+def test_refusals_are_one_line_and_write_nothing(tmp_path):
+    out = tmp_path / "m.step.onnx"
+    r = _step("lm_flat", out, "--recompute", "layers", ok=False)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "found no repeated blocks" in lines[0] and "layers.N" in lines[0], r.stderr
+    r = _step("llama_ts", out, "--batch", "4", ok=False)
+    assert r.returncode == 1 and "--recompute auto" in r.stderr
+    assert list(tmp_path.iterdir()) == []
