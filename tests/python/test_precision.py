@@ -29,6 +29,7 @@ inference, CUDA/ROCm kernels); its numerics only by scripts/gpu/gpu-check.sh --p
 from __future__ import annotations
 
 import json
+import sys
 import math
 from pathlib import Path
 
@@ -231,6 +232,59 @@ def test_fp16_trains_like_torch_autocast(model, optimizer, references, tmp_path)
     d_graph, d_torch, d_both = _dist(got_p, p64, start), _dist(pam, p64, start), _dist(got_p, pam, start)
     print(f"{model}: losses vs torch amp {loss_err:.2e} (torch amp vs float64 "
           f"{np.max(np.abs(lam - l64) / np.abs(l64)):.2e}); parameters, fraction of the float64 "
+          f"update: graph {d_graph:.3g}, torch amp {d_torch:.3g}, graph vs torch {d_both:.3g}")
+    assert loss_err <= 2 * U16
+    assert d_graph <= 1.5 * d_torch
+    assert d_both <= 2 * d_torch
+
+
+@pytest.mark.parametrize("model", ["lm_flat", "llama_ts"])
+def test_fused_head_projects_in_float16_like_autocast(model, tmp_path):
+    """The fused LM head under --precision fp16 (chunks of 3 positions): its projection reads a
+    float16 copy of the weight made once per step outside the Scans (autocast's cast cache) and
+    the chunk's hidden states in float16; its logits are widened to float32 before the max and
+    log-sum-exp, and its two backward products (dW, dh) run in float16 too. Trained by
+    StepRunner on onnxruntime (tract cannot analyse a Scan that reads the step's state inputs
+    from the outer graph), against torch autocast + GradScaler with the tolerances above. A
+    loss scale of 2^10 that overflows nowhere: onnxruntime's CPU provider computes float16 ops
+    in float32 (see below), so it cannot overflow where torch's float16 does."""
+    sys.path.insert(0, str(MODELS.parents[1] / "python"))
+    from ntl_patch import StepRunner
+
+    out = tmp_path / "m.step.onnx"
+    low = dict(init_scale=2.0 ** 10, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000)
+    step_graph(model, out, "fp16", "--fused-head", "on", "--head-chunk-tokens", "3", *scaler_args(low))
+    g = onnx.load(str(out)).graph
+    scans = [n for n in g.node if n.op_type == "Scan"]
+    assert scans
+    half_weights = [n.output[0] for n in g.node if n.op_type == "Cast" and n.output[0].startswith("ntl/fused/w_half")]
+    assert len(half_weights) == len(scans), "one float16 copy of the weight per Scan, outside it"
+    for scan in scans:
+        body = scan.attribute[0].g
+        ops = [n.op_type for n in body.node]
+        assert "Gemm" not in ops
+        to = {n.output[0]: n.attribute[0].i for n in body.node if n.op_type == "Cast"}
+        products = [n for n in body.node if n.op_type == "MatMul"]
+        for n in products:  # both operands cast to float16 (directly or through a Transpose)
+            srcs = [next((m.input[0] for m in body.node if m.output[0] == i and m.op_type == "Transpose"), i)
+                    for i in n.input]
+            assert all(to.get(i) == onnx.TensorProto.FLOAT16 or i in half_weights for i in srcs), n
+        assert to.get(next(n.input[0] for n in body.node if n.op_type == "TopK")) == onnx.TensorProto.FLOAT
+
+    r = StepRunner(out, providers=["CPUExecutionProvider"])
+    got, skipped = [], []
+    for x, y in _batches(model):
+        got.append(float(np.ravel(r.step({"input_ids": x, "labels": y}))[0]))
+        skipped.append(r.last_step_skipped)
+    got_p = {p: v.astype(np.float64) for p, v in r.parameters().items()}
+    lam, pam, am_skip, *_ = torch_run(model, torch.float32, amp=True, scaler=low)
+    assert not any(am_skip) and not any(skipped)
+    l64, p64, *_ = torch_run(model, torch.float64)
+    start = _torch_model(model, torch.float64)[0].state_dict()
+    start = {k: v.numpy() for k, v in start.items() if k in p64}
+    loss_err = np.max(np.abs(np.array(got) - lam) / np.abs(lam))
+    d_graph, d_torch, d_both = _dist(got_p, p64, start), _dist(pam, p64, start), _dist(got_p, pam, start)
+    print(f"{model} fused: losses vs torch amp {loss_err:.2e}; parameters, fraction of the float64 "
           f"update: graph {d_graph:.3g}, torch amp {d_torch:.3g}, graph vs torch {d_both:.3g}")
     assert loss_err <= 2 * U16
     assert d_graph <= 1.5 * d_torch

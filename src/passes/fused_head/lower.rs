@@ -23,7 +23,7 @@ use crate::onnx::{
 /// forward and the gradient together where the gradient's dense part is known before the
 /// forward runs ([`one_pass`]), else a forward `Scan` and a backward one that recomputes the
 /// logits.
-pub fn lower(model: &mut ModelProto) {
+pub fn lower(model: &mut ModelProto, half: Option<i32>) {
     let opset = default_opset(model).unwrap_or(ntl_ops::builder::MIN_OPSET);
     let graph = model.graph.as_mut().expect("graph");
     if !graph.node.iter().any(super::node::is_fused) {
@@ -40,14 +40,14 @@ pub fn lower(model: &mut ModelProto) {
     for node in old {
         match (node.domain(), node.op_type()) {
             (DOMAIN, FORWARD) if merged.contains(&node.output[0]) => {}
-            (DOMAIN, FORWARD) => forward(&mut b, &node),
+            (DOMAIN, FORWARD) => forward(&mut b, &node, half),
             (DOMAIN, BACKWARD) => {
                 let fwd = forward_nodes
                     .iter()
                     .find(|f| node.input.contains(&f.output[0]));
                 match fwd.filter(|f| merged.contains(&f.output[0])) {
-                    Some(f) => forward_and_backward(&mut b, f, &node),
-                    None => backward(&mut b, &node),
+                    Some(f) => forward_and_backward(&mut b, f, &node, half),
+                    None => backward(&mut b, &node, half),
                 }
             }
             _ => graph.node.push(node),
@@ -116,8 +116,9 @@ fn one_pass(graph: &GraphProto) -> std::collections::HashSet<String> {
 /// into the weight's and bias's gradients and multiplied into the hidden states'. The columns'
 /// gradient `g_cols` (known only after the forward's readers ran) is added after: `hᵀ·g_cols`
 /// into the weight's columns, `g_cols·W[:, ids]ᵀ` into the hidden states'.
-fn forward_and_backward(b: &mut Builder, fwd: &NodeProto, node: &NodeProto) {
+fn forward_and_backward(b: &mut Builder, fwd: &NodeProto, node: &NodeProto, half: Option<i32>) {
     let head = Head::of(node);
+    let proj = Projection::of(b, &head, half);
     let grads = Grads::of(&head, node);
     let ch = chunks(b, &head.hidden, head.chunk_tokens);
     let mut scan_in = vec![
@@ -133,11 +134,11 @@ fn forward_and_backward(b: &mut Builder, fwd: &NodeProto, node: &NodeProto) {
     let acc = Accumulators::fresh(b, &grads);
     let slices: Vec<String> = scan_in.iter().map(|_| b.fresh("fused/slice")).collect();
     let (h, y) = (&slices[0], &slices[1]);
-    let f = chunk_forward(b, &head, h, y);
+    let f = chunk_forward(b, &head, &proj, h, y);
     let p = b.binary("Div", &f.exp, &f.exp_sum, "fused/p");
     let g_mean = head.mean_logit.then(|| slices[4].as_str());
     let dz = dense_dz(b, &head, &p, &slices[2], &slices[3], g_mean, &f.label_col);
-    let (mut outs, dh) = accumulate(b, &head, h, &dz, &acc, grads.want_hidden());
+    let (mut outs, dh) = accumulate(b, &head, &proj, h, &dz, &acc, grads.want_hidden());
     let mut ins = acc.typed();
     ins.extend(typed_slices(&slices, &[]));
     // Scan outputs: the state first, then the stacked per-chunk values
@@ -336,24 +337,34 @@ fn dense_dz(
 
 /// The weight's and bias's next accumulators from a chunk's `dz` (typed body outputs: `dW +=
 /// hᵀ·dz`, or `dzᵀ·h` for a weight stored `[V, d]`, in one `Gemm` with the accumulator as `C`;
-/// `db += Σ dz`), and the chunk's hidden-state gradient `dz·Wᵀ` where wanted.
+/// `db += Σ dz`), and the chunk's hidden-state gradient `dz·Wᵀ` where wanted. Under
+/// `--precision` both products run in the half type (torch autocast's backward of a half
+/// linear layer) and are widened: the weight's into the float32 accumulator.
 fn accumulate(
     b: &mut Builder,
     head: &Head,
+    proj: &Projection,
     h: &str,
     dz: &str,
     acc: &Accumulators,
     want_hidden: bool,
 ) -> (Vec<Typed>, Option<String>) {
     let mut outs = Vec::new();
+    let (h, dz_proj) = (proj.narrow(b, h), proj.narrow(b, dz));
     if let Some(acc) = &acc.weight {
-        let (a, bb) = if head.trans_weight { (dz, h) } else { (h, dz) };
-        let next = b.node(
-            "Gemm",
-            &[a, bb, acc],
-            "fused/acc_w_next",
-            vec![int_attr("transA", 1)],
-        );
+        let (a, bb) = if head.trans_weight { (&dz_proj, &h) } else { (&h, &dz_proj) };
+        let next = if proj.half.is_some() {
+            let dw = proj.product(b, a, bb, true, false, "fused/dw_c");
+            let dw = proj.widen(b, &dw);
+            b.binary("Add", acc, &dw, "fused/acc_w_next")
+        } else {
+            b.node(
+                "Gemm",
+                &[a, bb, acc],
+                "fused/acc_w_next",
+                vec![int_attr("transA", 1)],
+            )
+        };
         outs.push((next, FLOAT, vec![None, None]));
     }
     if let Some(acc) = &acc.bias {
@@ -362,14 +373,73 @@ fn accumulate(
         outs.push((next, FLOAT, vec![None]));
     }
     let dh = want_hidden.then(|| {
-        b.node(
-            "Gemm",
-            &[dz, &head.weight],
-            "fused/dh_c",
-            vec![int_attr("transB", (!head.trans_weight) as i64)],
-        )
+        let trans_b = !head.trans_weight;
+        let dh = proj.product(b, &dz_proj, &proj.weight, false, trans_b, "fused/dh_c");
+        proj.widen(b, &dh)
     });
     (outs, dh)
+}
+
+/// What the bodies multiply with: the head's weight and bias as they are, or under
+/// `--precision` their half copies, made once per step before the `Scan` (autocast's cast
+/// cache) and read by the bodies from the outer graph.
+struct Projection {
+    weight: String,
+    bias: String,
+    half: Option<i32>,
+}
+
+impl Projection {
+    fn of(b: &mut Builder, head: &Head, half: Option<i32>) -> Projection {
+        let Some(t) = half else {
+            return Projection {
+                weight: head.weight.clone(),
+                bias: head.bias.clone(),
+                half,
+            };
+        };
+        let bias = if head.bias.is_empty() {
+            String::new()
+        } else {
+            b.cast(&head.bias, t, "fused/b_half")
+        };
+        Projection {
+            weight: b.cast(&head.weight, t, "fused/w_half"),
+            bias,
+            half,
+        }
+    }
+
+    /// `x` in the projection's type.
+    fn narrow(&self, b: &mut Builder, x: &str) -> String {
+        match self.half {
+            Some(t) => b.cast(x, t, "fused/half"),
+            None => x.to_string(),
+        }
+    }
+
+    /// `a·b` (either transposed): a `Gemm` in float32; in the half type `Transpose` + `MatMul`
+    /// (tract 0.23 types a float16 `Gemm`'s expansion float32).
+    fn product(&self, b: &mut Builder, a: &str, bb: &str, trans_a: bool, trans_b: bool, hint: &str) -> String {
+        if self.half.is_none() {
+            let mut attrs = vec![int_attr("transB", trans_b as i64)];
+            if trans_a {
+                attrs.insert(0, int_attr("transA", 1));
+            }
+            return b.node("Gemm", &[a, bb], hint, attrs);
+        }
+        let a = if trans_a { b.transpose(a, &[1, 0], "fused/t") } else { a.to_string() };
+        let bb = if trans_b { b.transpose(bb, &[1, 0], "fused/t") } else { bb.to_string() };
+        b.node("MatMul", &[&a, &bb], hint, vec![])
+    }
+
+    /// A product back in float32.
+    fn widen(&self, b: &mut Builder, x: &str) -> String {
+        match self.half {
+            Some(_) => b.cast(x, FLOAT, "fused/wide"),
+            None => x.to_string(),
+        }
+    }
 }
 
 /// The `Scan` node: `state` initial values, then the scan inputs.
@@ -493,18 +563,25 @@ fn body(b: &mut Builder, inputs: &[Typed], outputs: &[Typed], name: &str) -> Gra
 /// A body input or output: name, element type, dims (None: not known statically).
 type Typed = (String, i32, Vec<Option<i64>>);
 
-/// The chunk's logits `z = h·W (+ b)` `[C, V]`, and its labels with the ignore index as 0.
-fn chunk_logits(b: &mut Builder, head: &Head, h: &str, y: &str) -> (String, String) {
-    let mut inputs = vec![h, head.weight.as_str()];
-    if !head.bias.is_empty() {
-        inputs.push(&head.bias);
-    }
-    let z = b.node(
-        "Gemm",
-        &inputs,
-        "fused/z",
-        vec![int_attr("transB", head.trans_weight as i64)],
-    );
+/// The chunk's logits `z = h·W (+ b)` `[C, V]` (float32; computed in the half type under
+/// `--precision`), and its labels with the ignore index as 0.
+fn chunk_logits(b: &mut Builder, head: &Head, proj: &Projection, h: &str, y: &str) -> (String, String) {
+    let z = if proj.half.is_none() {
+        let mut inputs = vec![h, head.weight.as_str()];
+        if !head.bias.is_empty() {
+            inputs.push(&head.bias);
+        }
+        let trans = vec![int_attr("transB", head.trans_weight as i64)];
+        b.node("Gemm", &inputs, "fused/z", trans)
+    } else {
+        let h = proj.narrow(b, h);
+        let z = proj.product(b, &h, &proj.weight, false, head.trans_weight, "fused/z");
+        let z = match proj.bias.as_str() {
+            "" => z,
+            bias => b.binary("Add", &z, bias, "fused/z_biased"),
+        };
+        proj.widen(b, &z)
+    };
     let y = match head.ignore_index {
         Some(i) => {
             let ignore = b.const_i64("fused/ignore", &[], &[i]);
@@ -530,8 +607,8 @@ struct ChunkForward {
 
 /// A chunk's logits, their log-sum-exp (max-shifted; the row maximum by TopK: onnxruntime-rocm
 /// 1.22 has no ReduceMax for opset 20), the label's logit, the column sets and the row mean.
-fn chunk_forward(b: &mut Builder, head: &Head, h: &str, y: &str) -> ChunkForward {
-    let (z, y_safe) = chunk_logits(b, head, h, y);
+fn chunk_forward(b: &mut Builder, head: &Head, proj: &Projection, h: &str, y: &str) -> ChunkForward {
+    let (z, y_safe) = chunk_logits(b, head, proj, h, y);
     let (max, _) = b.top1(&z, "fused/row_max");
     let shifted = b.binary("Sub", &z, &max, "fused/shifted");
     let exp = b.unary("Exp", &shifted, "fused/exp");
@@ -567,8 +644,9 @@ fn chunk_forward(b: &mut Builder, head: &Head, h: &str, y: &str) -> ChunkForward
 
 /// `FusedHeadLoss` alone → chunking + `Scan` computing lse, the label logit, the column sets
 /// and the row mean per chunk.
-fn forward(b: &mut Builder, node: &NodeProto) {
+fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let head = Head::of(node);
+    let proj = Projection::of(b, &head, half);
     let ch = chunks(b, &head.hidden, head.chunk_tokens);
     let scan_in = [
         to_chunks(b, &head.hidden, FLOAT, &ch),
@@ -576,7 +654,7 @@ fn forward(b: &mut Builder, node: &NodeProto) {
     ];
     let outer = std::mem::take(&mut b.nodes);
     let (h, y) = (b.fresh("fused/h_c"), b.fresh("fused/y_c"));
-    let f = chunk_forward(b, &head, &h, &y);
+    let f = chunk_forward(b, &head, &proj, &h, &y);
     let ins = typed_slices(&[h, y], &[]);
     let g = body(b, &ins, &f.outs, "fused_head_forward");
     b.nodes = outer;
@@ -591,8 +669,9 @@ fn forward(b: &mut Builder, node: &NodeProto) {
 /// `FusedHeadLossGrad` after a separate forward → chunking + `Scan` recomputing each chunk's
 /// logits: `dz = p·g_lse + g_mean/V + scatter(g_label, label) + scatter(g_cols, ids)`, `dh =
 /// dz·Wᵀ`, and `W`'s and `b`'s gradients summed in the Scan's state.
-fn backward(b: &mut Builder, node: &NodeProto) {
+fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let head = Head::of(node);
+    let proj = Projection::of(b, &head, half);
     let grads = Grads::of(&head, node);
     let ch = chunks(b, &head.hidden, head.chunk_tokens);
     let upstream = [&grads.lse_grad, &grads.label_grad]
@@ -615,7 +694,7 @@ fn backward(b: &mut Builder, node: &NodeProto) {
     let acc = Accumulators::fresh(b, &grads);
     let slices: Vec<String> = scan_in.iter().map(|_| b.fresh("fused/slice")).collect();
     let (h, y, lse_c) = (&slices[0], &slices[1], &slices[2]);
-    let (z, y_safe) = chunk_logits(b, &head, h, y);
+    let (z, y_safe) = chunk_logits(b, &head, &proj, h, y);
     let lse_col = b.unsqueeze(lse_c, &[1], "fused/lse_col");
     let shifted = b.binary("Sub", &z, &lse_col, "fused/log_p");
     let p = b.unary("Exp", &shifted, "fused/p");
@@ -627,7 +706,7 @@ fn backward(b: &mut Builder, node: &NodeProto) {
         let idx = ids_along(b, ids, g_cols, 1);
         dz = scatter_add(b, &dz, &idx, g_cols, 1);
     }
-    let (mut outs, dh) = accumulate(b, &head, h, &dz, &acc, grads.want_hidden());
+    let (mut outs, dh) = accumulate(b, &head, &proj, h, &dz, &acc, grads.want_hidden());
     outs.extend(dh.iter().map(|d| (d.clone(), FLOAT, vec![None, None])));
     let mut ins = acc.typed();
     // lse sits at position 2 of the slices: the columns' gradients start at 5

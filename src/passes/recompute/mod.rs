@@ -100,40 +100,36 @@ pub fn recompute(
     if options.mode == Mode::Off {
         return Ok(Outcome::default());
     }
-    let plan = {
-        let view = View::new(graph, facts);
-        let found = blocks::find(&view.forward_nodes(), &|t| view.is_weight(t), &|t| {
-            view.data.contains(t)
-        });
-        let Some(found) = found else {
-            let what = "repeated blocks to recompute: no two layer indices in the weights' or nodes' names (such as model.layers.N., h.N., layers_N)";
-            return match options.mode {
-                Mode::Auto => Ok(Outcome {
-                    reason: Some(format!("off: found no {what}")),
-                    warnings: vec![format!("--recompute auto found no {what}; recomputation stays off")],
-                    ..Outcome::default()
-                }),
-                _ => Err(Error::Usage(format!(
-                    "--recompute layers found no {what}; drop --recompute or export the model with its module names (torch.onnx.export keeps them)"
-                ))),
-            };
+    let view = View::new(graph, facts);
+    let found = blocks::find(&view.forward_nodes(), &|t| view.is_weight(t), &|t| {
+        view.data.contains(t)
+    });
+    let Some(found) = found else {
+        let what = "repeated blocks to recompute: no two layer indices in the weights' or nodes' names (such as model.layers.N., h.N., layers_N)";
+        return match options.mode {
+            Mode::Auto => Ok(Outcome {
+                reason: Some(format!("off: found no {what}")),
+                warnings: vec![format!("--recompute auto found no {what}; recomputation stays off")],
+                ..Outcome::default()
+            }),
+            _ => Err(Error::Usage(format!(
+                "--recompute layers found no {what}; drop --recompute or export the model with its module names (torch.onnx.export keeps them)"
+            ))),
         };
-        let plan = view.plan(&found);
-        if options.mode == Mode::Auto {
-            match estimate::decide(&view, &options.hints, facts.state_bytes) {
-                (false, why) => {
-                    return Ok(Outcome {
-                        reason: Some(why),
-                        ..Outcome::default()
-                    })
-                }
-                (true, why) => (plan, Some(why)),
-            }
-        } else {
-            (plan, None)
-        }
     };
-    let (plan, reason) = plan;
+    let reason = match options.mode {
+        Mode::Auto => match estimate::decide(&view, &options.hints, facts.state_bytes) {
+            (true, why) => Some(why),
+            (false, why) => {
+                return Ok(Outcome {
+                    reason: Some(why),
+                    ..Outcome::default()
+                })
+            }
+        },
+        _ => None,
+    };
+    let plan = view.plan(&found);
     if plan.blocks.is_empty() && options.mode == Mode::Layers {
         return Err(Error::Usage("--recompute layers found layers, but the backward reads none of their inner activations (nothing to recompute); drop --recompute".into()));
     }
@@ -315,8 +311,8 @@ impl<'g> View<'g> {
             let first_read = redirected
                 .iter()
                 .filter_map(|o| first_backward_read.get(o.as_str()).copied())
-                .min()
-                .expect("inner activations are read by the backward");
+                .min();
+            let Some(first_read) = first_read else { continue };
             // the gradient arriving at the block: of the block's outputs read elsewhere
             let gradient = members
                 .iter()

@@ -723,7 +723,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         set_outputs(graph, &loss, next);
         None
     };
-    fused_head::lower::lower(model);
+    fused_head::lower::lower(model, precision.half_type());
     let recomputed = {
         let graph = model.graph.as_mut().expect("graph");
         let mut b = Builder::new(PREFIX, opset, GraphIndex::new(graph).taken_names());
