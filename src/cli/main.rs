@@ -65,7 +65,7 @@ enum Command {
     LoraModel(LoraModelArgs),
     /// Write a standard-ONNX training step: patched forward, whole-model backward and the
     /// optimizer update in one graph that any ONNX runtime trains (docs/STEP_GRAPH.md).
-    Step(StepArgs),
+    Step(Box<StepArgs>),
 }
 
 #[derive(Args)]
@@ -507,7 +507,7 @@ fn run_cli() -> ExitCode {
         // validate prints its report itself: on stdout, passed or not (exit 1 when not)
         Some(Command::Validate(args)) => return run_validate(args),
         Some(Command::Artifacts(args)) => run_artifacts_cli(args),
-        Some(Command::Step(args)) => run_step_cli(args),
+        Some(Command::Step(args)) => run_step_cli(*args),
         Some(Command::LoraModel(args)) => run_lora_model_cli(args),
         None => run_patch_cli(cli.patch),
     };

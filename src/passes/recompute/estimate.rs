@@ -60,9 +60,16 @@ pub(super) fn decide(view: &View, hints: &Hints, state_bytes: u64) -> (bool, Str
             kept = kept.saturating_add(elements.unwrap_or(0).saturating_mul(width));
         }
     }
-    let at = match (hints.batch, hints.seq) {
-        (Some(b), Some(t)) => format!(" at batch {b}, sequence {t}"),
-        _ => String::new(),
+    let at = match (sizes.is_empty(), hints.batch, hints.seq) {
+        (true, Some(_), _) | (true, _, Some(_)) => {
+            " at the graph's own (static) shape; --batch/--seq are for symbolic dims".to_string()
+        }
+        (true, None, None) => " at the graph's own (static) shape".to_string(),
+        (false, b, t) => format!(
+            " at batch {}, sequence {}",
+            b.map_or("-".into(), |v| v.to_string()),
+            t.map_or("-".into(), |v| v.to_string())
+        ),
     };
     let (kept_h, state_h) = (human(kept), human(state_bytes));
     if kept > state_bytes {
