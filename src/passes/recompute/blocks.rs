@@ -30,7 +30,6 @@ const LIST_WORDS: &[&str] = &["layer", "layers", "block", "blocks", "h"];
 pub struct Blocks {
     /// The names' common prefix, e.g. `model.layers`.
     pub container: String,
-    pub count: usize,
     pub of_node: Vec<Option<u32>>,
 }
 
@@ -61,15 +60,19 @@ pub fn layer_index(name: &str) -> Option<(String, u32)> {
 
 /// What a forward node reads and is called, for anchoring: the weights (inputs that no node
 /// produces and that are not data) and the node's name.
-pub struct Anchors<'a> {
-    pub weights: Vec<&'a str>,
-    pub name: &'a str,
+struct Anchors<'a> {
+    weights: Vec<&'a str>,
+    name: &'a str,
 }
 
-/// Finds the blocks of `forward` (nodes in topological order; `produced` says which tensors
-/// a forward node produces, `is_weight` which inputs are weights). None where fewer than two
-/// layer indices appear.
-pub fn find(forward: &[&NodeProto], is_weight: &dyn Fn(&str) -> bool, is_data: &dyn Fn(&str) -> bool) -> Option<Blocks> {
+/// Finds the blocks of `forward` (nodes in topological order; `is_weight` says which inputs
+/// are weights, `is_data` which tensors depend on the batch). None where fewer than two layer
+/// indices appear.
+pub fn find(
+    forward: &[&NodeProto],
+    is_weight: &dyn Fn(&str) -> bool,
+    is_data: &dyn Fn(&str) -> bool,
+) -> Option<Blocks> {
     let anchors: Vec<Anchors> = forward
         .iter()
         .map(|n| Anchors {
@@ -93,7 +96,8 @@ pub fn find(forward: &[&NodeProto], is_weight: &dyn Fn(&str) -> bool, is_data: &
     let mut weight_layer: HashMap<&str, u32> = HashMap::default();
     let mut anchor: Vec<Option<u32>> = Vec::with_capacity(forward.len());
     for (n, a) in forward.iter().zip(&anchors) {
-        let mut from_weights: BTreeSet<u32> = a.weights.iter().filter_map(|w| index_in(w)).collect();
+        let mut from_weights: BTreeSet<u32> =
+            a.weights.iter().filter_map(|w| index_in(w)).collect();
         from_weights.extend(n.input.iter().filter_map(|i| weight_layer.get(i.as_str())));
         let reads_data = n.input.iter().any(|i| is_data(i));
         let own = match from_weights.len() {
@@ -158,7 +162,10 @@ pub fn find(forward: &[&NodeProto], is_weight: &dyn Fn(&str) -> bool, is_data: &
         }
     }
     for (&d, region) in &regions {
-        let block = members.get(&(d as u32)).map(Vec::as_slice).unwrap_or_default();
+        let block = members
+            .get(&(d as u32))
+            .map(Vec::as_slice)
+            .unwrap_or_default();
         let cut = best_cut(forward, &producer, block, region, is_data);
         for &p in region {
             of_node[p] = if cut.contains(&p) {
@@ -168,11 +175,7 @@ pub fn find(forward: &[&NodeProto], is_weight: &dyn Fn(&str) -> bool, is_data: &
             };
         }
     }
-    Some(Blocks {
-        container,
-        count,
-        of_node,
-    })
+    Some(Blocks { container, of_node })
 }
 
 /// The container whose names carry the most distinct layer indices (ties: the first by name):
@@ -189,8 +192,14 @@ fn choose_container(anchors: &[Anchors]) -> Option<String> {
         (best.1.len() >= 2).then(|| best.0.clone())
     };
     let own = format!("{PREFIX}/");
-    best(&mut anchors.iter().flat_map(|a| a.weights.iter().copied()))
-        .or_else(|| best(&mut anchors.iter().map(|a| a.name).filter(|n| !n.starts_with(&own))))
+    best(&mut anchors.iter().flat_map(|a| a.weights.iter().copied())).or_else(|| {
+        best(
+            &mut anchors
+                .iter()
+                .map(|a| a.name)
+                .filter(|n| !n.starts_with(&own)),
+        )
+    })
 }
 
 /// The nodes of a between-block region (before block `d`) that stay with the blocks before:
@@ -256,25 +265,36 @@ mod tests {
     #[test]
     fn layer_indices_of_exporters_names() {
         let cases = [
-            ("model.layers.3.mlp.up_proj.weight", Some(("model.layers", 3))),
-            ("/model/layers.12/self_attn/q_proj/MatMul", Some(("model.layers", 12))),
-            ("transformer.h.0.attn.c_attn.weight", Some(("transformer.h", 0))),
-            ("tf_gpt2/transformer/h_._7/attn/c_attn", Some(("tf_gpt2.transformer.h_", 7))),
+            (
+                "model.layers.3.mlp.up_proj.weight",
+                Some(("model.layers", 3)),
+            ),
+            (
+                "/model/layers.12/self_attn/q_proj/MatMul",
+                Some(("model.layers", 12)),
+            ),
+            (
+                "transformer.h.0.attn.c_attn.weight",
+                Some(("transformer.h", 0)),
+            ),
+            (
+                "tf_gpt2/transformer/h_._7/attn/c_attn",
+                Some(("tf_gpt2.transformer.h_", 7)),
+            ),
             ("params/layers_2/dense/kernel", Some(("params.layers", 2))),
             ("fc1.weight", None),
             ("dense_1/kernel", None),
             ("node_MatMul_12", None),
             ("node_Tanh_310", None),
-            ("encoder/transformer_block_2/dense", Some(("encoder.transformer_block", 2))),
+            (
+                "encoder/transformer_block_2/dense",
+                Some(("encoder.transformer_block", 2)),
+            ),
             ("12.weight", None),
         ];
         for (name, want) in cases {
             let got = layer_index(name);
-            assert_eq!(
-                got.as_ref().map(|(c, i)| (c.as_str(), *i)),
-                want,
-                "{name}"
-            );
+            assert_eq!(got.as_ref().map(|(c, i)| (c.as_str(), *i)), want, "{name}");
         }
     }
 }

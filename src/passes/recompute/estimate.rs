@@ -81,7 +81,11 @@ pub(super) fn decide(view: &View, hints: &Hints, state_bytes: u64) -> (bool, Str
 
 /// `1.25 GiB`, `3.0 MiB`, `12.0 KiB`.
 fn human(bytes: u64) -> String {
-    let units = [("GiB", GIB), ("MiB", GIB / 1024.0), ("KiB", GIB / 1048576.0)];
+    let units = [
+        ("GiB", GIB),
+        ("MiB", GIB / 1024.0),
+        ("KiB", GIB / 1048576.0),
+    ];
     let (unit, size) = units
         .iter()
         .find(|(_, size)| bytes as f64 >= *size)
@@ -93,11 +97,22 @@ fn human(bytes: u64) -> String {
 /// a symbol without a hint.
 fn symbol_sizes<'a>(view: &'a View, hints: &Hints) -> Result<HashMap<&'a str, u64>, String> {
     let mut sizes = HashMap::default();
-    for input in view.graph.input.iter().filter(|i| view.data.contains(i.name())) {
-        let Some(type_proto::Value::TensorType(t)) = input.r#type.as_ref().and_then(|t| t.value.as_ref()) else {
+    for input in view
+        .graph
+        .input
+        .iter()
+        .filter(|i| view.data.contains(i.name()))
+    {
+        let Some(type_proto::Value::TensorType(t)) =
+            input.r#type.as_ref().and_then(|t| t.value.as_ref())
+        else {
             continue;
         };
-        let dims = t.shape.as_ref().map(|s| s.dim.as_slice()).unwrap_or_default();
+        let dims = t
+            .shape
+            .as_ref()
+            .map(|s| s.dim.as_slice())
+            .unwrap_or_default();
         for (axis, d) in dims.iter().enumerate() {
             if let Some(dimension::Value::DimParam(symbol)) = &d.value {
                 let hint = match axis {

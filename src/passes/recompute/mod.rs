@@ -60,6 +60,8 @@ pub struct RecomputeOptions {
 pub struct Outcome {
     /// Blocks whose forward the backward recomputes (0: recomputation is off).
     pub blocks: usize,
+    /// The names the blocks were found by (`model.layers`).
+    pub layers: Option<String>,
     /// Forward nodes computed again in the backward.
     pub recomputed_nodes: usize,
     /// Why `auto` chose what it chose.
@@ -72,6 +74,7 @@ impl Outcome {
         serde_json::json!({
             "mode": mode.name(),
             "blocks": self.blocks,
+            "layers": self.layers,
             "recomputed_nodes": self.recomputed_nodes,
             "reason": self.reason,
         })
@@ -133,8 +136,10 @@ pub fn recompute(
     if plan.blocks.is_empty() && options.mode == Mode::Layers {
         return Err(Error::Usage("--recompute layers found layers, but the backward reads none of their inner activations (nothing to recompute); drop --recompute".into()));
     }
+    let layers = found.container.clone();
     let mut outcome = apply(graph, b, plan)?;
     outcome.reason = reason;
+    outcome.layers = Some(layers);
     Ok(outcome)
 }
 
@@ -220,7 +225,9 @@ impl<'g> View<'g> {
         let mut first_backward_read: HashMap<&str, usize> = HashMap::default();
         for (p, n) in graph.node.iter().enumerate() {
             for i in n.input.iter().filter(|i| !i.is_empty()) {
-                let Some(&q) = producer.get(i.as_str()) else { continue };
+                let Some(&q) = producer.get(i.as_str()) else {
+                    continue;
+                };
                 let Some(&k) = block_at.get(&q) else { continue };
                 if !self.is_forward[p] {
                     first_backward_read.entry(i.as_str()).or_insert(p);
@@ -266,7 +273,9 @@ impl<'g> View<'g> {
                 copy.push(p);
                 for i in &n.input {
                     if self.data.contains(i)
-                        && producer.get(i.as_str()).is_some_and(|q| member_set.contains(q))
+                        && producer
+                            .get(i.as_str())
+                            .is_some_and(|q| member_set.contains(q))
                         && !read_elsewhere.contains(i.as_str())
                     {
                         needed.insert(i.as_str());
@@ -296,7 +305,12 @@ impl<'g> View<'g> {
                             outside.push(i.clone());
                         }
                     }
-                    copied.extend(n.output.iter().filter(|o| !o.is_empty()).map(String::as_str));
+                    copied.extend(
+                        n.output
+                            .iter()
+                            .filter(|o| !o.is_empty())
+                            .map(String::as_str),
+                    );
                 }
                 anchored
             });
@@ -312,7 +326,9 @@ impl<'g> View<'g> {
                 .iter()
                 .filter_map(|o| first_backward_read.get(o.as_str()).copied())
                 .min();
-            let Some(first_read) = first_read else { continue };
+            let Some(first_read) = first_read else {
+                continue;
+            };
             // the gradient arriving at the block: of the block's outputs read elsewhere
             let gradient = members
                 .iter()
@@ -321,7 +337,9 @@ impl<'g> View<'g> {
                 .filter_map(|o| self.gradient_of.get(o))
                 .filter_map(|g| producer.get(g.as_str()).map(|&q| (q, g)))
                 .min();
-            let Some((at, gradient)) = gradient else { continue };
+            let Some((at, gradient)) = gradient else {
+                continue;
+            };
             blocks.push(BlockPlan {
                 index: k,
                 copy,
@@ -364,7 +382,10 @@ fn clonable(n: &NodeProto, index: &GraphIndex) -> bool {
         "Multinomial",
         "Bernoulli",
     ];
-    !RANDOM.contains(&n.op_type()) && n.attribute.iter().all(|a| a.g.is_none() && a.graphs.is_empty())
+    !RANDOM.contains(&n.op_type())
+        && n.attribute
+            .iter()
+            .all(|a| a.g.is_none() && a.graphs.is_empty())
 }
 
 /// Activations read through the barrier: floats. Integers (shape vectors, positions) and
@@ -424,7 +445,6 @@ struct BlockPlan {
     insert_at: usize,
 }
 
-
 fn apply(graph: &mut GraphProto, b: &mut Builder, plan: Plan) -> Result<Outcome, Error> {
     let types = crate::graph::elem_types::ElemTypes::infer(graph);
     let ranks = Ranks::infer(&GraphIndex::new(graph));
@@ -442,9 +462,19 @@ fn apply(graph: &mut GraphProto, b: &mut Builder, plan: Plan) -> Result<Outcome,
         let hint = format!("recompute/{}", block.index);
         // the barrier's condition: read from the gradient arriving at the block
         let minus_one = b.const_i64(&format!("{hint}/c"), &[1], &[-1]);
-        let flat = b.node("Reshape", &[&block.gradient, &minus_one], &format!("{hint}/grad_flat"), vec![]);
+        let flat = b.node(
+            "Reshape",
+            &[&block.gradient, &minus_one],
+            &format!("{hint}/grad_flat"),
+            vec![],
+        );
         let first = b.const_i64(&format!("{hint}/c"), &[1], &[0]);
-        let one_value = b.node("Gather", &[&flat, &first], &format!("{hint}/grad_first"), vec![]);
+        let one_value = b.node(
+            "Gather",
+            &[&flat, &first],
+            &format!("{hint}/grad_first"),
+            vec![],
+        );
         let cond_1d = b.cast(&one_value, BOOL, &format!("{hint}/cond_1d"));
         let cond = b.node("Squeeze", &[&cond_1d], &format!("{hint}/cond"), vec![]);
         let mut ones: Option<String> = None;
