@@ -13,11 +13,11 @@ use ntl_ops::options::{
 use ntl_patch::io::model_io::ExternalDataAction;
 use ntl_patch::passes::artifacts::{run_artifacts, ArtifactsRequest};
 use ntl_patch::passes::fused_head::{FusedHeadOptions, Mode as FusedHeadMode};
+use ntl_patch::passes::lora::LoraOptions;
+use ntl_patch::passes::pipeline::{run_patch, PatchRequest};
 use ntl_patch::passes::recompute::{
     Hints as RecomputeHints, Mode as RecomputeMode, RecomputeOptions,
 };
-use ntl_patch::passes::lora::LoraOptions;
-use ntl_patch::passes::pipeline::{run_patch, PatchRequest};
 use ntl_patch::passes::step::loss_scale::LossScaleOptions;
 use ntl_patch::passes::step::{run_step, OptimizerKind, OptimizerOptions, Precision, StepRequest};
 use ntl_patch::text::escape;

@@ -352,7 +352,11 @@ fn accumulate(
     let mut outs = Vec::new();
     let (h, dz_proj) = (proj.narrow(b, h), proj.narrow(b, dz));
     if let Some(acc) = &acc.weight {
-        let (a, bb) = if head.trans_weight { (&dz_proj, &h) } else { (&h, &dz_proj) };
+        let (a, bb) = if head.trans_weight {
+            (&dz_proj, &h)
+        } else {
+            (&h, &dz_proj)
+        };
         let next = if proj.half.is_some() {
             let dw = proj.product(b, a, bb, true, false, "fused/dw_c");
             let dw = proj.widen(b, &dw);
@@ -420,7 +424,15 @@ impl Projection {
 
     /// `a·b` (either transposed): a `Gemm` in float32; in the half type `Transpose` + `MatMul`
     /// (tract 0.23 types a float16 `Gemm`'s expansion float32).
-    fn product(&self, b: &mut Builder, a: &str, bb: &str, trans_a: bool, trans_b: bool, hint: &str) -> String {
+    fn product(
+        &self,
+        b: &mut Builder,
+        a: &str,
+        bb: &str,
+        trans_a: bool,
+        trans_b: bool,
+        hint: &str,
+    ) -> String {
         if self.half.is_none() {
             let mut attrs = vec![int_attr("transB", trans_b as i64)];
             if trans_a {
@@ -428,8 +440,16 @@ impl Projection {
             }
             return b.node("Gemm", &[a, bb], hint, attrs);
         }
-        let a = if trans_a { b.transpose(a, &[1, 0], "fused/t") } else { a.to_string() };
-        let bb = if trans_b { b.transpose(bb, &[1, 0], "fused/t") } else { bb.to_string() };
+        let a = if trans_a {
+            b.transpose(a, &[1, 0], "fused/t")
+        } else {
+            a.to_string()
+        };
+        let bb = if trans_b {
+            b.transpose(bb, &[1, 0], "fused/t")
+        } else {
+            bb.to_string()
+        };
         b.node("MatMul", &[&a, &bb], hint, vec![])
     }
 
@@ -565,7 +585,13 @@ type Typed = (String, i32, Vec<Option<i64>>);
 
 /// The chunk's logits `z = h·W (+ b)` `[C, V]` (float32; computed in the half type under
 /// `--precision`), and its labels with the ignore index as 0.
-fn chunk_logits(b: &mut Builder, head: &Head, proj: &Projection, h: &str, y: &str) -> (String, String) {
+fn chunk_logits(
+    b: &mut Builder,
+    head: &Head,
+    proj: &Projection,
+    h: &str,
+    y: &str,
+) -> (String, String) {
     let z = if proj.half.is_none() {
         let mut inputs = vec![h, head.weight.as_str()];
         if !head.bias.is_empty() {
@@ -607,7 +633,13 @@ struct ChunkForward {
 
 /// A chunk's logits, their log-sum-exp (max-shifted; the row maximum by TopK: onnxruntime-rocm
 /// 1.22 has no ReduceMax for opset 20), the label's logit, the column sets and the row mean.
-fn chunk_forward(b: &mut Builder, head: &Head, proj: &Projection, h: &str, y: &str) -> ChunkForward {
+fn chunk_forward(
+    b: &mut Builder,
+    head: &Head,
+    proj: &Projection,
+    h: &str,
+    y: &str,
+) -> ChunkForward {
     let (z, y_safe) = chunk_logits(b, head, proj, h, y);
     let (max, _) = b.top1(&z, "fused/row_max");
     let shifted = b.binary("Sub", &z, &max, "fused/shifted");
