@@ -136,15 +136,18 @@ class Sharded:
         return r if group is None else self.dp._dist.get_global_rank(group, r)
 
     def _reduce(self, micro):
-        """This rank's slice of the summed gradient of micro, and the summed losses (a list)."""
+        """This rank's slice of the summed gradient of micro, and the summed losses (a list).
+        The gradient graph writes one buffer per shard; after the reduction only this rank's
+        is kept (the others are freed before the update, without a copy)."""
         dp, dist = self.dp, self.dp._dist
-        if self.mode == "optimizer":  # one all-reduce; the full sum lives until the update ran
-            flat = dp._gradients(micro)[0]
-            dist.all_reduce(flat, group=dp.group)
-            return flat[self.lo:self.hi], flat[dp._numel:].tolist()
-        # gradients: one buffer per shard, each reduced to its owner (a reduce-scatter of
-        # unequal sizes, which gloo has too); then the other shards' buffers are freed
         parts = dp._gradients(micro, self.bounds)
+        if self.mode == "optimizer":  # every shard's sum on every rank: one all-reduce per shard
+            for part in parts:
+                if part.numel():
+                    dist.all_reduce(part, group=dp.group)
+            return parts[dp.rank][:self.hi - self.lo], parts[-1][-3:].tolist()
+        # gradients: each shard's buffer reduced to its owner only (a reduce-scatter of unequal
+        # sizes, which gloo has too)
         losses = parts[-1][-3:].clone()
         dist.all_reduce(losses, group=dp.group)
         for r, part in enumerate(parts):
