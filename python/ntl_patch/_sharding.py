@@ -2,8 +2,9 @@
 "optimizer"``), and with ``shard="gradients"`` the reduced gradient too.
 
 The trained parameters, in the graphs' order, are cut into R contiguous runs of whole tensors
-(``partition``: each cut at the tensor edge nearest to r/R of the elements), so a rank's gradient
-is one slice of the flat gradient buffer. Each rank runs the update graph cut at load time to its
+(``partition``: each cut at the tensor edge nearest to r/R of the elements), so the gradient
+graph writes one buffer per shard; after the reduction (an all-reduce of each with "optimizer",
+a reduce to its owner with "gradients") a rank keeps its own shard's only. Each rank runs the update graph cut at load time to its
 own shard (``_onnx_wire.cut_graph``): it reads and writes only its parameters, their moments and
 the shared scalars (step count, loss scale and its tracker), each written in place as before. The
 moments of other shards never exist on a rank, not even their initial zeros: the initial state is
