@@ -3,17 +3,17 @@
 
 The trained parameters, in the graphs' order, are cut into R contiguous runs of whole tensors
 (``partition``: each cut at the tensor edge nearest to r/R of the elements), so the gradient
-graph writes one buffer per shard; after the reduction (an all-reduce of each with "optimizer",
-a reduce to its owner with "gradients") a rank keeps its own shard's only. Each rank runs the update graph cut at load time to its
-own shard (``_onnx_wire.cut_graph``): it reads and writes only its parameters, their moments and
-the shared scalars (step count, loss scale and its tracker), each written in place as before. The
-moments of other shards never exist on a rank, not even their initial zeros: the initial state is
-read tensor by tensor, and only the rank's own. The update graph's two global decisions become
-inputs of the cut graph, computed from one all-reduce of Σ‖g‖² over the shards: the squared
-clipping norm (``ntl/opt/grad_norm_sq``) and fp16's overflow flag (``ntl/amp/found_inf``), so every
-rank clips by the global norm and skips the same steps. Then each owner broadcasts its updated
-parameters, tensor by tensor into the other ranks' parameter memory (no staging buffer; gloo has
-no all-gather of unequal sizes).
+graph writes one buffer per shard; after the reduction (an all-reduce of each with "optimizer", a
+reduce to its owner with "gradients") a rank keeps its own shard's only. Each rank runs the
+update graph cut at load time to its own shard (``_onnx_wire.cut_graph``): it reads and writes
+only its parameters, their moments and the shared scalars (step count, loss scale and its
+tracker), each written in place as before. The moments of other shards never exist on a rank, not
+even their initial zeros: the initial state is read tensor by tensor, and only the rank's own.
+The update graph's two global decisions become inputs of the cut graph, computed from one
+all-reduce of Σ‖g‖² over the shards: the squared clipping norm (``ntl/opt/grad_norm_sq``) and
+fp16's overflow flag (``ntl/amp/found_inf``), so every rank clips by the global norm and skips
+the same steps. Then each owner broadcasts its updated parameters, tensor by tensor into the
+other ranks' parameter memory (no staging buffer; gloo has no all-gather of unequal sizes).
 """
 
 from __future__ import annotations
