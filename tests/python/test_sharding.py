@@ -193,15 +193,24 @@ def test_partition():
 
 
 def test_bad_shard_modes_are_refused(run):
+    """One line each, and nothing changed: no checkpoint file written or touched, the state of
+    a DataParallel that refuses a checkpoint as it was."""
     grad = run["dir"] / "lm.grad.onnx"
-    with pytest.raises(ValueError, match=r"shard='optimizer' .* needs at least 2 .*world size 1"):
+    files = {f: f.stat().st_mtime_ns for f in run["dir"].iterdir()}
+    errors = []
+    with pytest.raises(ValueError, match=r"shard='optimizer' .* needs at least 2 .*world size 1") as e:
         DataParallel(grad, providers=["CPUExecutionProvider"], shard="optimizer")
-    with pytest.raises(ValueError, match=r"shard must be 'none', 'optimizer' or 'gradients', not 'zero2'"):
+    errors.append(e)
+    with pytest.raises(ValueError, match=r"shard must be 'none', 'optimizer' or 'gradients', not 'zero2'") as e:
         DataParallel(grad, providers=["CPUExecutionProvider"], shard="zero2")
+    errors.append(e)
     dp = DataParallel(grad, providers=["CPUExecutionProvider"])
     before = dp.state_dict()
     with pytest.raises(ValueError, match=r"a checkpoint of shard='optimizer' training; load it with "
-                                         r"DataParallel\(\.\.\., shard='optimizer'\)"):
+                                         r"DataParallel\(\.\.\., shard='optimizer'\)") as e:
         dp.load_state(run["dir"] / "optimizer2.safetensors")
+    errors.append(e)
     after = dp.state_dict()
     assert all(np.array_equal(before[n], after[n]) for n in before)
+    assert all("\n" not in str(e.value) for e in errors), [str(e.value) for e in errors]
+    assert {f: f.stat().st_mtime_ns for f in run["dir"].iterdir()} == files
