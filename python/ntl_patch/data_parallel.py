@@ -67,8 +67,9 @@ class DataParallel:
     is set, ``init_process_group`` is called with gloo (CPU) or NCCL (GPU); with neither, it runs
     as a single process (world size 1).
     shard: "none" (every rank holds the whole state), "optimizer" (ZeRO stage 1: each rank holds
-    and updates the optimizer moments of its shard of the parameters only) or "gradients" (stage
-    2: also only its shard of the reduced gradient); see ``_sharding``.
+    and updates the optimizer moments of its shard of the parameters only; the gradients are
+    all-reduced) or "gradients" (stage 2: each shard's gradient reduced to its owner only); in
+    both, a rank keeps only its own shard's reduced gradient; see ``_sharding``.
     """
 
     def __init__(self, grad_graph, update_graph=None, *, accumulation_steps: int = 1,
