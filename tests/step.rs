@@ -94,8 +94,9 @@ fn number_loss_gradients_are_one_sparse_scatter() {
             .success();
         let out = read_model(&dir.path().join("model.step.onnx"));
         let g = out.graph.as_ref().unwrap();
-        // (the cross-entropy's own gradient writes its label column with a plain ScatterElements)
-        let adds = g
+        // (the cross-entropy's own gradient writes its label column with a plain ScatterElements;
+        // the embedding's gathered rows are added into its gradient with one more, on axis 0)
+        let (rows, adds): (Vec<_>, Vec<_>) = g
             .node
             .iter()
             .filter(|n| n.op_type() == "ScatterElements")
@@ -104,8 +105,9 @@ fn number_loss_gradients_are_one_sparse_scatter() {
                     .iter()
                     .any(|a| a.name() == "reduction" && a.s() == b"add")
             })
-            .count();
-        assert_eq!(adds, 1, "{fixture} {loss}");
+            .partition(|n| n.input[1].starts_with("ntl/grad/gather_rows_idx"));
+        assert_eq!(adds.len(), 1, "{fixture} {loss}");
+        assert_eq!(rows.len(), 1, "{fixture} {loss}: the embedding's rows");
         // one Gather of number-token columns (axis 1) of the logits the loss reads
         let column_gathers = g
             .node

@@ -2,17 +2,18 @@
 "optimizer"``), and with ``shard="gradients"`` the reduced gradient too.
 
 The trained parameters, in the graphs' order, are cut into R contiguous runs of whole tensors
-(``partition``: each cut at the tensor edge nearest to r/R of the elements), so a rank's gradient
-is one slice of the flat gradient buffer. Each rank runs the update graph cut at load time to its
-own shard (``_onnx_wire.cut_graph``): it reads and writes only its parameters, their moments and
-the shared scalars (step count, loss scale and its tracker), each written in place as before. The
-moments of other shards never exist on a rank, not even their initial zeros: the initial state is
-read tensor by tensor, and only the rank's own. The update graph's two global decisions become
-inputs of the cut graph, computed from one all-reduce of Σ‖g‖² over the shards: the squared
-clipping norm (``ntl/opt/grad_norm_sq``) and fp16's overflow flag (``ntl/amp/found_inf``), so every
-rank clips by the global norm and skips the same steps. Then each owner broadcasts its updated
-parameters, tensor by tensor into the other ranks' parameter memory (no staging buffer; gloo has
-no all-gather of unequal sizes).
+(``partition``: each cut at the tensor edge nearest to r/R of the elements), so the gradient
+graph writes one buffer per shard; after the reduction (an all-reduce of each with "optimizer", a
+reduce to its owner with "gradients") a rank keeps its own shard's only. Each rank runs the
+update graph cut at load time to its own shard (``_onnx_wire.cut_graph``): it reads and writes
+only its parameters, their moments and the shared scalars (step count, loss scale and its
+tracker), each written in place as before. The moments of other shards never exist on a rank, not
+even their initial zeros: the initial state is read tensor by tensor, and only the rank's own.
+The update graph's two global decisions become inputs of the cut graph, computed from one
+all-reduce of Σ‖g‖² over the shards: the squared clipping norm (``ntl/opt/grad_norm_sq``) and
+fp16's overflow flag (``ntl/amp/found_inf``), so every rank clips by the global norm and skips
+the same steps. Then each owner broadcasts its updated parameters, tensor by tensor into the
+other ranks' parameter memory (no staging buffer; gloo has no all-gather of unequal sizes).
 """
 
 from __future__ import annotations
@@ -136,15 +137,18 @@ class Sharded:
         return r if group is None else self.dp._dist.get_global_rank(group, r)
 
     def _reduce(self, micro):
-        """This rank's slice of the summed gradient of micro, and the summed losses (a list)."""
+        """This rank's slice of the summed gradient of micro, and the summed losses (a list).
+        The gradient graph writes one buffer per shard; after the reduction only this rank's
+        is kept (the others are freed before the update, without a copy)."""
         dp, dist = self.dp, self.dp._dist
-        if self.mode == "optimizer":  # one all-reduce; the full sum lives until the update ran
-            flat = dp._gradients(micro)[0]
-            dist.all_reduce(flat, group=dp.group)
-            return flat[self.lo:self.hi], flat[dp._numel:].tolist()
-        # gradients: one buffer per shard, each reduced to its owner (a reduce-scatter of
-        # unequal sizes, which gloo has too); then the other shards' buffers are freed
         parts = dp._gradients(micro, self.bounds)
+        if self.mode == "optimizer":  # every shard's sum on every rank: one all-reduce per shard
+            for part in parts:
+                if part.numel():
+                    dist.all_reduce(part, group=dp.group)
+            return parts[dp.rank][:self.hi - self.lo], parts[-1][-3:].tolist()
+        # gradients: each shard's buffer reduced to its owner only (a reduce-scatter of unequal
+        # sizes, which gloo has too)
         losses = parts[-1][-3:].clone()
         dist.all_reduce(losses, group=dp.group)
         for r, part in enumerate(parts):

@@ -67,8 +67,9 @@ class DataParallel:
     is set, ``init_process_group`` is called with gloo (CPU) or NCCL (GPU); with neither, it runs
     as a single process (world size 1).
     shard: "none" (every rank holds the whole state), "optimizer" (ZeRO stage 1: each rank holds
-    and updates the optimizer moments of its shard of the parameters only) or "gradients" (stage
-    2: also only its shard of the reduced gradient); see ``_sharding``.
+    and updates the optimizer moments of its shard of the parameters only; the gradients are
+    all-reduced) or "gradients" (stage 2: each shard's gradient reduced to its owner only); in
+    both, a rank keeps only its own shard's reduced gradient; see ``_sharding``.
     """
 
     def __init__(self, grad_graph, update_graph=None, *, accumulation_steps: int = 1,
@@ -126,6 +127,13 @@ class DataParallel:
             self.update_session = _state.session_without(self.update_path, state_inputs,
                                                          session_options, providers)
         self._check_update_graph()
+        # sharded, on CPU: each run hands its arena memory back when it ends (onnxruntime keeps
+        # the largest a run ever needed otherwise), so the gradient graph's working memory and
+        # the update's temporaries (of the largest tensor of the shard) are never held at once
+        self._run_options = None
+        if self._sharded and self.device == "cpu":
+            self._run_options = ort.RunOptions()
+            self._run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         self._state = self._initial_state()
         self._broken: str | None = None
         self._steps = int(np.asarray(self._state_host(self.step_input)))
@@ -319,7 +327,7 @@ class DataParallel:
         for name, g in zip(self.grad_names, outputs):
             b.bind_ortvalue_output(name, g)
         self._sync_torch()
-        self.grad_session.run_with_iobinding(b)
+        self.grad_session.run_with_iobinding(b, self._run_options)
         b.synchronize_outputs()
         outs = b.get_outputs()
         for j, v in enumerate(outs[:3]):
@@ -343,7 +351,7 @@ class DataParallel:
             b.bind_output(self.skip_output, "cpu")
         self._sync_torch()
         try:
-            self.update_session.run_with_iobinding(b)
+            self.update_session.run_with_iobinding(b, self._run_options)
         except Exception as e:
             if self._in_place:
                 self._broken = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"

@@ -44,6 +44,32 @@ def status() -> dict:
     return out
 
 
+def track_phases(dp, dist, phases: list) -> None:
+    """Wraps the step's phases (the gradient graph runs, the collectives, the update graph, the
+    owners' broadcasts) so that each records [VmRSS before, VmHWM during] (MiB, the largest of
+    its calls) in phases[-1]: VmHWM is reset before each (the phases do not nest); what came
+    between two phases is kept as "between" [0, VmHWM]."""
+    def wrap(name, fn):
+        def run(*a, **k):
+            st = status()
+            before, rec = st["VmRSS"], phases[-1].setdefault("between", [0.0, 0.0])
+            rec[1] = max(rec[1], st["VmHWM"])
+            Path("/proc/self/clear_refs").write_text("5")
+            try:
+                return fn(*a, **k)
+            finally:
+                rec = phases[-1].setdefault(name, [0.0, 0.0])
+                rec[0], rec[1] = max(rec[0], before), max(rec[1], status()["VmHWM"])
+        return run
+
+    dp._accumulate = wrap("gradient graph", dp._accumulate)
+    dp._update = wrap("update graph", dp._update)
+    for op in ("all_reduce", "reduce"):
+        setattr(dist, op, wrap("reduction", getattr(dist, op)))
+    if dp._sharded:
+        dp._sharded._broadcast = wrap("broadcast", dp._sharded._broadcast)
+
+
 def worker(work: Path, mode: str, steps: int) -> None:
     """One rank: DataParallel(shard=mode) on work/model.grad.onnx; writes work/<mode>-<rank>.json."""
     import numpy as np
@@ -65,21 +91,28 @@ def worker(work: Path, mode: str, steps: int) -> None:
                       shard=mode)
     load_s, setup = time.perf_counter() - t0, status()
     batch = dict(zip(dp.data_inputs, (z["input_ids"], z["labels"])))
-    times, losses, first = [], [], {}
+    phases: list[dict] = []
+    track_phases(dp, dist, phases)
+    times, losses, first, hwm = [], [], {}, 0.0
     for s in range(steps):
+        phases.append({})
         t0 = time.perf_counter()
         losses.append(dp.step(batch))
         times.append(time.perf_counter() - t0)
         if s == 0:
             first = status()
-            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+            first["VmHWM"] = max(first["VmHWM"], *(v[1] for v in phases[0].values()))
+        else:
+            hwm = max(hwm, status()["VmHWM"], *(v[1] for v in phases[-1].values()))
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     end = status()
+    end["VmHWM"] = max(hwm, end["VmHWM"])
     own = sum(int(np.prod(dp._state[p].shape())) for p in
               (dp._sharded.shards[dp.rank] if dp._sharded else dp.parameter_names))
     (work / f"{mode}-{dp.rank}.json").write_text(json.dumps({
         "rank": dp.rank, "world": dp.world_size, "load_s": load_s, "times": times, "losses": losses,
-        "setup_rss": setup["VmRSS"], "lifetime_hwm": max(first["VmHWM"], end["VmHWM"]),
-        "training_hwm": end["VmHWM"], "own_elements": own}))
+        "setup_rss": setup["VmRSS"], "lifetime_hwm": max(setup["VmHWM"], first["VmHWM"], end["VmHWM"]),
+        "training_hwm": end["VmHWM"], "own_elements": own, "phases": phases}))
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)  # as tests/python/dp_worker.py: no destroy_process_group
@@ -144,6 +177,22 @@ def markdown(args, meta, elements: int, res: dict) -> str:
             own = runs[0]["own_elements"]
             lines.append(f"| `{mode}` | {k} | {own / 1e6:.1f} | {model_gib(mode, elements, own):.2f} | "
                          f"{setup:.0f} | {tr:.0f} | {life:.0f} | {ratio} | {statistics.median(later):.2f} |")
+    names = ("gradient graph", "between", "reduction", "update graph", "broadcast")
+    lines += ["", "Where the peak is (steps 2+, the largest call of each phase, median over the runs): "
+              "RSS before the phase → VmHWM during it, MiB.", "",
+              "| shard | rank | " + " | ".join(names) + " |", "| --- | ---: |" + " ---: |" * len(names)]
+    for mode in args.modes:
+        for k in range(R):
+            cells = []
+            for name in names:
+                vals = [[max(st[name][i] for st in r["phases"][1:] or r["phases"] if name in st)
+                         for i in (0, 1)] for r in res[mode][k]
+                        if any(name in st for st in r["phases"][1:] or r["phases"])]
+                cells.append("-" if not vals else
+                             (f"{statistics.median(v[1] for v in vals):.0f}" if name == "between" else
+                              f"{statistics.median(v[0] for v in vals):.0f} → "
+                              f"{statistics.median(v[1] for v in vals):.0f}"))
+            lines.append(f"| `{mode}` | {k} | " + " | ".join(cells) + " |")
     losses = {m: res[m][0][0]["losses"] for m in args.modes}
     ref = losses[args.modes[0]]
     diff = max(abs(a - b) / max(abs(b), 1e-12) for m in args.modes for x, y in zip(losses[m], ref)

@@ -11,7 +11,8 @@ BATCHES.npz (dp_worker.py's layout):
   <mode>/accum/...  accumulation_steps=2 for `accum_steps` steps;
   <mode>/amp/...    6 steps of the fp16 graphs AMP_GRAD; at step 2 the last rank puts an inf
                     into the first parameter's gradient (a float16 overflow in rank 0's shard);
-  zero/...          torch DDP + ZeroRedundancyOptimizer(AdamW) + clip_grad_norm_ (dp_worker.py).
+  zero/...          torch DDP + ZeroRedundancyOptimizer(AdamW) + clip_grad_norm_ (dp_worker.py);
+  zero_accum/...    the same with 2 micro-batches (no_sync on the first) for `accum_steps` steps.
 Checked here, on every rank: the final parameters are bit-identical on all ranks; a sharded rank
 never reads, holds or binds the moments of another shard; the state is updated in place (the
 addresses never change); a checkpoint of another mode is refused and changes nothing. With CKPT
@@ -175,9 +176,10 @@ def main() -> None:
         train(dp, z, rank, steps, start=steps // 2)  # and it trains on
         assert same_on_all_ranks(dp.parameters())
 
-    losses, params, clipped = run_ddp(z, rank, steps, 1, dp.metadata["optimizer"], zero=True)
-    res["zero/losses"], res["zero/clipped"] = losses, np.array(clipped)
-    res.update({f"zero/param/{n}": v for n, v in params.items()})
+    for name, n_steps, k in (("zero", steps, 1), ("zero_accum", accum_steps, 2)):
+        losses, params, clipped = run_ddp(z, rank, n_steps, k, dp.metadata["optimizer"], zero=True)
+        res[f"{name}/losses"], res[f"{name}/clipped"] = losses, np.array(clipped)
+        res.update({f"{name}/param/{n}": v for n, v in params.items()})
 
     if rank == 0:
         np.savez(out / f"result{R}.npz", **res)

@@ -906,12 +906,13 @@ def test_data_parallel_saves_the_same_adapter(trained, tmp_path):
         assert norm_rel(ta[k], tb[k].astype(np.float64), 1e-6) <= 1e-6, k
 
 
-@pytest.mark.parametrize("shard", ["none", "gradients"])
+@pytest.mark.parametrize("shard", ["none", "optimizer", "gradients"])
 def test_data_parallel_two_ranks_train_only_the_adapters(shard, tmp_path):
     """Two gloo ranks (torchrun) on the tiny LM's LoRA --split graphs: the all-reduced gradient
     buffer holds A and B only; 5 steps equal torch + PEFT (float64) on the mean of the two
     shards' losses (DDP's mean of per-rank means); rank 0 writes the adapter. Also with the
-    adapters' optimizer state and gradients sharded over the ranks (ZeRO-2)."""
+    adapters' optimizer state (ZeRO-1), and their gradients too (ZeRO-2), sharded over the
+    ranks."""
     import os
 
     case = "tiny"

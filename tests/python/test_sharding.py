@@ -8,8 +8,9 @@ dense head). Checked:
     and with 2-micro-batch accumulation; parameters bit-identical on every rank;
   - fp16: an inf in rank 0's shard, put there by the last rank, skips that step on every rank
     in every mode: the same skipped steps, loss scales and step counts;
-  - torch DDP + ZeroRedundancyOptimizer(AdamW) + clip_grad_norm_ on the same shards, as
-    test_data_parallel.py compares DDP;
+  - torch DDP + ZeroRedundancyOptimizer(AdamW) + clip_grad_norm_ on the same shards (as
+    test_data_parallel.py compares DDP), over 10 steps and with 2-micro-batch accumulation: within
+    1e-6;
   - stop after 5 steps, resume from the shard files: bit-identical to the uninterrupted run;
     the 2-rank checkpoint loads on 3 ranks (re-sharded) with the same values;
   - in the worker: a rank never reads, holds or binds another shard's moments, the state stays
@@ -35,7 +36,7 @@ from test_step import _zero_grad_mask
 sys.path.insert(0, str(REPO / "python"))
 from ntl_patch import DataParallel, _safetensors, _sharding  # noqa: E402
 
-STEPS, ACCUM_STEPS, WEIGHT = 10, 4, 0.3
+STEPS, ACCUM_STEPS, WEIGHT = 10, 10, 0.3
 MAX_GRAD_NORM = 1.2  # the averaged gradient norms here: 1.1-1.6 on 2 ranks, 1.0-1.3 on 3: some clip
 SHARDED = ("optimizer", "gradients")
 
@@ -139,14 +140,19 @@ def test_fp16_overflow_skips_on_every_rank(run, ranks, zero_grad):
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_equals_torch_zero_redundancy_optimizer(run, ranks, zero_grad):
+    """The issue's bound, 1e-6, for losses (relative) and parameters (norm-relative), over 10
+    steps (clipping on some, not on others) and 10 steps of 2-micro-batch accumulation."""
     res = run[ranks]
-    clipped = int(res["zero/clipped"])
+    clipped = int(res["zero/clipped"])  # (the mean of 2 micro-batches' gradients clips less)
     assert 0 < clipped < STEPS, f"clipping must trigger on some steps, not all ({clipped})"
     for mode in SHARDED:
-        np.testing.assert_allclose(res[f"{mode}/losses"], res["zero/losses"], rtol=1e-5, err_msg=mode)
-        worst, err = _max_norm_rel(_params(res, mode), _params(res, "zero"), zero_grad)
-        print(f"{ranks} ranks {mode} vs torch ZeroRedundancyOptimizer: worst {worst} {err:.1e}")
-        assert err <= 1e-4, (mode, worst, err)
+        for part, zero in (("", "zero"), ("/accum", "zero_accum")):
+            got, want = res[f"{mode}{part}/losses"], res[f"{zero}/losses"]
+            np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=f"{mode}{part}")
+            worst, err = _max_norm_rel(_params(res, f"{mode}{part}"), _params(res, zero), zero_grad)
+            print(f"{ranks} ranks {mode}{part} vs torch ZeroRedundancyOptimizer: losses "
+                  f"{np.max(np.abs(got - want) / np.abs(want)):.1e}, worst parameter {worst} {err:.1e}")
+            assert err <= 1e-6, (mode, part, worst, err)
 
 
 def test_resume_and_reshard(run):
@@ -187,15 +193,24 @@ def test_partition():
 
 
 def test_bad_shard_modes_are_refused(run):
+    """One line each, and nothing changed: no checkpoint file written or touched, the state of
+    a DataParallel that refuses a checkpoint as it was."""
     grad = run["dir"] / "lm.grad.onnx"
-    with pytest.raises(ValueError, match=r"shard='optimizer' .* needs at least 2 .*world size 1"):
+    files = {f: f.stat().st_mtime_ns for f in run["dir"].iterdir()}
+    errors = []
+    with pytest.raises(ValueError, match=r"shard='optimizer' .* needs at least 2 .*world size 1") as e:
         DataParallel(grad, providers=["CPUExecutionProvider"], shard="optimizer")
-    with pytest.raises(ValueError, match=r"shard must be 'none', 'optimizer' or 'gradients', not 'zero2'"):
+    errors.append(e)
+    with pytest.raises(ValueError, match=r"shard must be 'none', 'optimizer' or 'gradients', not 'zero2'") as e:
         DataParallel(grad, providers=["CPUExecutionProvider"], shard="zero2")
+    errors.append(e)
     dp = DataParallel(grad, providers=["CPUExecutionProvider"])
     before = dp.state_dict()
     with pytest.raises(ValueError, match=r"a checkpoint of shard='optimizer' training; load it with "
-                                         r"DataParallel\(\.\.\., shard='optimizer'\)"):
+                                         r"DataParallel\(\.\.\., shard='optimizer'\)") as e:
         dp.load_state(run["dir"] / "optimizer2.safetensors")
+    errors.append(e)
     after = dp.state_dict()
     assert all(np.array_equal(before[n], after[n]) for n in before)
+    assert all("\n" not in str(e.value) for e in errors), [str(e.value) for e in errors]
+    assert {f: f.stat().st_mtime_ns for f in run["dir"].iterdir()} == files

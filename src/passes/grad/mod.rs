@@ -40,6 +40,9 @@ pub struct Ctx<'a> {
     /// Forward tensor → its summed gradient, for every node output the walk passed
     /// (recomputation reads a block's incoming gradient from it).
     pub gradient_of: HashMap<String, String>,
+    /// The tensors whose rows a `Gather` (axis 0) reads that get the gathered rows' gradient as
+    /// a sparse contribution: the trained parameters of `differentiate` (an embedding).
+    sparse_rows: HashSet<String>,
 }
 
 /// A gradient that is zero except at a few places along one axis: `updates` belong at
@@ -71,12 +74,19 @@ impl<'a> Ctx<'a> {
             runtime_zero: None,
             scatters: Vec::new(),
             gradient_of: HashMap::new(),
+            sparse_rows: HashSet::new(),
         }
     }
 
     /// Records a sparse gradient contribution to `tensor` (a rule then returns None for it).
     pub fn scatter_into(&mut self, tensor: &str, scatter: Scatter) {
         self.scatters.push((tensor.to_string(), scatter));
+    }
+
+    /// Whether the rows a `Gather` (axis 0) reads from `tensor` may come back as a sparse
+    /// contribution rather than a dense `ScatterND` into zeros.
+    pub fn sparse_rows(&self, tensor: &str) -> bool {
+        self.sparse_rows.contains(tensor)
     }
 
     /// A float32 scalar constant, shared by every rule that asks for the same value.
@@ -327,7 +337,13 @@ pub fn differentiate(
         Some(s) => s.to_string(),
         None => ctx.f32(1.0),
     };
-    let mut grads = backward(ctx, nodes, loss, seed, params)?;
+    // An embedding's gradient: its rows added into the other contributions (a tied LM head's)
+    // in place, not a [V, d] ScatterND into zeros then a Sum of two [V, d] tensors: two [V, d]
+    // temporaries fewer at the end of the backward, where every gradient exists.
+    ctx.sparse_rows = params.iter().cloned().collect();
+    let grads = backward(ctx, nodes, loss, seed, params);
+    ctx.sparse_rows.clear();
+    let mut grads = grads?;
     params
         .iter()
         .map(|p| match grads.remove(p) {

@@ -295,6 +295,24 @@ pub fn gather(
     let rest = ctx.b.slice(&shape_t, 1, i64::MAX, 0, "grad/gather_rest");
     let gshape = ctx.b.concat(&[&minus_one, &rest], 0, "grad/gather_gshape");
     let g_flat = ctx.op("Reshape", &[&g_t, &gshape], "grad/gather_g");
+    if a == 0 && ctx.opset >= 16 && ctx.sparse_rows(data) {
+        // rows of a trained parameter (an embedding): added in place into its other gradient
+        let mut shape = vec![1i64; r];
+        shape[0] = -1;
+        let shape = ctx.i64s(&shape);
+        let idx_b = ctx.op("Reshape", &[&flat_idx, &shape], "grad/gather_rows");
+        let gs = ctx.shape(&g_flat);
+        let indices = ctx.op("Expand", &[&idx_b, &gs], "grad/gather_rows_idx");
+        ctx.scatter_into(
+            data,
+            crate::passes::grad::Scatter {
+                indices,
+                updates: g_flat,
+                axis: 0,
+            },
+        );
+        return Ok(vec![None]);
+    }
     let gx_t = if ctx.opset >= 16 {
         let zeros = ctx.zeros(&shape_t);
         let ind = ctx.b.unsqueeze(&flat_idx, &[1], "grad/gather_nd_idx");
