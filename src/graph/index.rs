@@ -67,27 +67,31 @@ impl<'g> GraphIndex<'g> {
         self.graph.input.iter().any(|o| o.name() == tensor)
     }
 
-    /// Every name in use: node names, tensor names (inputs, outputs, initializers, value infos,
-    /// node outputs). New names must avoid all of them.
-    /// (A hash set: only ever asked whether it holds a name, never listed, so no order.)
-    pub fn taken_names(&self) -> HashSet<String> {
+    /// The names in use that a [`ntl_ops::Builder`] under `prefix` could collide with: every
+    /// name under `prefix/` (all that its `fresh` makes) and those of `claims` (the exact names
+    /// outside the prefix it will `claim`). Names are node names and tensor names (inputs,
+    /// outputs, initializers, value infos, node inputs and outputs), subgraphs' included. A copy
+    /// of every name would cost one string per tensor; this set holds the few that matter.
+    pub fn taken_names(&self, prefix: &str, claims: &[&str]) -> HashSet<String> {
+        let under = format!("{prefix}/");
+        let mut names = HashSet::new();
+        let mut take = |name: &str| {
+            if name.starts_with(&under) || claims.contains(&name) {
+                names.insert(name.to_string());
+            }
+        };
         let g = self.graph;
-        let mut names = HashSet::with_capacity(2 * g.node.len() + g.initializer.len());
         for n in &g.node {
-            names.insert(n.name().to_string());
-            names.extend(n.output.iter().cloned());
-            names.extend(n.input.iter().cloned());
+            take(n.name());
+            n.output.iter().chain(&n.input).for_each(|t| take(t));
         }
-        names.extend(g.input.iter().map(|v| v.name().to_string()));
-        names.extend(g.output.iter().map(|v| v.name().to_string()));
-        names.extend(g.value_info.iter().map(|v| v.name().to_string()));
-        names.extend(g.initializer.iter().map(|t| t.name().to_string()));
-        names.extend(
-            g.sparse_initializer
-                .iter()
-                .flat_map(|s| s.values.iter().chain(s.indices.iter()))
-                .map(|t| t.name().to_string()),
-        );
+        let declared = g.input.iter().chain(&g.output).chain(&g.value_info);
+        declared.for_each(|v| take(v.name()));
+        g.initializer.iter().for_each(|t| take(t.name()));
+        g.sparse_initializer
+            .iter()
+            .flat_map(|s| s.values.iter().chain(s.indices.iter()))
+            .for_each(|t| take(t.name()));
         // names inside subgraphs (If/Loop/Scan bodies) too: a new name must not shadow one
         let mut stack: Vec<&GraphProto> = g
             .node
@@ -97,16 +101,15 @@ impl<'g> GraphIndex<'g> {
             .collect();
         while let Some(sub) = stack.pop() {
             for n in &sub.node {
-                names.insert(n.name().to_string());
-                names.extend(n.output.iter().cloned());
+                take(n.name());
+                n.output.iter().for_each(|t| take(t));
                 for a in &n.attribute {
                     stack.extend(a.g.iter().chain(a.graphs.iter()));
                 }
             }
-            names.extend(sub.input.iter().map(|v| v.name().to_string()));
-            names.extend(sub.initializer.iter().map(|t| t.name().to_string()));
+            sub.input.iter().for_each(|v| take(v.name()));
+            sub.initializer.iter().for_each(|t| take(t.name()));
         }
-        names.remove("");
         names
     }
 

@@ -403,7 +403,11 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         Outcome::Dense(None) => None,
     };
     let graph = model.graph.as_mut().expect("loaded models have a graph");
-    let mut b = Builder::new(PREFIX, opset, GraphIndex::new(graph).taken_names());
+    let mut b = Builder::new(
+        PREFIX,
+        opset,
+        GraphIndex::new(graph).taken_names(PREFIX, &[]),
+    );
     let lora_params = adapted
         .as_ref()
         .map(Adapted::parameters)
@@ -717,7 +721,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
     fused_head::lower::lower(model);
     {
         let graph = model.graph.as_mut().expect("graph");
-        let taken = GraphIndex::new(graph).taken_names();
+        let taken = GraphIndex::new(graph).taken_names(PREFIX, &[]);
         frozen_half::cast_per_use(graph, &widened, opset, taken);
         declare_frozen(graph, &frozen);
     }
