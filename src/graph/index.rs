@@ -12,7 +12,10 @@ use crate::onnx::{value_info_shape, GraphProto, NodeProto};
 pub struct GraphIndex<'g> {
     pub graph: &'g GraphProto,
     producer: HashMap<&'g str, usize>,
-    consumers: HashMap<&'g str, Vec<usize>>,
+    consumers: HashMap<&'g str, Readers>,
+    /// Initializers and value infos (`value_info`, inputs, outputs) by name: walks back through
+    /// a long chain ask at every step, so this is a map, not a search of the lists.
+    declared: HashMap<&'g str, Declared<'g>>,
     /// Ranks inferred through the whole graph, computed on first use.
     ranks: std::cell::OnceCell<Ranks>,
     /// Element types followed forward through the whole graph, computed on first use.
@@ -27,19 +30,23 @@ impl<'g> GraphIndex<'g> {
         // sized once: growing a map of a million names rehashes every one of them several times
         let tensors = graph.node.iter().map(|n| n.output.len()).sum();
         let mut producer = map_with_capacity(tensors);
-        let mut consumers: HashMap<&str, Vec<usize>> = map_with_capacity(tensors);
+        let mut consumers: HashMap<&str, Readers> = map_with_capacity(tensors);
         for (i, node) in graph.node.iter().enumerate() {
             for out in node.output.iter().filter(|o| !o.is_empty()) {
                 producer.insert(out.as_str(), i);
             }
             for inp in node.input.iter().filter(|i| !i.is_empty()) {
-                consumers.entry(inp.as_str()).or_default().push(i);
+                consumers
+                    .entry(inp.as_str())
+                    .and_modify(|r| r.push(i))
+                    .or_insert(Readers::One(i));
             }
         }
         GraphIndex {
             graph,
             producer,
             consumers,
+            declared: declarations(graph),
             ranks: std::cell::OnceCell::new(),
             types: std::cell::OnceCell::new(),
             backward_types: Default::default(),
@@ -56,7 +63,7 @@ impl<'g> GraphIndex<'g> {
     }
 
     pub fn consumers(&self, tensor: &str) -> &[usize] {
-        self.consumers.get(tensor).map_or(&[], |v| v.as_slice())
+        self.consumers.get(tensor).map_or(&[], Readers::as_slice)
     }
 
     pub fn is_graph_output(&self, tensor: &str) -> bool {
@@ -113,23 +120,22 @@ impl<'g> GraphIndex<'g> {
         names
     }
 
+    fn declared(&self, tensor: &str) -> Option<Declared<'g>> {
+        self.declared.get(tensor).copied()
+    }
+
     /// Declared element type and dims of a tensor (value_info, inputs, outputs, initializers).
     pub fn declared_shape(&self, tensor: &str) -> Option<(Option<i32>, Vec<Option<i64>>)> {
-        let g = self.graph;
-        if let Some(init) = g.initializer.iter().find(|t| t.name() == tensor) {
-            return Some((
+        match self.declared(tensor)? {
+            Declared::Initializer(init) => Some((
                 Some(init.data_type()),
                 init.dims.iter().map(|&d| Some(d)).collect(),
-            ));
+            )),
+            Declared::Info(vi) => {
+                let (elem, dims) = value_info_shape(vi)?;
+                Some((Some(elem).filter(|&e| e != 0), dims?))
+            }
         }
-        let vi = g
-            .value_info
-            .iter()
-            .chain(&g.input)
-            .chain(&g.output)
-            .find(|v| v.name() == tensor)?;
-        let (elem, dims) = value_info_shape(vi)?;
-        Some((Some(elem).filter(|&e| e != 0), dims?))
     }
 
     /// Element type of a tensor where the graph declares it, or where it follows from the
@@ -294,7 +300,7 @@ impl<'g> GraphIndex<'g> {
     /// The tensor holding a constant: an initializer, or a Constant node's `value` (its
     /// payload is not read here).
     pub fn constant_tensor(&self, tensor: &str) -> Option<&'g crate::onnx::TensorProto> {
-        if let Some(t) = self.graph.initializer.iter().find(|t| t.name() == tensor) {
+        if let Some(Declared::Initializer(t)) = self.declared(tensor) {
             return Some(t);
         }
         let (_, node) = self.producer(tensor)?;
@@ -324,6 +330,51 @@ impl<'g> GraphIndex<'g> {
                 .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
                 .collect(),
         )
+    }
+}
+
+/// What the graph declares each tensor to be: its initializer, else its first value info
+/// (`value_info`, then inputs, then outputs).
+fn declarations(g: &GraphProto) -> HashMap<&str, Declared<'_>> {
+    let infos = g.value_info.len() + g.input.len() + g.output.len();
+    let mut map = map_with_capacity(g.initializer.len() + infos);
+    for t in &g.initializer {
+        map.entry(t.name()).or_insert(Declared::Initializer(t));
+    }
+    for v in g.value_info.iter().chain(&g.input).chain(&g.output) {
+        map.entry(v.name()).or_insert(Declared::Info(v));
+    }
+    map
+}
+
+/// A declaration of a tensor: an initializer or a value info.
+#[derive(Clone, Copy)]
+enum Declared<'g> {
+    Initializer(&'g crate::onnx::TensorProto),
+    Info(&'g crate::onnx::ValueInfoProto),
+}
+
+/// The nodes that read a tensor, in node order (a node once per input it reads it as). Most
+/// tensors have one reader, held without a vector of its own: a million-node graph would
+/// otherwise allocate a million of them.
+enum Readers {
+    One(usize),
+    Many(Vec<usize>),
+}
+
+impl Readers {
+    fn push(&mut self, node: usize) {
+        match self {
+            Readers::One(first) => *self = Readers::Many(vec![*first, node]),
+            Readers::Many(nodes) => nodes.push(node),
+        }
+    }
+
+    fn as_slice(&self) -> &[usize] {
+        match self {
+            Readers::One(node) => std::slice::from_ref(node),
+            Readers::Many(nodes) => nodes,
+        }
     }
 }
 
