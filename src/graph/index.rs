@@ -417,25 +417,29 @@ pub fn normalize_axis(axis: i64, rank: usize) -> Option<usize> {
 /// The rank of a tensor where the graph fixes it: declared, or inferred through the graph
 /// (`super::ranks`, which follows reshapes to run-time shapes).
 pub fn static_rank(index: &GraphIndex, tensor: &str) -> Option<usize> {
-    static_rank_at(index, tensor, 0).or_else(|| index.inferred_ranks().get(tensor))
+    fixed_rank(index, tensor).or_else(|| index.inferred_ranks().get(tensor))
 }
 
-fn static_rank_at(index: &GraphIndex, tensor: &str, depth: usize) -> Option<usize> {
-    if depth > 32 {
-        return None;
-    }
-    if let Some((_, dims)) = index.declared_shape(tensor) {
-        return Some(dims.len());
-    }
-    let (_, node) = index.producer(tensor)?;
-    match node.op_type() {
-        "Reshape" => index.constant_i64(node.input.get(1)?).map(|s| s.len()),
-        "Transpose" => crate::onnx::attr_ints(node, "perm").map(|p| p.len()),
-        "Identity" | "Cast" | "LogSoftmax" | "Softmax" | "Relu" | "Dropout" => {
-            static_rank_at(index, node.input.first()?, depth + 1)
+/// The rank a declaration, a constant Reshape target or a Transpose fixes, found back through
+/// rank-keeping ops in a loop (a chain of them can be as long as the graph), without inferring
+/// the ranks of the whole graph.
+fn fixed_rank(index: &GraphIndex, tensor: &str) -> Option<usize> {
+    let mut tensor = tensor;
+    for _ in 0..=index.graph.node.len() {
+        if let Some((_, dims)) = index.declared_shape(tensor) {
+            return Some(dims.len());
         }
-        _ => None,
+        let (_, node) = index.producer(tensor)?;
+        match node.op_type() {
+            "Reshape" => return index.constant_i64(node.input.get(1)?).map(|s| s.len()),
+            "Transpose" => return crate::onnx::attr_ints(node, "perm").map(|p| p.len()),
+            "Identity" | "Cast" | "LogSoftmax" | "Softmax" | "Relu" | "Dropout" => {
+                tensor = node.input.first()?;
+            }
+            _ => return None,
+        }
     }
+    None
 }
 
 #[cfg(test)]
