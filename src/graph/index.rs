@@ -22,7 +22,9 @@ pub struct GraphIndex<'g> {
     types: std::cell::OnceCell<ElemTypes>,
     /// What [`GraphIndex::elem_type_backward`] found past each node it walked through: a
     /// chain of type-keeping nodes is walked once, not once per question.
-    backward_types: std::cell::RefCell<HashMap<usize, Option<i32>>>,
+    /// Indexed by node (`None`: not walked yet), allocated on first use: a dense vector, as a
+    /// walk can pass every node of the graph.
+    backward_types: std::cell::RefCell<Vec<Option<Option<i32>>>>,
 }
 
 impl<'g> GraphIndex<'g> {
@@ -157,7 +159,12 @@ impl<'g> GraphIndex<'g> {
         let mut walked = Vec::new();
         let found = self.walk_types_back(tensor, &mut walked);
         let mut memo = self.backward_types.borrow_mut();
-        memo.extend(walked.into_iter().map(|t| (t, found)));
+        if memo.is_empty() && !walked.is_empty() {
+            memo.resize(self.graph.node.len(), None);
+        }
+        for i in walked {
+            memo[i] = Some(found);
+        }
         found
     }
 
@@ -169,7 +176,7 @@ impl<'g> GraphIndex<'g> {
                 return Some(t);
             }
             let (i, node) = self.producer(tensor)?;
-            if let Some(&found) = self.backward_types.borrow().get(&i) {
+            if let Some(&Some(found)) = self.backward_types.borrow().get(i) {
                 return found;
             }
             walked.push(i);
