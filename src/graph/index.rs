@@ -25,6 +25,9 @@ pub struct GraphIndex<'g> {
     /// Indexed by node (`None`: not walked yet), allocated on first use: a dense vector, as a
     /// walk can pass every node of the graph.
     backward_types: std::cell::RefCell<Vec<Option<Option<i32>>>>,
+    /// For each Identity node [`GraphIndex::through_identities`] passed, the first node of its
+    /// run (indexed by node, `usize::MAX`: not walked yet; allocated on first use).
+    identity_runs: std::cell::RefCell<Vec<usize>>,
 }
 
 impl<'g> GraphIndex<'g> {
@@ -52,6 +55,7 @@ impl<'g> GraphIndex<'g> {
             ranks: std::cell::OnceCell::new(),
             types: std::cell::OnceCell::new(),
             backward_types: Default::default(),
+            identity_runs: Default::default(),
         }
     }
 
@@ -153,6 +157,49 @@ impl<'g> GraphIndex<'g> {
             })
     }
 
+    /// The start of the run of Identity nodes that ends in `tensor`: back through Identity
+    /// nodes while the tensor is not declared, to the first tensor that is declared or not
+    /// written by an Identity (`tensor` itself if it is). The walks back (element types,
+    /// static dims, static ranks) pass Identity nodes alike and ask of the same chains, so a
+    /// run is walked once: each Identity node passed remembers where its run starts.
+    fn through_identities<'a>(&'a self, tensor: &'a str) -> &'a str {
+        let mut runs = self.identity_runs.borrow_mut();
+        let mut passed = Vec::new();
+        let mut tensor = tensor;
+        let mut first = None;
+        for _ in 0..=self.graph.node.len() {
+            if self.declared.contains_key(tensor) {
+                break;
+            }
+            let Some((i, node)) = self.producer(tensor) else {
+                break;
+            };
+            let Some(input) = node.input.first().filter(|t| !t.is_empty()) else {
+                break;
+            };
+            if node.op_type() != "Identity" {
+                break;
+            }
+            if let Some(&known) = runs.get(i).filter(|&&k| k != usize::MAX) {
+                first = Some(known);
+                tensor = &self.graph.node[known].input[0];
+                break;
+            }
+            passed.push(i);
+            first = Some(i);
+            tensor = input;
+        }
+        if let Some(first) = first.filter(|_| !passed.is_empty()) {
+            if runs.is_empty() {
+                runs.resize(self.graph.node.len(), usize::MAX);
+            }
+            for i in passed {
+                runs[i] = first;
+            }
+        }
+        tensor
+    }
+
     /// Back through producers that keep their input's type, to a declared type.
     fn elem_type_backward(&self, tensor: &str) -> Option<i32> {
         // every tensor on the way has the answer of the walk's end
@@ -172,6 +219,7 @@ impl<'g> GraphIndex<'g> {
         // iterative, and bounded: a chain of type-keeping nodes can be as long as the graph
         let mut tensor = tensor;
         for _ in 0..=self.graph.node.len() {
+            tensor = self.through_identities(tensor);
             if let Some((Some(t), _)) = self.declared_shape(tensor) {
                 return Some(t);
             }
@@ -218,6 +266,7 @@ impl<'g> GraphIndex<'g> {
         let mut tensor = tensor;
         let mut steps = 0;
         let node = loop {
+            tensor = self.through_identities(tensor);
             if let Some((_, dims)) = self.declared_shape(tensor) {
                 let i = normalize_axis(axis, dims.len())?;
                 // a declared size below 1 (malformed, or -1 for "unknown") tells nothing
@@ -433,6 +482,7 @@ pub fn static_rank(index: &GraphIndex, tensor: &str) -> Option<usize> {
 fn fixed_rank(index: &GraphIndex, tensor: &str) -> Option<usize> {
     let mut tensor = tensor;
     for _ in 0..=index.graph.node.len() {
+        tensor = index.through_identities(tensor);
         if let Some((_, dims)) = index.declared_shape(tensor) {
             return Some(dims.len());
         }
