@@ -519,6 +519,34 @@ mod tests {
             .collect()
     }
 
+    /// A run of Identity nodes is jumped over to its start, which is the first declared tensor
+    /// on the way back (a declaration inside a chain stops the jump), and a long chain's rank
+    /// is found from the Reshape before it without inferring the whole graph's ranks.
+    #[test]
+    fn identity_runs_stop_at_declarations() {
+        let n = 1000;
+        let mut node = chain(n, |i| if i == 0 { "Reshape" } else { "Identity" });
+        node[0].input.push("target".into());
+        let graph = GraphProto {
+            node,
+            initializer: vec![crate::onnx::i64_tensor("target", &[3], &[2, -1, 48])],
+            value_info: vec![crate::onnx::ValueInfoProto {
+                name: Some("t500".into()),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let index = GraphIndex::new(&graph);
+        let last = format!("t{}", n - 1);
+        assert_eq!(index.through_identities(&last), "t500");
+        assert_eq!(index.through_identities("t700"), "t500");
+        assert_eq!(index.through_identities("t500"), "t500");
+        assert_eq!(index.through_identities("t400"), "t0");
+        assert_eq!(static_rank(&index, &last), Some(3));
+        assert_eq!(index.static_last_dim(&last), Some(48));
+        assert!(index.ranks.get().is_none(), "no whole-graph rank inference");
+    }
+
     /// The element type of every tensor of a long Identity chain, asked one by one, costs one
     /// walk in all: each walk back stops where an earlier one passed (quadratic before).
     #[test]
