@@ -519,6 +519,43 @@ mod tests {
             .collect()
     }
 
+    /// Taken names: those under the prefix (subgraphs' included) and the claimed exact names
+    /// the graph uses, nothing else.
+    #[test]
+    fn taken_names_are_the_prefixed_and_the_claimed() {
+        use crate::onnx::proto::{attribute_proto::AttributeType, AttributeProto};
+        let body = GraphProto {
+            node: vec![NodeProto {
+                output: vec!["ntl/inner".into(), "inner".into()],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let graph = GraphProto {
+            node: vec![NodeProto {
+                name: Some("ntl/node".into()),
+                input: vec!["x".into(), "ntlx".into()],
+                output: vec!["ce_loss".into(), "number".into()],
+                attribute: vec![AttributeProto {
+                    name: Some("body".into()),
+                    r#type: Some(AttributeType::Graph as i32),
+                    g: Some(body),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }],
+            initializer: vec![crate::onnx::i64_tensor("ntl/w", &[1], &[1])],
+            ..Default::default()
+        };
+        let index = GraphIndex::new(&graph);
+        let mut taken: Vec<String> = index
+            .taken_names("ntl", &["ce_loss", "labels"])
+            .into_iter()
+            .collect();
+        taken.sort();
+        assert_eq!(taken, ["ce_loss", "ntl/inner", "ntl/node", "ntl/w"]);
+    }
+
     /// A run of Identity nodes is jumped over to its start, which is the first declared tensor
     /// on the way back (a declaration inside a chain stops the jump), and a long chain's rank
     /// is found from the Reshape before it without inferring the whole graph's ranks.
