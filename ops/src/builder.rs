@@ -24,7 +24,9 @@ pub struct Builder {
 }
 
 impl Builder {
-    /// `taken` holds every name already in the graph; new names never collide with them.
+    /// `taken` holds the names already in the graph that new names could collide with: every
+    /// one under `prefix/` (all [`Builder::fresh`] makes) and the exact names outside it that
+    /// [`Builder::claim`] will be asked for. New names never collide with them.
     pub fn new(prefix: &str, opset: i64, taken: HashSet<String>) -> Self {
         Builder {
             prefix: prefix.to_string(),
@@ -56,6 +58,7 @@ impl Builder {
     }
 
     /// Claims an exact name (a user-visible output such as `ce_loss`); false if it is taken.
+    /// A name outside the prefix must be among the builder's `taken` names if the graph uses it.
     pub fn claim(&mut self, name: &str) -> bool {
         self.taken.insert(name.to_string())
     }

@@ -11,6 +11,10 @@ Writes into OUT_DIR:
                      raw_data; 518 MB at 250 000): many small messages;
   identity_chain.onnx  the LM with --chain Identity nodes between its logits and the
                      cross-entropy (no value_info), so every graph walk meets a long chain;
+  identity_chain_before_logits.onnx  the chain between the LM head and the Reshape to the
+                     [N, V] logits;
+  identity_chain_untyped_scores.onnx  the first chain, the scores (the chain's end) declared
+                     with a shape [N, 48] and no element type;
   tokenizer.json     the fixture tokenizer.
 Needs onnx and numpy (.venv of scripts/setup/setup-python.sh).
 """
@@ -49,19 +53,31 @@ def small_initializers(out_dir: str, count: int) -> str:
     return path
 
 
-def identity_chain(out_dir: str, count: int) -> str:
+def identity_chain(out_dir: str, count: int, variant: str = "") -> str:
+    """lm_flat with `count` Identity nodes: between the [N, V] logits and the cross-entropy, or
+    (variant "before_logits") between the LM head and the Reshape to [N, V]; variant
+    "untyped_scores" adds a value_info of the scores with a shape and no element type."""
     model = onnx.load(LM)
     g = model.graph
     del g.value_info[:]
     ce = next(i for i, n in enumerate(g.node) if n.op_type == "SoftmaxCrossEntropyLoss")
-    scores = g.node[ce].input[0]
-    chain = [helper.make_node("Identity", [scores if i == 0 else f"id{i - 1}"], [f"id{i}"])
+    if variant == "before_logits":
+        at = next(i for i, n in enumerate(g.node) if n.output[0] == g.node[ce].input[0])
+        reader, slot = g.node[at], 0
+    else:
+        at, reader, slot = ce, g.node[ce], 0
+    head = reader.input[slot]
+    chain = [helper.make_node("Identity", [head if i == 0 else f"id{i - 1}"], [f"id{i}"])
              for i in range(count)]
-    g.node[ce].input[0] = f"id{count - 1}"
+    reader.input[slot] = f"id{count - 1}"
+    if variant == "untyped_scores":
+        g.value_info.append(
+            helper.make_tensor_value_info(f"id{count - 1}", TensorProto.UNDEFINED, ["N", 48]))
     nodes = list(g.node)
     del g.node[:]
-    g.node.extend(nodes[:ce] + chain + nodes[ce:])
-    path = os.path.join(out_dir, "identity_chain.onnx")
+    g.node.extend(nodes[:at] + chain + nodes[at:])
+    name = "identity_chain" + (f"_{variant}" if variant else "")
+    path = os.path.join(out_dir, f"{name}.onnx")
     onnx.save(model, path)
     return path
 
@@ -76,7 +92,9 @@ def main() -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     shutil.copy(os.path.join(ROOT, "fixtures", "tokenizer.json"), args.out_dir)
     for path in (zeros(args.out_dir, args.zeros_gb), small_initializers(args.out_dir, args.small),
-                 identity_chain(args.out_dir, args.chain)):
+                 identity_chain(args.out_dir, args.chain),
+                 identity_chain(args.out_dir, args.chain, "before_logits"),
+                 identity_chain(args.out_dir, args.chain, "untyped_scores")):
         print(path)
     return 0
 

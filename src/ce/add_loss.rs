@@ -65,7 +65,7 @@ pub fn add_loss(model: &mut ModelProto, shift: bool) -> Result<String, Error> {
     let dims = dims.expect("checked");
     let rank = dims.len();
     let vocab = dims[rank - 1].expect("checked");
-    let taken = GraphIndex::new(graph).taken_names();
+    let taken = GraphIndex::new(graph).taken_names(PREFIX, &[LABELS, LOSS]);
     for name in [LABELS, LOSS] {
         if taken.contains(name) {
             return Err(Error::OutputNameTaken(name.into()));

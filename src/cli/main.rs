@@ -24,6 +24,10 @@ use ntl_patch::text::escape;
 use ntl_patch::tools::validate::{self, Runtime, ValidateRequest};
 use ntl_patch::vocab::number_table::NumberSet;
 
+/// mimalloc: millions of small allocations for a large graph (bench/README.md, issue 26).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Splice a number-aware loss into the cross-entropy of an exported ONNX training graph
 /// (loss = CE + λ·NTL), and write training steps that any ONNX runtime runs.
 #[derive(Parser)]

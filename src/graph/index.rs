@@ -12,14 +12,22 @@ use crate::onnx::{value_info_shape, GraphProto, NodeProto};
 pub struct GraphIndex<'g> {
     pub graph: &'g GraphProto,
     producer: HashMap<&'g str, usize>,
-    consumers: HashMap<&'g str, Vec<usize>>,
+    consumers: HashMap<&'g str, Readers>,
+    /// Initializers and value infos (`value_info`, inputs, outputs) by name: walks back through
+    /// a long chain ask at every step, so this is a map, not a search of the lists.
+    declared: HashMap<&'g str, Declared<'g>>,
     /// Ranks inferred through the whole graph, computed on first use.
     ranks: std::cell::OnceCell<Ranks>,
     /// Element types followed forward through the whole graph, computed on first use.
     types: std::cell::OnceCell<ElemTypes>,
     /// What [`GraphIndex::elem_type_backward`] found past each node it walked through: a
     /// chain of type-keeping nodes is walked once, not once per question.
-    backward_types: std::cell::RefCell<HashMap<usize, Option<i32>>>,
+    /// Indexed by node (`None`: not walked yet), allocated on first use: a dense vector, as a
+    /// walk can pass every node of the graph.
+    backward_types: std::cell::RefCell<Vec<Option<Option<i32>>>>,
+    /// For each Identity node [`GraphIndex::through_identities`] passed, the first node of its
+    /// run (indexed by node, `usize::MAX`: not walked yet; allocated on first use).
+    identity_runs: std::cell::RefCell<Vec<usize>>,
 }
 
 impl<'g> GraphIndex<'g> {
@@ -27,22 +35,27 @@ impl<'g> GraphIndex<'g> {
         // sized once: growing a map of a million names rehashes every one of them several times
         let tensors = graph.node.iter().map(|n| n.output.len()).sum();
         let mut producer = map_with_capacity(tensors);
-        let mut consumers: HashMap<&str, Vec<usize>> = map_with_capacity(tensors);
+        let mut consumers: HashMap<&str, Readers> = map_with_capacity(tensors);
         for (i, node) in graph.node.iter().enumerate() {
             for out in node.output.iter().filter(|o| !o.is_empty()) {
                 producer.insert(out.as_str(), i);
             }
             for inp in node.input.iter().filter(|i| !i.is_empty()) {
-                consumers.entry(inp.as_str()).or_default().push(i);
+                consumers
+                    .entry(inp.as_str())
+                    .and_modify(|r| r.push(i))
+                    .or_insert(Readers::One(i));
             }
         }
         GraphIndex {
             graph,
             producer,
             consumers,
+            declared: declarations(graph),
             ranks: std::cell::OnceCell::new(),
             types: std::cell::OnceCell::new(),
             backward_types: Default::default(),
+            identity_runs: Default::default(),
         }
     }
 
@@ -56,7 +69,7 @@ impl<'g> GraphIndex<'g> {
     }
 
     pub fn consumers(&self, tensor: &str) -> &[usize] {
-        self.consumers.get(tensor).map_or(&[], |v| v.as_slice())
+        self.consumers.get(tensor).map_or(&[], Readers::as_slice)
     }
 
     pub fn is_graph_output(&self, tensor: &str) -> bool {
@@ -67,27 +80,31 @@ impl<'g> GraphIndex<'g> {
         self.graph.input.iter().any(|o| o.name() == tensor)
     }
 
-    /// Every name in use: node names, tensor names (inputs, outputs, initializers, value infos,
-    /// node outputs). New names must avoid all of them.
-    /// (A hash set: only ever asked whether it holds a name, never listed, so no order.)
-    pub fn taken_names(&self) -> HashSet<String> {
+    /// The names in use that a [`ntl_ops::Builder`] under `prefix` could collide with: every
+    /// name under `prefix/` (all that its `fresh` makes) and those of `claims` (the exact names
+    /// outside the prefix it will `claim`). Names are node names and tensor names (inputs,
+    /// outputs, initializers, value infos, node inputs and outputs), subgraphs' included. A copy
+    /// of every name would cost one string per tensor; this set holds the few that matter.
+    pub fn taken_names(&self, prefix: &str, claims: &[&str]) -> HashSet<String> {
+        let under = format!("{prefix}/");
+        let mut names = HashSet::new();
+        let mut take = |name: &str| {
+            if name.starts_with(&under) || claims.contains(&name) {
+                names.insert(name.to_string());
+            }
+        };
         let g = self.graph;
-        let mut names = HashSet::with_capacity(2 * g.node.len() + g.initializer.len());
         for n in &g.node {
-            names.insert(n.name().to_string());
-            names.extend(n.output.iter().cloned());
-            names.extend(n.input.iter().cloned());
+            take(n.name());
+            n.output.iter().chain(&n.input).for_each(|t| take(t));
         }
-        names.extend(g.input.iter().map(|v| v.name().to_string()));
-        names.extend(g.output.iter().map(|v| v.name().to_string()));
-        names.extend(g.value_info.iter().map(|v| v.name().to_string()));
-        names.extend(g.initializer.iter().map(|t| t.name().to_string()));
-        names.extend(
-            g.sparse_initializer
-                .iter()
-                .flat_map(|s| s.values.iter().chain(s.indices.iter()))
-                .map(|t| t.name().to_string()),
-        );
+        let declared = g.input.iter().chain(&g.output).chain(&g.value_info);
+        declared.for_each(|v| take(v.name()));
+        g.initializer.iter().for_each(|t| take(t.name()));
+        g.sparse_initializer
+            .iter()
+            .flat_map(|s| s.values.iter().chain(s.indices.iter()))
+            .for_each(|t| take(t.name()));
         // names inside subgraphs (If/Loop/Scan bodies) too: a new name must not shadow one
         let mut stack: Vec<&GraphProto> = g
             .node
@@ -97,36 +114,34 @@ impl<'g> GraphIndex<'g> {
             .collect();
         while let Some(sub) = stack.pop() {
             for n in &sub.node {
-                names.insert(n.name().to_string());
-                names.extend(n.output.iter().cloned());
+                take(n.name());
+                n.output.iter().for_each(|t| take(t));
                 for a in &n.attribute {
                     stack.extend(a.g.iter().chain(a.graphs.iter()));
                 }
             }
-            names.extend(sub.input.iter().map(|v| v.name().to_string()));
-            names.extend(sub.initializer.iter().map(|t| t.name().to_string()));
+            sub.input.iter().for_each(|v| take(v.name()));
+            sub.initializer.iter().for_each(|t| take(t.name()));
         }
-        names.remove("");
         names
+    }
+
+    fn declared(&self, tensor: &str) -> Option<Declared<'g>> {
+        self.declared.get(tensor).copied()
     }
 
     /// Declared element type and dims of a tensor (value_info, inputs, outputs, initializers).
     pub fn declared_shape(&self, tensor: &str) -> Option<(Option<i32>, Vec<Option<i64>>)> {
-        let g = self.graph;
-        if let Some(init) = g.initializer.iter().find(|t| t.name() == tensor) {
-            return Some((
+        match self.declared(tensor)? {
+            Declared::Initializer(init) => Some((
                 Some(init.data_type()),
                 init.dims.iter().map(|&d| Some(d)).collect(),
-            ));
+            )),
+            Declared::Info(vi) => {
+                let (elem, dims) = value_info_shape(vi)?;
+                Some((Some(elem).filter(|&e| e != 0), dims?))
+            }
         }
-        let vi = g
-            .value_info
-            .iter()
-            .chain(&g.input)
-            .chain(&g.output)
-            .find(|v| v.name() == tensor)?;
-        let (elem, dims) = value_info_shape(vi)?;
-        Some((Some(elem).filter(|&e| e != 0), dims?))
     }
 
     /// Element type of a tensor where the graph declares it, or where it follows from the
@@ -142,13 +157,61 @@ impl<'g> GraphIndex<'g> {
             })
     }
 
+    /// The start of the run of Identity nodes that ends in `tensor`: back through Identity
+    /// nodes while the tensor is not declared, to the first tensor that is declared or not
+    /// written by an Identity (`tensor` itself if it is). The walks back (element types,
+    /// static dims, static ranks) pass Identity nodes alike and ask of the same chains, so a
+    /// run is walked once: each Identity node passed remembers where its run starts.
+    fn through_identities<'a>(&'a self, tensor: &'a str) -> &'a str {
+        let mut runs = self.identity_runs.borrow_mut();
+        let mut passed = Vec::new();
+        let mut tensor = tensor;
+        let mut first = None;
+        for _ in 0..=self.graph.node.len() {
+            if self.declared.contains_key(tensor) {
+                break;
+            }
+            let Some((i, node)) = self.producer(tensor) else {
+                break;
+            };
+            let Some(input) = node.input.first().filter(|t| !t.is_empty()) else {
+                break;
+            };
+            if node.op_type() != "Identity" {
+                break;
+            }
+            if let Some(&known) = runs.get(i).filter(|&&k| k != usize::MAX) {
+                first = Some(known);
+                tensor = &self.graph.node[known].input[0];
+                break;
+            }
+            passed.push(i);
+            first = Some(i);
+            tensor = input;
+        }
+        if let Some(first) = first.filter(|_| !passed.is_empty()) {
+            if runs.is_empty() {
+                runs.resize(self.graph.node.len(), usize::MAX);
+            }
+            for i in passed {
+                runs[i] = first;
+            }
+        }
+        tensor
+    }
+
     /// Back through producers that keep their input's type, to a declared type.
     fn elem_type_backward(&self, tensor: &str) -> Option<i32> {
         // every tensor on the way has the answer of the walk's end
         let mut walked = Vec::new();
         let found = self.walk_types_back(tensor, &mut walked);
         let mut memo = self.backward_types.borrow_mut();
-        memo.extend(walked.into_iter().map(|t| (t, found)));
+        if memo.is_empty() && !walked.is_empty() {
+            memo.resize(self.graph.node.len(), None);
+        }
+        for i in walked {
+            memo[i] = Some(found);
+        }
         found
     }
 
@@ -156,11 +219,12 @@ impl<'g> GraphIndex<'g> {
         // iterative, and bounded: a chain of type-keeping nodes can be as long as the graph
         let mut tensor = tensor;
         for _ in 0..=self.graph.node.len() {
+            tensor = self.through_identities(tensor);
             if let Some((Some(t), _)) = self.declared_shape(tensor) {
                 return Some(t);
             }
             let (i, node) = self.producer(tensor)?;
-            if let Some(&found) = self.backward_types.borrow().get(&i) {
+            if let Some(&Some(found)) = self.backward_types.borrow().get(i) {
                 return found;
             }
             walked.push(i);
@@ -202,6 +266,7 @@ impl<'g> GraphIndex<'g> {
         let mut tensor = tensor;
         let mut steps = 0;
         let node = loop {
+            tensor = self.through_identities(tensor);
             if let Some((_, dims)) = self.declared_shape(tensor) {
                 let i = normalize_axis(axis, dims.len())?;
                 // a declared size below 1 (malformed, or -1 for "unknown") tells nothing
@@ -291,7 +356,7 @@ impl<'g> GraphIndex<'g> {
     /// The tensor holding a constant: an initializer, or a Constant node's `value` (its
     /// payload is not read here).
     pub fn constant_tensor(&self, tensor: &str) -> Option<&'g crate::onnx::TensorProto> {
-        if let Some(t) = self.graph.initializer.iter().find(|t| t.name() == tensor) {
+        if let Some(Declared::Initializer(t)) = self.declared(tensor) {
             return Some(t);
         }
         let (_, node) = self.producer(tensor)?;
@@ -321,6 +386,51 @@ impl<'g> GraphIndex<'g> {
                 .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
                 .collect(),
         )
+    }
+}
+
+/// What the graph declares each tensor to be: its initializer, else its first value info
+/// (`value_info`, then inputs, then outputs).
+fn declarations(g: &GraphProto) -> HashMap<&str, Declared<'_>> {
+    let infos = g.value_info.len() + g.input.len() + g.output.len();
+    let mut map = map_with_capacity(g.initializer.len() + infos);
+    for t in &g.initializer {
+        map.entry(t.name()).or_insert(Declared::Initializer(t));
+    }
+    for v in g.value_info.iter().chain(&g.input).chain(&g.output) {
+        map.entry(v.name()).or_insert(Declared::Info(v));
+    }
+    map
+}
+
+/// A declaration of a tensor: an initializer or a value info.
+#[derive(Clone, Copy)]
+enum Declared<'g> {
+    Initializer(&'g crate::onnx::TensorProto),
+    Info(&'g crate::onnx::ValueInfoProto),
+}
+
+/// The nodes that read a tensor, in node order (a node once per input it reads it as). Most
+/// tensors have one reader, held without a vector of its own: a million-node graph would
+/// otherwise allocate a million of them.
+enum Readers {
+    One(usize),
+    Many(Vec<usize>),
+}
+
+impl Readers {
+    fn push(&mut self, node: usize) {
+        match self {
+            Readers::One(first) => *self = Readers::Many(vec![*first, node]),
+            Readers::Many(nodes) => nodes.push(node),
+        }
+    }
+
+    fn as_slice(&self) -> &[usize] {
+        match self {
+            Readers::One(node) => std::slice::from_ref(node),
+            Readers::Many(nodes) => nodes,
+        }
     }
 }
 
@@ -363,25 +473,30 @@ pub fn normalize_axis(axis: i64, rank: usize) -> Option<usize> {
 /// The rank of a tensor where the graph fixes it: declared, or inferred through the graph
 /// (`super::ranks`, which follows reshapes to run-time shapes).
 pub fn static_rank(index: &GraphIndex, tensor: &str) -> Option<usize> {
-    static_rank_at(index, tensor, 0).or_else(|| index.inferred_ranks().get(tensor))
+    fixed_rank(index, tensor).or_else(|| index.inferred_ranks().get(tensor))
 }
 
-fn static_rank_at(index: &GraphIndex, tensor: &str, depth: usize) -> Option<usize> {
-    if depth > 32 {
-        return None;
-    }
-    if let Some((_, dims)) = index.declared_shape(tensor) {
-        return Some(dims.len());
-    }
-    let (_, node) = index.producer(tensor)?;
-    match node.op_type() {
-        "Reshape" => index.constant_i64(node.input.get(1)?).map(|s| s.len()),
-        "Transpose" => crate::onnx::attr_ints(node, "perm").map(|p| p.len()),
-        "Identity" | "Cast" | "LogSoftmax" | "Softmax" | "Relu" | "Dropout" => {
-            static_rank_at(index, node.input.first()?, depth + 1)
+/// The rank a declaration, a constant Reshape target or a Transpose fixes, found back through
+/// rank-keeping ops in a loop (a chain of them can be as long as the graph), without inferring
+/// the ranks of the whole graph.
+fn fixed_rank(index: &GraphIndex, tensor: &str) -> Option<usize> {
+    let mut tensor = tensor;
+    for _ in 0..=index.graph.node.len() {
+        tensor = index.through_identities(tensor);
+        if let Some((_, dims)) = index.declared_shape(tensor) {
+            return Some(dims.len());
         }
-        _ => None,
+        let (_, node) = index.producer(tensor)?;
+        match node.op_type() {
+            "Reshape" => return index.constant_i64(node.input.get(1)?).map(|s| s.len()),
+            "Transpose" => return crate::onnx::attr_ints(node, "perm").map(|p| p.len()),
+            "Identity" | "Cast" | "LogSoftmax" | "Softmax" | "Relu" | "Dropout" => {
+                tensor = node.input.first()?;
+            }
+            _ => return None,
+        }
     }
+    None
 }
 
 #[cfg(test)]
@@ -402,6 +517,71 @@ mod tests {
                 ..Default::default()
             })
             .collect()
+    }
+
+    /// Taken names: those under the prefix (subgraphs' included) and the claimed exact names
+    /// the graph uses, nothing else.
+    #[test]
+    fn taken_names_are_the_prefixed_and_the_claimed() {
+        use crate::onnx::proto::{attribute_proto::AttributeType, AttributeProto};
+        let body = GraphProto {
+            node: vec![NodeProto {
+                output: vec!["ntl/inner".into(), "inner".into()],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let graph = GraphProto {
+            node: vec![NodeProto {
+                name: Some("ntl/node".into()),
+                input: vec!["x".into(), "ntlx".into()],
+                output: vec!["ce_loss".into(), "number".into()],
+                attribute: vec![AttributeProto {
+                    name: Some("body".into()),
+                    r#type: Some(AttributeType::Graph as i32),
+                    g: Some(body),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }],
+            initializer: vec![crate::onnx::i64_tensor("ntl/w", &[1], &[1])],
+            ..Default::default()
+        };
+        let index = GraphIndex::new(&graph);
+        let mut taken: Vec<String> = index
+            .taken_names("ntl", &["ce_loss", "labels"])
+            .into_iter()
+            .collect();
+        taken.sort();
+        assert_eq!(taken, ["ce_loss", "ntl/inner", "ntl/node", "ntl/w"]);
+    }
+
+    /// A run of Identity nodes is jumped over to its start, which is the first declared tensor
+    /// on the way back (a declaration inside a chain stops the jump), and a long chain's rank
+    /// is found from the Reshape before it without inferring the whole graph's ranks.
+    #[test]
+    fn identity_runs_stop_at_declarations() {
+        let n = 1000;
+        let mut node = chain(n, |i| if i == 0 { "Reshape" } else { "Identity" });
+        node[0].input.push("target".into());
+        let graph = GraphProto {
+            node,
+            initializer: vec![crate::onnx::i64_tensor("target", &[3], &[2, -1, 48])],
+            value_info: vec![crate::onnx::ValueInfoProto {
+                name: Some("t500".into()),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let index = GraphIndex::new(&graph);
+        let last = format!("t{}", n - 1);
+        assert_eq!(index.through_identities(&last), "t500");
+        assert_eq!(index.through_identities("t700"), "t500");
+        assert_eq!(index.through_identities("t500"), "t500");
+        assert_eq!(index.through_identities("t400"), "t0");
+        assert_eq!(static_rank(&index, &last), Some(3));
+        assert_eq!(index.static_last_dim(&last), Some(48));
+        assert!(index.ranks.get().is_none(), "no whole-graph rank inference");
     }
 
     /// The element type of every tensor of a long Identity chain, asked one by one, costs one

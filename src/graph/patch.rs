@@ -4,7 +4,7 @@
 
 use std::collections::HashSet;
 
-use super::hash::set_with_capacity;
+use super::hash::{map_with_capacity, HashMap};
 
 use crate::error::Error;
 use crate::onnx::{
@@ -27,15 +27,17 @@ pub struct Patch {
 
 pub fn apply(model: &mut ModelProto, patch: Patch) -> Result<(), Error> {
     let graph = model.graph.as_mut().expect("loaded models have a graph");
-    // One pass, linear in the graph (splicing each replacement in turn is quadratic for
-    // graphs with many cross-entropies).
+    // One pass over the nodes from the first replaced one, linear in the graph (splicing each
+    // replacement in turn is quadratic for graphs with many cross-entropies); the nodes before
+    // stay where they are (a loss is usually near the end of a graph of millions of nodes).
     let mut replacements: std::collections::BTreeMap<usize, Vec<NodeProto>> =
         patch.replacements.into_iter().collect();
-    let old = std::mem::take(&mut graph.node);
+    let first = replacements.keys().next().map_or(graph.node.len(), |&i| i);
+    let tail = graph.node.split_off(first.min(graph.node.len()));
     graph
         .node
-        .reserve(old.len() + replacements.values().map(Vec::len).sum::<usize>());
-    for (i, node) in old.into_iter().enumerate() {
+        .reserve(tail.len() + replacements.values().map(Vec::len).sum::<usize>());
+    for (i, node) in (first..).zip(tail) {
         match replacements.remove(&i) {
             Some(nodes) => graph.node.extend(nodes),
             None => graph.node.push(node),
@@ -52,29 +54,22 @@ pub fn apply(model: &mut ModelProto, patch: Patch) -> Result<(), Error> {
                 value: Some(v),
             }),
     );
-    check_consistency(model).map_err(Error::Inconsistent)?;
-    drop_stale_value_info(model);
+    // no declaration outlives its tensor: the value infos of tensors the graph no longer
+    // defines (the outputs of replaced or removed nodes) go
+    let graph = model.graph.as_ref().expect("loaded models have a graph");
+    let keep: Vec<bool> = {
+        let defined = defined_tensors(graph).map_err(Error::Inconsistent)?;
+        let declared = graph.value_info.iter();
+        declared.map(|v| defined.contains_key(v.name())).collect()
+    };
+    let mut keep = keep.into_iter();
+    let graph = model.graph.as_mut().expect("loaded models have a graph");
+    graph.value_info.retain(|_| keep.next().unwrap_or(true));
     Ok(())
 }
 
-/// Drops the value infos of tensors the graph no longer defines (the outputs of replaced or
-/// removed nodes), so no declaration outlives its tensor.
-fn drop_stale_value_info(model: &mut ModelProto) {
-    let graph = model.graph.as_mut().expect("loaded models have a graph");
-    let defined: super::hash::HashSet<&str> = defined_before_nodes(graph)
-        .chain(node_outputs(graph))
-        .collect();
-    let keep: Vec<bool> = graph
-        .value_info
-        .iter()
-        .map(|v| defined.contains(v.name()))
-        .collect();
-    let mut keep = keep.into_iter();
-    graph.value_info.retain(|_| keep.next().unwrap_or(true));
-}
-
 /// The tensors a graph defines before its first node: inputs, initializers and sparse
-/// initializers. With the nodes' outputs ([`node_outputs`]), every tensor it defines.
+/// initializers.
 fn defined_before_nodes(graph: &GraphProto) -> impl Iterator<Item = &str> {
     graph
         .input
@@ -89,25 +84,22 @@ fn defined_before_nodes(graph: &GraphProto) -> impl Iterator<Item = &str> {
         )
 }
 
-fn node_outputs(graph: &GraphProto) -> impl Iterator<Item = &str> {
-    graph
-        .node
-        .iter()
-        .flat_map(|n| n.output.iter().map(String::as_str))
-        .filter(|o| !o.is_empty())
-}
-
 /// Every node input is defined before use, every tensor is produced once, every graph output
 /// is defined.
 pub fn check_consistency(model: &ModelProto) -> Result<(), String> {
     let graph = model.graph.as_ref().expect("loaded models have a graph");
+    defined_tensors(graph).map(|_| ())
+}
+
+/// The consistency check's walk: every tensor the graph defines (before its first node, and
+/// the nodes' outputs), each mapped to whether a node produces it; or what is inconsistent.
+fn defined_tensors(graph: &GraphProto) -> Result<HashMap<&str, bool>, String> {
     let mut defined =
-        set_with_capacity(graph.input.len() + graph.initializer.len() + graph.node.len());
-    defined.extend(defined_before_nodes(graph));
-    let mut produced = set_with_capacity(graph.node.len());
+        map_with_capacity(graph.input.len() + graph.initializer.len() + graph.node.len());
+    defined.extend(defined_before_nodes(graph).map(|t| (t, false)));
     for node in &graph.node {
         for input in node.input.iter().filter(|i| !i.is_empty()) {
-            if !defined.contains(input.as_str()) {
+            if !defined.contains_key(input.as_str()) {
                 return Err(format!(
                     "node '{}' reads '{}' before it is defined",
                     node.name(),
@@ -116,18 +108,18 @@ pub fn check_consistency(model: &ModelProto) -> Result<(), String> {
             }
         }
         for out in node.output.iter().filter(|o| !o.is_empty()) {
-            if !produced.insert(out.as_str()) {
+            // a node may write a tensor defined before the nodes, not one another node wrote
+            if defined.insert(out.as_str(), true) == Some(true) {
                 return Err(format!("tensor '{out}' is produced twice"));
             }
-            defined.insert(out.as_str());
         }
     }
     for out in &graph.output {
-        if !defined.contains(out.name()) {
+        if !defined.contains_key(out.name()) {
             return Err(format!("graph output '{}' is never produced", out.name()));
         }
     }
-    Ok(())
+    Ok(defined)
 }
 
 /// Stable topological order: nodes keep their relative order unless an input is not yet

@@ -63,14 +63,13 @@ impl Ranks {
     }
 
     fn infer_node(&mut self, index: &impl Lookup, node: &NodeProto) {
-        let in_rank: Vec<Option<usize>> = node.input.iter().map(|n| self.get(n)).collect();
-        let in_len: Vec<Option<usize>> = node
-            .input
-            .iter()
-            .map(|n| self.len1d.get(n).copied())
-            .collect();
-        let rk = |i: usize| in_rank.get(i).copied().flatten();
-        let len = |i: usize| in_len.get(i).copied().flatten();
+        // what the node's inputs are known to be; what it tells of its outputs is written after
+        // the match: the length of output 0 where it is a vector, the rank of the outputs after
+        // the first where the op fixes them (how many: `usize::MAX` for all)
+        let rk = |i: usize| node.input.get(i).and_then(|n| self.get(n));
+        let len = |i: usize| node.input.get(i).and_then(|n| self.len1d(n));
+        let mut len_out = None;
+        let mut rest_rank: Option<(usize, usize)> = None;
         let axes_len = |i: usize| -> Option<usize> {
             attr_ints(node, "axes").map(|a| a.len()).or_else(|| {
                 node.input
@@ -82,8 +81,7 @@ impl Ranks {
         let out = match node.op_type() {
             "Constant" => attr(node, "value").and_then(|a| a.t.as_ref()).map(|t| {
                 if t.dims.len() == 1 {
-                    self.len1d
-                        .insert(node.output[0].clone(), t.dims[0].max(0) as usize);
+                    len_out = Some(t.dims[0].max(0) as usize);
                 }
                 t.dims.len()
             }),
@@ -92,7 +90,7 @@ impl Ranks {
                 let start = attr_i(node, "start");
                 let end = attr_i(node, "end");
                 if let (Some(n), None, None) = (full, start, end) {
-                    self.len1d.insert(node.output[0].clone(), n);
+                    len_out = Some(n);
                 } else if let Some(n) = full {
                     let norm = |a: i64| {
                         if a < 0 {
@@ -103,8 +101,7 @@ impl Ranks {
                     };
                     let s = norm(start.unwrap_or(0));
                     let e = norm(end.unwrap_or(n as i64));
-                    self.len1d
-                        .insert(node.output[0].clone(), (e - s).max(0) as usize);
+                    len_out = Some((e - s).max(0) as usize);
                 }
                 Some(1)
             }
@@ -115,7 +112,7 @@ impl Ranks {
                 if rk(0) == Some(1) {
                     let total: Option<usize> = (0..node.input.len()).map(len).sum();
                     if let Some(t) = total {
-                        self.len1d.insert(node.output[0].clone(), t);
+                        len_out = Some(t);
                     }
                 }
                 rk(0)
@@ -123,7 +120,7 @@ impl Ranks {
             "Unsqueeze" => {
                 let out = rk(0).zip(axes_len(1)).map(|(a, b)| a + b);
                 if out == Some(1) {
-                    self.len1d.insert(node.output[0].clone(), 1);
+                    len_out = Some(1);
                 }
                 out
             }
@@ -136,7 +133,7 @@ impl Ranks {
                 // A 1-D vector reshaped to [-1] keeps its length.
                 if let (Some(t), Some(1), Some(l)) = (&target, rk(0), len(0)) {
                     if t.as_slice() == [-1] {
-                        self.len1d.insert(node.output[0].clone(), l);
+                        len_out = Some(l);
                     }
                 }
                 len(1).or(target.map(|v| v.len()))
@@ -154,7 +151,7 @@ impl Ranks {
                     .and_then(|(_, p)| (p.op_type() == "Shape").then(|| p.input.first()).flatten());
                 if let Some(v) = of_vector {
                     if let (Some(1), Some(l)) = (self.get(v), self.len1d.get(v).copied()) {
-                        self.len1d.insert(node.output[0].clone(), l);
+                        len_out = Some(l);
                     }
                 }
                 len(0)
@@ -172,7 +169,7 @@ impl Ranks {
             "Gather" => {
                 // entries picked from a shape vector (tf2onnx's Gather(Shape(x), free))
                 if let (Some(1), Some(1), Some(k)) = (rk(0), rk(1), len(1)) {
-                    self.len1d.insert(node.output[0].clone(), k);
+                    len_out = Some(k);
                 }
                 rk(0).zip(rk(1)).map(|(a, b)| (a + b).saturating_sub(1))
             }
@@ -185,7 +182,7 @@ impl Ranks {
                     let noop = attr_i(node, "noop_with_empty_axes").unwrap_or(0) != 0
                         && axes_len(1).unwrap_or(0) == 0;
                     if rk(0) == Some(1) && !noop {
-                        self.len1d.insert(node.output[0].clone(), 1);
+                        len_out = Some(1);
                     }
                     rk(0)
                 } else if node.op_type().starts_with("Arg") {
@@ -204,9 +201,7 @@ impl Ranks {
                 }
             }
             "SoftmaxCrossEntropyLoss" | "NegativeLogLikelihoodLoss" => {
-                if let (Some(lp), Some(s)) = (node.output.get(1), rk(0)) {
-                    self.rank.insert(lp.clone(), s);
-                }
+                rest_rank = rk(0).map(|s| (s, 1));
                 if crate::onnx::attr_s(node, "reduction").as_deref() == Some("none") {
                     rk(1)
                 } else {
@@ -214,20 +209,12 @@ impl Ranks {
                 }
             }
             "LayerNormalization" => {
-                if let Some(r) = rk(0) {
-                    for o in node.output.iter().skip(1) {
-                        self.rank.insert(o.clone(), r);
-                    }
-                }
+                rest_rank = rk(0).map(|r| (r, usize::MAX));
                 rk(0)
             }
             "OneHot" => rk(0).map(|r| r + 1),
             "TopK" | "Split" | "Dropout" => {
-                if let Some(r) = rk(0) {
-                    for o in node.output.iter().skip(1) {
-                        self.rank.insert(o.clone(), r);
-                    }
-                }
+                rest_rank = rk(0).map(|r| (r, usize::MAX));
                 rk(0)
             }
             "Add" | "Sub" | "Mul" | "Div" | "Pow" | "Equal" | "Less" | "Greater"
@@ -238,7 +225,7 @@ impl Ranks {
                 let out = ranks.and_then(|r| r.into_iter().max());
                 if out == Some(1) {
                     if let Some(l) = (0..node.input.len()).filter_map(len).max() {
-                        self.len1d.insert(node.output[0].clone(), l);
+                        len_out = Some(l);
                     }
                 }
                 out
@@ -246,20 +233,28 @@ impl Ranks {
             "Slice" => {
                 if let (Some(1), Some(n)) = (rk(0), len(0)) {
                     if let Some(l) = slice_len(index, node, n) {
-                        self.len1d.insert(node.output[0].clone(), l);
+                        len_out = Some(l);
                     }
                 }
                 rk(0)
             }
             "Cast" | "CastLike" | "Identity" => {
                 if let (Some(1), Some(l)) = (rk(0), len(0)) {
-                    self.len1d.insert(node.output[0].clone(), l);
+                    len_out = Some(l);
                 }
                 rk(0)
             }
             // Everything else used on a training path keeps its first input's rank.
             _ => rk(0),
         };
+        if let Some(l) = len_out {
+            self.len1d.insert(node.output[0].clone(), l);
+        }
+        if let Some((r, count)) = rest_rank {
+            for o in node.output.iter().skip(1).take(count) {
+                self.rank.insert(o.clone(), r);
+            }
+        }
         if let (Some(r), Some(o)) = (out, node.output.first()) {
             if !o.is_empty() {
                 self.rank.entry(o.clone()).or_insert(r);

@@ -30,7 +30,9 @@ use crate::passes::grad;
 use crate::passes::pipeline::{
     check_opset, logits_width, number_tokens, refuse_patched, select_site,
 };
-use crate::passes::rewrite::{added_outputs, build_forward, build_patch, metadata, Forward};
+use crate::passes::rewrite::{
+    added_outputs, build_forward, build_patch, metadata, Forward, CLAIMED,
+};
 use crate::vocab::number_table::Vocab;
 
 pub const TRAINING: &str = "training_model.onnx";
@@ -164,7 +166,8 @@ impl<'m> Target<'m> {
     fn locate(model: &'m ModelProto, req: &ArtifactsRequest, vocab: &Vocab) -> Result<Self, Error> {
         let index = GraphIndex::new(model.graph.as_ref().expect("checked on load"));
         let site = select_site(&index, req.ce_node.as_deref()).map_err(|e| match e {
-            Error::NoCrossEntropy { .. } if has_spelled_out_ce(model) => Error::Usage(
+            // artifacts mode never rewrites a cross-entropy spelled out of primitive ops
+            Error::NoCrossEntropy { .. } if crate::ce::forms::found(&index) => Error::Usage(
                 "the training graph's cross-entropy is written out of primitive ops, which artifacts mode cannot patch (ONNX Runtime already differentiated them); patch the forward graph (`ntl-patch MODEL`) and generate the artifacts from it, or use `ntl-patch step`".into(),
             ),
             e => e,
@@ -191,13 +194,6 @@ impl<'m> Target<'m> {
             opset,
         })
     }
-}
-
-/// Whether the forward patch would find a cross-entropy spelled out of primitive ops (checked
-/// on a copy: artifacts mode never rewrites them).
-fn has_spelled_out_ce(model: &ModelProto) -> bool {
-    let mut copy = model.clone();
-    crate::ce::forms::rewrite(&mut copy).is_ok_and(|forms| !forms.is_empty())
 }
 
 /// Loads one artifact graph read-only and checks it can be patched.
@@ -278,7 +274,7 @@ fn training_patch(
         });
     }
 
-    let mut b = Builder::new(PREFIX, opset, index.taken_names());
+    let mut b = Builder::new(PREFIX, opset, index.taken_names(PREFIX, &CLAIMED));
     if opts.label_smoothing > 0.0 {
         return Err(Error::Usage(
             "--label-smoothing applies to the cross-entropy ntl-patch writes (patch and step); in artifacts mode ONNX Runtime differentiates the graph's own: set it when exporting the model".into(),

@@ -107,13 +107,20 @@ pub fn patch_model(req: &PatchRequest, output: &Path) -> Result<Patched, Error> 
     check_external_data(&model, &model_dir(&req.model))?;
     let external = plan_external_data(&model, &req.model, output, req.copy_external_data)?;
 
-    // hand-written and other exporters' cross-entropies become SoftmaxCrossEntropyLoss first
-    crate::ce::forms::rewrite(&mut model)?;
-    let graph = model.graph.as_ref().expect("checked on load");
+    let opset = default_opset(&model).expect("checked above");
     let mut notices = Vec::new();
     // one index of the graph for every question below (indexing a graph of a million nodes
-    // takes a while); rebuilt only when a loss was added
-    let index = GraphIndex::new(graph);
+    // takes a while); rebuilt only when the graph changed: a form rewritten, a loss added
+    let index = GraphIndex::new(model.graph.as_ref().expect("checked on load"));
+    // hand-written and other exporters' cross-entropies become SoftmaxCrossEntropyLoss first
+    let index = match crate::ce::forms::plan(&index, opset) {
+        Some(rewrite) => {
+            drop(index);
+            rewrite.apply(&mut model)?;
+            GraphIndex::new(model.graph.as_ref().expect("checked on load"))
+        }
+        None => index,
+    };
     if req.add_loss && !find_ce_sites(&index).is_empty() {
         return Err(Error::Usage(
             "--add-loss is for logits-only graphs and this one already has a cross-entropy; drop --add-loss".into(),
@@ -146,7 +153,6 @@ pub fn patch_model(req: &PatchRequest, output: &Path) -> Result<Patched, Error> 
         .into_iter()
         .filter(|s| s.node_index != site.node_index)
         .collect();
-    let opset = default_opset(&model).expect("checked above");
     let patch = build_patch(&index, opset, &site, &others, &tokens, &req.loss)?;
     apply(&mut model, patch)?;
     external.apply(&mut model);

@@ -16,6 +16,10 @@ use crate::graph::patch::{Patch, METADATA_KEY};
 use crate::graph::GraphIndex;
 use crate::onnx::{scalar_value_info, NodeProto, FLOAT};
 
+/// The exact names outside the `ntl/` prefix that [`build_forward`] claims: the taken names of
+/// a builder that reaches it (`GraphIndex::taken_names`).
+pub const CLAIMED: [&str; 2] = [CE_OUTPUT, NUMBER_OUTPUT];
+
 /// `others` are the graph's other cross-entropies: they are rewritten into trainable
 /// `SoftmaxCrossEntropyLoss` nodes too (both outputs declared), their values unchanged.
 pub fn build_patch(
@@ -26,7 +30,7 @@ pub fn build_patch(
     tokens: &NumberTokens,
     opts: &LossOptions,
 ) -> Result<Patch, Error> {
-    let mut b = Builder::new(PREFIX, opset, index.taken_names());
+    let mut b = Builder::new(PREFIX, opset, index.taken_names(PREFIX, &CLAIMED));
 
     // The node that writes the loss the graph reports, when that is not the CE's own output:
     // the end of a rescaling chain (HF Trainer's `Div(num_items_in_batch)`), the scalar a

@@ -14,14 +14,18 @@ pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
     let model = load_model(path)?;
     // the matchers walk producers: a cycle or a tensor produced twice would loop them
     crate::graph::patch::check_consistency(&model).map_err(Error::MalformedGraph)?;
-    // what the patch sees: spelled-out cross-entropies rewritten first (in memory only)
-    let mut seen = model.clone();
-    let graph = match crate::ce::forms::rewrite(&mut seen) {
-        Ok(forms) if !forms.is_empty() => seen.graph.as_ref(),
-        _ => model.graph.as_ref(),
-    }
-    .expect("checked on load");
-    let index = GraphIndex::new(graph);
+    // what the patch sees: spelled-out cross-entropies rewritten first (in a copy)
+    let index = GraphIndex::new(model.graph.as_ref().expect("checked on load"));
+    let opset = default_opset(&model);
+    let rewritten = crate::ce::forms::plan(&index, opset.unwrap_or(ntl_ops::builder::MIN_OPSET))
+        .and_then(|rewrite| {
+            let mut seen = model.clone();
+            rewrite.apply(&mut seen).ok().map(|_| seen)
+        });
+    let index = match &rewritten {
+        Some(seen) => GraphIndex::new(seen.graph.as_ref().expect("checked on load")),
+        None => index,
+    };
     let sites = find_ce_sites(&index);
     let external = external_locations(&model);
     let mut files: Vec<&str> = external.iter().map(|(_, l)| l.as_str()).collect();
@@ -29,7 +33,6 @@ pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
     files.dedup();
     let patched = crate::passes::pipeline::refuse_patched(&model, path).is_err();
     let ir = model.ir_version();
-    let opset = default_opset(&model);
     // a LoRA step graph's adapted layers; for any other model, what --lora-targets can name
     let lora = step_lora(&model);
     let lora_targets = crate::passes::lora::target_names(&index);

@@ -24,7 +24,7 @@ use std::collections::BTreeSet;
 
 use crate::error::Error;
 use crate::graph::GraphIndex;
-use crate::onnx::{default_opset, int_attr, string_attr, ModelProto, NodeProto, INT64};
+use crate::onnx::{int_attr, string_attr, ModelProto, NodeProto, INT64};
 use ntl_ops::names::PREFIX;
 use ntl_ops::Builder;
 
@@ -102,20 +102,33 @@ struct Core {
     form: &'static str,
 }
 
-/// Rewrites every recognised form in the main graph. Returns the forms found, in node order.
-pub fn rewrite(model: &mut ModelProto) -> Result<Vec<&'static str>, Error> {
-    let opset = default_opset(model).unwrap_or(ntl_ops::builder::MIN_OPSET);
-    let graph = model.graph.as_ref().expect("loaded models have a graph");
-    let index = GraphIndex::new(graph);
-    let cores = find_cores(&index);
+/// The rewrite of every recognised form in a graph, planned on its index and applied to the
+/// model afterwards: a graph without any form is indexed once, by the caller, for everything.
+pub struct Rewrite {
+    patch: crate::graph::patch::Patch,
+    /// Tensors that only the replaced forms read: removed with their producers when nothing
+    /// reads them any more.
+    removable: BTreeSet<String>,
+    forms: Vec<&'static str>,
+}
+
+/// Whether the graph holds a recognised form (nothing is built).
+pub fn found(index: &GraphIndex) -> bool {
+    !find_cores(index).is_empty()
+}
+
+/// The rewrite of the forms in `index`'s graph, or None where it has none.
+pub fn plan(index: &GraphIndex, opset: i64) -> Option<Rewrite> {
+    let cores = find_cores(index);
     if cores.is_empty() {
-        return Ok(Vec::new());
+        return None;
     }
-    let mut b = Builder::new(PREFIX, opset, index.taken_names());
+    let graph = index.graph;
+    let mut b = Builder::new(PREFIX, opset, index.taken_names(PREFIX, &[]));
     let mut replacements = Vec::new();
     let mut removable = BTreeSet::new();
     for core in &cores {
-        emit(&mut b, &index, core);
+        emit(&mut b, index, core);
         replacements.push((core.root, std::mem::take(&mut b.nodes)));
         for &n in core.nodes.iter().filter(|&&n| n != core.root) {
             removable.extend(graph.node[n].output.iter().cloned());
@@ -123,16 +136,25 @@ pub fn rewrite(model: &mut ModelProto) -> Result<Vec<&'static str>, Error> {
         // what only the replaced node read (its axes constants, ...)
         removable.extend(graph.node[core.root].input.iter().cloned());
     }
-    let forms = cores.iter().map(|c| c.form).collect();
-    let patch = crate::graph::patch::Patch {
-        replacements,
-        initializers: b.initializers,
-        ..Default::default()
-    };
-    crate::graph::patch::apply(model, patch)?;
-    // removing nodes nothing reads keeps the graph consistent
-    remove_dead(model.graph.as_mut().expect("checked"), &removable);
-    Ok(forms)
+    Some(Rewrite {
+        patch: crate::graph::patch::Patch {
+            replacements,
+            initializers: b.initializers,
+            ..Default::default()
+        },
+        removable,
+        forms: cores.iter().map(|c| c.form).collect(),
+    })
+}
+
+impl Rewrite {
+    /// Applies the rewrite to the model it was planned on. Returns the forms, in node order.
+    pub fn apply(self, model: &mut ModelProto) -> Result<Vec<&'static str>, Error> {
+        crate::graph::patch::apply(model, self.patch)?;
+        // removing nodes nothing reads keeps the graph consistent
+        remove_dead(model.graph.as_mut().expect("checked"), &self.removable);
+        Ok(self.forms)
+    }
 }
 
 fn find_cores(index: &GraphIndex) -> Vec<Core> {

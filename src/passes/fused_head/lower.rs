@@ -29,7 +29,11 @@ pub fn lower(model: &mut ModelProto, half: Option<i32>) {
     if !graph.node.iter().any(super::node::is_fused) {
         return;
     }
-    let mut b = Builder::new(PREFIX, opset, GraphIndex::new(graph).taken_names());
+    let mut b = Builder::new(
+        PREFIX,
+        opset,
+        GraphIndex::new(graph).taken_names(PREFIX, &[]),
+    );
     let merged = one_pass(graph);
     let old = std::mem::take(&mut graph.node);
     let forward_nodes: Vec<NodeProto> = old

@@ -143,7 +143,7 @@ pub fn fuse(model: &mut ModelProto, opts: &FusedHeadOptions) -> Result<Outcome, 
     let chunk_tokens = opts
         .chunk_tokens
         .unwrap_or_else(|| auto_chunk_tokens(meta.width));
-    let mut b = Builder::new(PREFIX, opset, index.taken_names());
+    let mut b = Builder::new(PREFIX, opset, index.taken_names(PREFIX, &[]));
     let (patch, infos, hidden, bias) = replacement(&mut b, &index, &region, &meta, chunk_tokens);
     let ce = &graph.node[region.ce];
     let view = FusedView {

@@ -255,7 +255,7 @@ pub fn insert(model: &mut ModelProto, o: &LoraOptions) -> Result<Adapted, Error>
             largest(l)
         )));
     }
-    let mut b = Builder::new(PREFIX, opset, index.taken_names());
+    let mut b = Builder::new(PREFIX, opset, index.taken_names(PREFIX, &[]));
     let consumers: BTreeMap<String, Vec<usize>> = layers_outputs(&index, &chosen);
     drop(index);
 

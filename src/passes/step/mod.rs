@@ -410,7 +410,11 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         Outcome::Dense(None) => None,
     };
     let graph = model.graph.as_mut().expect("loaded models have a graph");
-    let mut b = Builder::new(PREFIX, opset, GraphIndex::new(graph).taken_names());
+    let mut b = Builder::new(
+        PREFIX,
+        opset,
+        GraphIndex::new(graph).taken_names(PREFIX, &[]),
+    );
     let lora_params = adapted
         .as_ref()
         .map(Adapted::parameters)
@@ -726,7 +730,11 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
     fused_head::lower::lower(model, precision.half_type());
     let recomputed = {
         let graph = model.graph.as_mut().expect("graph");
-        let mut b = Builder::new(PREFIX, opset, GraphIndex::new(graph).taken_names());
+        let mut b = Builder::new(
+            PREFIX,
+            opset,
+            GraphIndex::new(graph).taken_names(PREFIX, &[]),
+        );
         let state_bytes = parameter_elements.saturating_mul(1 + slots.len() as u64) * 4;
         let facts = StepFacts {
             losses: &[loss.as_str(), CE_OUTPUT, NUMBER_OUTPUT],
@@ -741,7 +749,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
     meta["recompute"] = recompute_json.clone();
     {
         let graph = model.graph.as_mut().expect("graph");
-        let taken = GraphIndex::new(graph).taken_names();
+        let taken = GraphIndex::new(graph).taken_names(PREFIX, &[]);
         frozen_half::cast_per_use(graph, &widened, opset, taken);
         declare_frozen(graph, &frozen);
     }

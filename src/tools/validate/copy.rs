@@ -101,7 +101,7 @@ pub fn build(
         }
     }
 
-    let mut e = Emitter::new(index.taken_names());
+    let mut e = Emitter::new(index.taken_names(super::emit::PREFIX, &[]));
     // Exported through Identity: a graph output may not be an initializer or an input in
     // every runtime, and the names stay ours.
     let export = |e: &mut Emitter, tensor: &str, hint: &str| {
@@ -198,7 +198,11 @@ pub fn build(
     if primitive_ce {
         let opset = crate::onnx::default_opset(&model).unwrap_or(ntl_ops::builder::MIN_OPSET);
         let graph = model.graph.as_mut().expect("checked on load");
-        let mut b = ntl_ops::Builder::new(PREFIX, opset, GraphIndex::new(graph).taken_names());
+        let mut b = ntl_ops::Builder::new(
+            PREFIX,
+            opset,
+            GraphIndex::new(graph).taken_names(PREFIX, &[]),
+        );
         crate::tools::validate::tract_compat::rewrite(graph, &mut b);
         graph.initializer.append(&mut b.initializers);
     }

@@ -6,6 +6,9 @@ use std::collections::HashSet;
 
 use crate::onnx::{AttributeProto, NodeProto, TensorProto};
 
+/// The prefix of every name the emitter makes.
+pub const PREFIX: &str = "ntl_validate";
+
 pub struct Emitter {
     taken: HashSet<String>,
     pub nodes: Vec<NodeProto>,
@@ -22,7 +25,7 @@ impl Emitter {
     }
 
     pub fn fresh(&mut self, hint: &str) -> String {
-        let base = format!("ntl_validate/{hint}");
+        let base = format!("{PREFIX}/{hint}");
         let mut name = base.clone();
         let mut k = 2;
         while self.taken.contains(&name) {

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Same input and options, same bytes: runs two ntl-patch binaries over every fixture model
+# (fixtures/models, fixtures/exporters) — patch with several losses, step, step --split,
+# inspect (text and JSON) — and compares exit codes, stdout, stderr and every output file
+# byte for byte. A check for changes meant to keep outputs (performance work), not a test.
+#
+#   scripts/bench/compare_outputs.sh BASE_BIN NEW_BIN [WORK_DIR]
+#
+# Prints one line per difference and a count; exits 1 if any.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+BASE="$(realpath "$1")"
+NEW="$(realpath "$2")"
+WORK="${3:-$(mktemp -d /tmp/ntl-compare.XXXXXX)}"
+TOK="$ROOT/fixtures/tokenizer.json"
+
+# `compare NAME ARGS...`: runs ARGS (OUT standing for an empty output folder) under both
+# binaries, each into $WORK/base or $WORK/new, and compares the two folders
+differences=0
+runs=0
+succeeded=0
+compare() {
+  local name="$1"
+  shift
+  local side
+  for side in base new; do
+    local bin="$BASE"
+    [ "$side" = new ] && bin="$NEW"
+    local dir="$WORK/$side"
+    rm -rf "$dir"
+    mkdir -p "$dir"
+    local args=()
+    local a
+    for a in "$@"; do args+=("${a//OUT/$WORK/out}"); done
+    rm -rf "$WORK/out"
+    mkdir -p "$WORK/out"
+    (cd "$WORK" && "$bin" "${args[@]}" > "$dir/stdout" 2> "$dir/stderr"; echo $? > "$dir/rc")
+    cp -r "$WORK/out" "$dir/files"
+  done
+  runs=$((runs + 1))
+  [ "$(cat "$WORK/base/rc")" = 0 ] && succeeded=$((succeeded + 1))
+  if ! diff -r -q "$WORK/base" "$WORK/new" > /dev/null; then
+    differences=$((differences + 1))
+    echo "DIFFERENT: $name"
+    diff -r -q "$WORK/base" "$WORK/new" | sed 's/^/    /'
+  fi
+}
+
+for model in "$ROOT"/fixtures/models/*.onnx "$ROOT"/fixtures/exporters/*.onnx; do
+  m="$(basename "$model")"
+  for loss in wasserstein mse ntil number-level dist2 del smmd; do
+    compare "$m patch --loss $loss" "$model" --tokenizer "$TOK" --loss "$loss" -o OUT/patched.onnx
+  done
+  compare "$m patch --json" "$model" --tokenizer "$TOK" --json -o OUT/patched.onnx
+  compare "$m step" step "$model" --tokenizer "$TOK" -o OUT/step.onnx
+  compare "$m step --split" step "$model" --tokenizer "$TOK" --split -o OUT/step.onnx
+  compare "$m step --lora-r 2" step "$model" --tokenizer "$TOK" --lora-r 2 -o OUT/step.onnx
+  compare "$m step --precision fp16" step "$model" --tokenizer "$TOK" --precision fp16 -o OUT/step.onnx
+  compare "$m inspect" inspect "$model"
+  compare "$m inspect --json" inspect --json "$model"
+done
+echo "$runs runs compared ($succeeded exited 0 with the base binary), $differences different"
+[ "$differences" = 0 ]
