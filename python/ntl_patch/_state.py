@@ -13,6 +13,7 @@ one.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +92,19 @@ def _ort_version() -> tuple[int, int]:
         return 0, 0
 
 
+def _recomputes(path: Path) -> bool:
+    """Whether the step graph recomputes layers in its backward (`--recompute`). onnxruntime's
+    default order runs a node when a later node first needs it, which interleaves the layers'
+    copies and keeps their activations alive together (measured: the recomputing graph's peak of
+    live tensors 0.95x the plain graph's, 0.44x in PRIORITY_BASED order, which keeps the file's
+    order: each copy just before the backward of its layer)."""
+    try:
+        recompute = read_metadata(path).get("recompute") or {}
+    except ValueError:
+        return False
+    return isinstance(recompute, dict) and int(recompute.get("blocks") or 0) > 0
+
+
 def session_without(path: Path, drop, session_options, providers) -> ort.InferenceSession:
     """An InferenceSession of the graph at path that holds none of the initializers in drop.
     session_options None: default_session_options().
@@ -100,6 +114,14 @@ def session_without(path: Path, drop, session_options, providers) -> ort.Inferen
     reads them from the model's folder instead (a session config entry, taken back afterwards
     from options the caller passed)."""
     so = session_options if session_options is not None else default_session_options()
+    if _recomputes(path):
+        if session_options is None:
+            so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+        elif so.execution_order != ort.ExecutionOrder.PRIORITY_BASED:
+            warnings.warn(f"{path} recomputes its layers (--recompute): with your session options' "
+                          f"execution order onnxruntime may run the copies early and keep their "
+                          f"activations; set execution_order = onnxruntime.ExecutionOrder."
+                          f"PRIORITY_BASED", stacklevel=3)
     try:
         model = _onnx_wire.session_model(path, drop)
         return ort.InferenceSession(model, sess_options=so, providers=providers)
