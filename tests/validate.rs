@@ -362,7 +362,13 @@ fn tampered_weight_fails_the_total() {
         stdout.contains("FAILED") && stdout.contains("(loss)"),
         "{stdout}"
     );
-    assert!(assert.get_output().stderr.is_empty());
+    // and one error line on stderr, as every exit 1 of the binary
+    let stderr = String::from_utf8_lossy(&assert.get_output().stderr).to_string();
+    assert!(
+        stderr.starts_with("error: validation failed: loss (1 of ")
+            && stderr.trim_end().lines().count() == 1,
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -1013,6 +1013,19 @@ fn run_validate(args: ValidateArgs) -> ExitCode {
     if report.passed() {
         ExitCode::SUCCESS
     } else {
+        // exit 1 means one error line on stderr, as for every other refusal
+        let mut failed: Vec<&str> = Vec::new();
+        for c in report.checks.iter().filter(|c| !c.passed) {
+            if !failed.contains(&c.output.as_str()) {
+                failed.push(&c.output);
+            }
+        }
+        let count = report.checks.iter().filter(|c| !c.passed).count();
+        eprintln!(
+            "error: validation failed: {} ({count} of {} checks disagree beyond the tolerances; the report names them)",
+            escape(&failed.join(", ")),
+            report.checks.len()
+        );
         ExitCode::from(1)
     }
 }
