@@ -36,7 +36,8 @@
 # then --shard optimizer and --shard gradients (ZeRO stage 1 / 2: per-shard updates, NCCL reduces
 # and per-tensor broadcasts), each against the same reference (gpu-check-dp-<shard>.json).
 # --precision (mixed-precision step graphs, scripts/gpu/gpu_check_precision.py): `ntl-patch step
-# --precision fp32|fp16|bf16` on gpt2_ts and llama_ts, 20 AdamW steps with StepRunner on
+# --precision fp32|fp16|bf16` on gpt2_ts and llama_ts (dense LM head and fused: its projection in the
+# half type), 20 AdamW steps with StepRunner on
 # CUDAExecutionProvider against torch on the same GPU (autocast + GradScaler for fp16, autocast
 # for bf16, plain float32) and the float64 trajectory: equal skipped steps and scales, losses
 # within 2u, parameters as close to float64 as torch's (the CPU test's criteria); the step time
