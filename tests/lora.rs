@@ -40,15 +40,6 @@ fn step(model: &Path, args: &[&str]) -> (ModelProto, serde_json::Value) {
     (read_model(&out_path), summary)
 }
 
-fn metadata(m: &ModelProto) -> serde_json::Value {
-    let v = m
-        .metadata_props
-        .iter()
-        .find(|p| p.key() == "ntl_step")
-        .expect("ntl_step metadata");
-    serde_json::from_str(v.value()).unwrap()
-}
-
 fn floats(m: &ModelProto, name: &str) -> Vec<f32> {
     let t = m
         .graph
@@ -115,7 +106,7 @@ fn each_exporters_linear_layers_get_peft_adapters() {
     for (fixture, targets, n, module, layout, fifo, inf, outf) in cases {
         let (_d, m) = case(&model(fixture), |_| {});
         let (g, summary) = step(&m, &["--lora-r", "4"]);
-        let meta = metadata(&g);
+        let meta = step_metadata(&g);
         let lora = &meta["lora"];
         assert_eq!(
             lora["target_modules"]
@@ -222,7 +213,7 @@ fn train_and_freeze_change_what_trains() {
             "ntl/lora/model.layers.1.",
         ],
     );
-    let meta = metadata(&g);
+    let meta = step_metadata(&g);
     let params: Vec<&str> = meta["parameters"]
         .as_array()
         .unwrap()
@@ -255,7 +246,7 @@ fn lora_on_every_linear_layer_with_rslora() {
             targets,
         ],
     );
-    let lora = &metadata(&g)["lora"];
+    let lora = &step_metadata(&g)["lora"];
     assert_eq!(lora["layers"].as_array().unwrap().len(), 14);
     assert_eq!(lora["scaling"], 8.0); // 16 / √4
     assert_eq!(lora["use_rslora"], true);
@@ -294,7 +285,10 @@ fn a_weight_without_a_module_path_is_adapted_and_warned_about() {
         "{stderr}"
     );
     let g = read_model(&m.with_file_name("model.step.onnx"));
-    let layers = metadata(&g)["lora"]["layers"].as_array().unwrap().clone();
+    let layers = step_metadata(&g)["lora"]["layers"]
+        .as_array()
+        .unwrap()
+        .clone();
     let unnamed = layers
         .iter()
         .find(|l| l["weight"] == "onnx::MatMul_99")
@@ -329,13 +323,7 @@ fn validate_trains_a_lora_step_graph_in_tract_like_onnxruntime() {
     ] {
         let (_dir, m) = case(&model(fixture), |_| {});
         bin().arg("step").arg(&m).args(&args).assert().success();
-        let out = bin()
-            .arg("validate")
-            .arg(m.with_file_name("model.step.onnx"))
-            .arg("--json")
-            .assert()
-            .success();
-        let report: serde_json::Value = serde_json::from_slice(&out.get_output().stdout).unwrap();
+        let report = validate_report(&m.with_file_name("model.step.onnx"), &[]);
         let checks = report["checks"].as_array().unwrap();
         assert!(
             checks.iter().any(|c| c["against"] == "onnxruntime"),

@@ -6,16 +6,6 @@ mod common;
 
 use common::*;
 
-fn step_meta(path: &std::path::Path) -> serde_json::Value {
-    let m = read_model(path);
-    let v = m
-        .metadata_props
-        .iter()
-        .find(|p| p.key() == "ntl_step")
-        .expect("ntl_step metadata");
-    serde_json::from_str(v.value()).unwrap()
-}
-
 #[test]
 fn validate_trains_a_recomputing_step_graph_in_tract_like_onnxruntime() {
     // Needs ORT_DYLIB_PATH (scripts/test.sh sets it), as tests/step.rs
@@ -28,17 +18,10 @@ fn validate_trains_a_recomputing_step_graph_in_tract_like_onnxruntime() {
             .args(["--loss", "wasserstein", "--recompute", "layers"])
             .assert()
             .success();
-        let recompute = &step_meta(&out)["recompute"];
+        let recompute = &step_metadata(&read_model(&out))["recompute"];
         assert_eq!(recompute["blocks"], 2, "{fixture}: {recompute}");
         assert!(recompute["recomputed_nodes"].as_u64().unwrap() > 50);
-        let report = bin()
-            .arg("validate")
-            .arg(&out)
-            .arg("--json")
-            .assert()
-            .success();
-        let report: serde_json::Value =
-            serde_json::from_slice(&report.get_output().stdout).unwrap();
+        let report = validate_report(&out, &[]);
         let checks = report["checks"].as_array().unwrap();
         assert!(
             checks

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use common::*;
 use ntl_patch::onnx::proto::type_proto::Value;
-use ntl_patch::onnx::{ModelProto, FLOAT};
+use ntl_patch::onnx::FLOAT;
 
 const DOUBLE: i32 = ntl_patch::onnx::proto::tensor_proto::DataType::Double as i32;
 
@@ -25,26 +25,11 @@ fn step_fails(model: &Path, args: &[&str], needle: &str) {
     assert_eq!(listing(dir), files, "no output, no temp file left");
 }
 
-fn metadata(m: &ModelProto) -> serde_json::Value {
-    let v = m
-        .metadata_props
-        .iter()
-        .find(|p| p.key() == "ntl_step")
-        .expect("ntl_step metadata");
-    serde_json::from_str(v.value()).unwrap()
-}
-
 /// Writes `model`'s step graph beside it, then runs `validate --json` on it (three training
 /// steps in tract against ONNX Runtime), which must exit 0; returns the report.
 fn step_and_validate(model: &Path, args: &[&str]) -> serde_json::Value {
     bin().arg("step").arg(model).args(args).assert().success();
-    let out = bin()
-        .arg("validate")
-        .arg(model.with_file_name("model.step.onnx"))
-        .arg("--json")
-        .assert()
-        .success();
-    serde_json::from_slice(&out.get_output().stdout).unwrap()
+    validate_report(&model.with_file_name("model.step.onnx"), &[])
 }
 
 #[test]
@@ -54,7 +39,7 @@ fn step_graph_has_the_documented_interface() {
     let out = read_model(&dir.path().join("model.step.onnx"));
     let g = out.graph.as_ref().unwrap();
     assert!(g.node.iter().all(|n| matches!(n.domain(), "" | "ai.onnx")));
-    let meta = metadata(&out);
+    let meta = step_metadata(&out);
     let state: Vec<(String, String)> = serde_json::from_value(meta["state"].clone()).unwrap();
     let inputs: Vec<&str> = g.input.iter().map(|i| i.name()).collect();
     let mut want = vec!["input_ids".to_string(), "labels".to_string()];
@@ -152,7 +137,7 @@ fn freeze_keeps_parameters_constant() {
         .arg(&out)
         .assert()
         .success();
-    let meta = metadata(&read_model(&out));
+    let meta = step_metadata(&read_model(&out));
     let params: Vec<String> = serde_json::from_value(meta["parameters"].clone()).unwrap();
     let frozen: Vec<String> = serde_json::from_value(meta["frozen"].clone()).unwrap();
     assert_eq!(frozen, ["emb.weight", "head.weight", "head.bias"]);
@@ -222,7 +207,7 @@ fn buffers_the_dynamo_exporter_records_are_not_trained() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let summary: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(summary["buffers"], serde_json::json!(["fc1.bias"]));
-    let meta = metadata(&read_model(&out));
+    let meta = step_metadata(&read_model(&out));
     let params: Vec<String> = serde_json::from_value(meta["parameters"].clone()).unwrap();
     assert_eq!(params.len(), 14);
     assert!(!params.contains(&"fc1.bias".to_string()));
@@ -242,7 +227,7 @@ fn split_writes_gradient_and_update_graphs() {
     let update = read_model(&dir.path().join("model.update.onnx"));
     let g = grad.graph.as_ref().unwrap();
     let params: Vec<String> =
-        serde_json::from_value(metadata(&grad)["parameters"].clone()).unwrap();
+        serde_json::from_value(step_metadata(&grad)["parameters"].clone()).unwrap();
     let outs: Vec<&str> = g.output.iter().map(|o| o.name()).collect();
     assert_eq!(&outs[..3], ["loss", "ce_loss", "number_loss"]);
     let grads: Vec<String> = params.iter().map(|p| format!("ntl/grad/{p}")).collect();

@@ -8,15 +8,7 @@ mod common;
 use common::*;
 
 fn validate_json(path: &std::path::Path) -> serde_json::Value {
-    let out = bin()
-        .arg("validate")
-        .arg(path)
-        .arg("--tokenizer")
-        .arg(tokenizer())
-        .arg("--json")
-        .assert()
-        .success();
-    serde_json::from_slice(&out.get_output().stdout).unwrap()
+    validate_report(path, &["--tokenizer", tokenizer().to_str().unwrap()])
 }
 
 const MODELS: [&str; 4] = ["gpt2_ts", "llama_ts", "gpt2_dynamo", "llama_dynamo"];

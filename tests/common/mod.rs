@@ -29,6 +29,28 @@ pub fn bin() -> Command {
     Command::cargo_bin("ntl-patch").expect("binary built")
 }
 
+/// `ntl-patch validate PATH --json ARGS`, which must exit 0: its report.
+pub fn validate_report(path: &Path, args: &[&str]) -> serde_json::Value {
+    let out = bin()
+        .arg("validate")
+        .arg(path)
+        .arg("--json")
+        .args(args)
+        .assert()
+        .success();
+    serde_json::from_slice(&out.get_output().stdout).unwrap()
+}
+
+/// A step graph's `ntl_step` metadata.
+pub fn step_metadata(m: &ModelProto) -> serde_json::Value {
+    let v = m
+        .metadata_props
+        .iter()
+        .find(|p| p.key() == "ntl_step")
+        .expect("ntl_step metadata");
+    serde_json::from_str(v.value()).unwrap()
+}
+
 pub fn read_model(path: &Path) -> ModelProto {
     ModelProto::decode(std::fs::read(path).expect("read model").as_slice()).expect("decode model")
 }
