@@ -354,6 +354,7 @@ impl<'g> View<'g> {
         Plan {
             blocks,
             is_forward: self.is_forward.clone(),
+            types,
         }
     }
 }
@@ -428,6 +429,8 @@ fn subgraph_reads(graph: &GraphProto) -> HashSet<String> {
 pub(crate) struct Plan {
     blocks: Vec<BlockPlan>,
     is_forward: Vec<bool>,
+    /// Element types of the graph's tensors (the barrier's op depends on them).
+    types: crate::graph::elem_types::ElemTypes,
 }
 
 struct BlockPlan {
@@ -446,7 +449,7 @@ struct BlockPlan {
 }
 
 fn apply(graph: &mut GraphProto, b: &mut Builder, plan: Plan) -> Result<Outcome, Error> {
-    let types = crate::graph::elem_types::ElemTypes::infer(graph);
+    let types = &plan.types;
     let ranks = Ranks::infer(&GraphIndex::new(graph));
     let declared: HashMap<String, ValueInfoProto> = graph
         .value_info
