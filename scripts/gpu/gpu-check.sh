@@ -4,7 +4,8 @@
 #   scripts/gpu/gpu-check.sh [gpu_check.py options: --steps N --models lm_flat --losses ntil ...]
 #   scripts/gpu/gpu-check.sh --step [gpu_check_step.py options: --models gpt2_ts --losses ntil --self-test ...]
 #   scripts/gpu/gpu-check.sh --dp [--cpu] [gpu_check_dp.py options: --steps N --rtol R]
-#   scripts/gpu/gpu-check.sh --precision [--cpu] [gpu_check_precision.py options: --models gpt2_ts --steps N]
+#   scripts/gpu/gpu-check.sh --precision [--cpu] [gpu_check_precision.py options: --models gpt2_ts --steps N
+#                                               --heads dense fused --recompute off layers]
 #   scripts/gpu/gpu-check.sh --memory [bench_real_size.py options: --preset qwen0.5b --configs ...]
 #
 # Default (ORT Training, scripts/gpu/gpu_check.py): patch every fixture with every loss, train the
@@ -37,7 +38,7 @@
 # and per-tensor broadcasts), each against the same reference (gpu-check-dp-<shard>.json).
 # --precision (mixed-precision step graphs, scripts/gpu/gpu_check_precision.py): `ntl-patch step
 # --precision fp32|fp16|bf16` on gpt2_ts and llama_ts (dense LM head and fused: its projection in the
-# half type), 20 AdamW steps with StepRunner on
+# half type; with --recompute off layers also with each layer recomputed), 20 AdamW steps with StepRunner on
 # CUDAExecutionProvider against torch on the same GPU (autocast + GradScaler for fp16, autocast
 # for bf16, plain float32) and the float64 trajectory: equal skipped steps and scales, losses
 # within 2u, parameters as close to float64 as torch's (the CPU test's criteria); the step time

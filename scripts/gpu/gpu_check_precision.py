@@ -67,15 +67,15 @@ HEADS = {"dense": ["--fused-head", "off"], "fused": ["--fused-head", "on", "--he
 
 
 def graph_run(bin_: str, model: str, precision: str, steps: int, device: str, tmp: Path,
-              head: str = "dense") -> dict:
+              head: str = "dense", recompute: str = "off") -> dict:
     import onnxruntime as ort
     import torch
     from ntl_patch import StepRunner
 
-    out = tmp / f"{model}.{precision}.{head}.step.onnx"
+    out = tmp / f"{model}.{precision}.{head}.{recompute}.step.onnx"
     cmd = [bin_, "step", str(ROOT / "fixtures" / "models" / f"{model}.onnx"), "--tokenizer",
            str(ROOT / "fixtures" / "tokenizer.json"), "--loss", "wasserstein", "--weight", str(WEIGHT),
-           "--lr", str(LR), "--precision", precision, "-o", str(out), *HEADS[head]]
+           "--lr", str(LR), "--precision", precision, "--recompute", recompute, "-o", str(out), *HEADS[head]]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -185,6 +185,9 @@ def main() -> int:
     ap.add_argument("--heads", nargs="+", default=["dense", "fused"], choices=sorted(HEADS),
                     help="the LM head as written (dense) and fused over chunks of 3 positions, whose "
                          "projection runs in the half type")
+    ap.add_argument("--recompute", nargs="+", default=["off"], choices=["off", "layers"],
+                    help="`step --recompute`: layers recomputes each decoder layer in the backward "
+                         "(its copies read their inputs through the barrier, Expand in the half type)")
     ap.add_argument("--cpu", action="store_true", help="dry run on the CPU (fp32 and fp16 only)")
     ap.add_argument("--require-gpu", action="store_true")
     a = ap.parse_args()
@@ -206,22 +209,26 @@ def main() -> int:
         for model in a.models:
             import generate_step as gs
             start = {k: v.detach().double().numpy() for k, v in gs.build_model(model.split("_")[0]).named_parameters()}
-            for precision, head in [(p, h) for p in precisions for h in a.heads]:
-                g = graph_run(a.bin, model, precision, a.steps, device, Path(tmp), head)
+            torch_runs = {}  # precision -> (torch's run, the float64 run): the same for every head
+            for precision, head, rc in [(p, h, r) for p in precisions for h in a.heads for r in a.recompute]:
+                g = graph_run(a.bin, model, precision, a.steps, device, Path(tmp), head, rc)
                 if device == "cuda" and g["provider"] != "CUDAExecutionProvider":
                     log(f"{model} {precision}: the session runs on {g['provider']}, not CUDA")
-                t = torch_run(model, precision, a.steps, device)
-                exact = torch_run(model, "fp32", a.steps, device, dtype=torch.float64, skip=t["skipped"])
+                if precision not in torch_runs:
+                    t = torch_run(model, precision, a.steps, device)
+                    torch_runs[precision] = t, torch_run(model, "fp32", a.steps, device, dtype=torch.float64,
+                                                         skip=t["skipped"])
+                t, exact = torch_runs[precision]
                 c = check(model, precision, g, t, exact, start)
                 if a.cpu and precision != "fp32":  # onnxruntime's CPU provider: not float16's numbers
                     c["not_checked"], c["fails"] = c["fails"], []
                 failed |= bool(c["fails"])
-                row = {"model": model, "precision": precision, "head": head, **c,
+                row = {"model": model, "precision": precision, "head": head, "recompute": rc, **c,
                        "graph": {k: g[k] for k in ("step_ms", "gpu_mem_bytes", "skipped", "scales", "losses")},
                        "torch": {k: t[k] for k in ("step_ms", "gpu_mem_bytes", "skipped", "scales", "losses")}}
                 report["cases"].append(row)
                 mem = lambda b: "-" if b is None else f"{b / 2**20:.0f} MiB"  # noqa: E731
-                log(f"{model} {precision} {head} head: graph {g['step_ms']:.1f} ms/step {mem(g['gpu_mem_bytes'])}, "
+                log(f"{model} {precision} {head} head recompute {rc}: graph {g['step_ms']:.1f} ms/step {mem(g['gpu_mem_bytes'])}, "
                     f"torch {t['step_ms']:.1f} ms/step {mem(t['gpu_mem_bytes'])}; losses vs torch "
                     f"{c['loss_err']:.1e}; params from float64 graph {c['d_graph']:.3f} torch "
                     f"{c['d_torch']:.3f}; skipped {sum(g['skipped'])}"
