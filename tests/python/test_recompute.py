@@ -30,8 +30,9 @@ REPO = Path(__file__).resolve().parents[2]
 GRAD_RTOL = 1e-6
 
 
-def _step(model: str, out: Path, *extra, ok=True):
-    args = ["step", MODELS / f"{model}.onnx", "--loss", "wasserstein", "--tokenizer", TOKENIZER,
+def _step(model: str | Path, out: Path, *extra, ok=True):
+    src = model if isinstance(model, Path) else MODELS / f"{model}.onnx"
+    args = ["step", src, "--loss", "wasserstein", "--tokenizer", TOKENIZER,
             "--weight", "0.3", "-o", out, "--json", *extra]
     r = run_patch(args)
     if ok:
@@ -152,6 +153,58 @@ def test_onnxruntime_neither_merges_nor_drops_the_recomputation(model, runtime, 
         # no block's inner activation is kept: what the blocks compute stays inside them
         inner = [x for x in recomputed if "/layers.1/self_attn/" in x or "/h.1/attn/" in x]
         assert not inner, (level, inner)
+
+
+def _anonymise(src: Path, out: Path) -> None:
+    """`src` with every node and every tensor but the graph's inputs and outputs renamed (n0, t0,
+    ...): no name carries a layer index. The rotary buffer keeps the suffix `step` knows buffers
+    by (`t7.inv_freq`), so that both graphs train the same parameters."""
+    m = onnx.load(str(src))
+    g = m.graph
+    keep = {i.name for i in g.input} - {t.name for t in g.initializer} | {o.name for o in g.output}
+    names: dict = {}
+
+    def rename(x: str) -> str:
+        suffix = ".inv_freq" if x.endswith("inv_freq") else ""
+        return x if x == "" or x in keep else names.setdefault(x, f"t{len(names)}{suffix}")
+
+    for t in g.initializer:
+        t.name = rename(t.name)
+    for v in list(g.input) + list(g.value_info):
+        v.name = rename(v.name)
+    for k, n in enumerate(g.node):
+        assert not any(a.type == onnx.AttributeProto.GRAPH for a in n.attribute)
+        n.name = f"n{k}"
+        n.input[:] = [rename(x) for x in n.input]
+        n.output[:] = [rename(x) for x in n.output]
+    onnx.save(m, str(out))
+
+
+@pytest.mark.parametrize("model", HF_MODELS)
+def test_layers_found_from_the_graph_structure_alone(model, tmp_path):
+    """An export whose names carry no layer index: the layers come from the sequence of weight
+    reads that repeats once per layer, and the step keeps as few activations as with the names."""
+    anonymous = tmp_path / "anonymous.onnx"
+    _anonymise(MODELS / f"{model}.onnx", anonymous)
+    named = _step(model, tmp_path / "named.grad.onnx", "--split", "--recompute", "layers")
+    assert not named["recompute"]["layers"].startswith("(graph structure")
+    _step(anonymous, tmp_path / "a.grad.onnx", "--split")
+    s = _step(anonymous, tmp_path / "b.grad.onnx", "--split", "--recompute", "layers")
+    assert s["recompute"]["blocks"] == 2, s["recompute"]
+    assert s["recompute"]["layers"].startswith("(graph structure"), s["recompute"]
+    stored = {}
+    for name in ("named", "a", "b"):
+        emitted = onnx.shape_inference.infer_shapes(onnx.load(str(tmp_path / f"{name}.grad.onnx"))).graph
+        floats = {v.name for v in emitted.value_info if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
+        stored[name] = len(_stored(emitted, floats))
+    print(model, stored)
+    assert stored["b"] <= stored["named"] < 0.5 * stored["a"], stored
+    ref = _hf_reference(model)
+    x, y = ref["batch/input_ids"], ref["batch/labels"]
+    la, ga = _grads(tmp_path / "a.grad.onnx", x, y, optimise=False)
+    lb, gb = _grads(tmp_path / "b.grad.onnx", x, y, optimise=False)
+    np.testing.assert_allclose(lb, la, rtol=1e-6)
+    _assert_same_gradients(ga, gb, GRAD_RTOL)
 
 
 def test_with_lora_and_fp16(tmp_path):

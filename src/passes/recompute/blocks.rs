@@ -2,7 +2,8 @@
 //! the names the exporter kept: the weights' (`model.layers.3.mlp.up_proj.weight`,
 //! `transformer.h.3.attn.c_attn.weight`, tf2onnx's `h_._3`, flax's `layers_3`), else the node's
 //! own scope (TorchScript's `/model/layers.3/mlp/up_proj/MatMul`, where constant folding
-//! renamed the weight).
+//! renamed the weight); where no name has one, from the graph's repeated structure
+//! ([`structure`]).
 //!
 //! A node that reads a weight of layer k anchors block k. Every other forward node lies after
 //! the anchors of some layers and before those of others: `after` (the highest anchor among
@@ -13,6 +14,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use super::structure;
 use crate::graph::hash::{HashMap, HashSet};
 use crate::onnx::NodeProto;
 use ntl_ops::names::PREFIX;
@@ -58,20 +60,59 @@ pub fn layer_index(name: &str) -> Option<(String, u32)> {
     None
 }
 
-/// What a forward node reads and is called, for anchoring: the weights (inputs that no node
-/// produces and that are not data) and the node's name.
+/// What a forward node reads and is called, for anchoring: the weights (float inputs of two
+/// or more elements that no node produces and that are not data; not the scalars and shape
+/// vectors exporters share and number apart) and the node's name.
 struct Anchors<'a> {
     weights: Vec<&'a str>,
     name: &'a str,
 }
 
+/// Where the layer indices come from.
+enum Source<'a> {
+    /// The names of the weights or nodes under this container (`model.layers`).
+    Names(String),
+    /// The repeated structure of the weight reads ([`structure`]).
+    Structure(structure::Layers<'a>),
+}
+
+impl Source<'_> {
+    fn weight_layer(&self, weight: &str) -> Option<u32> {
+        match self {
+            Source::Names(container) => layer_index(weight)
+                .filter(|(c, _)| c == container)
+                .map(|(_, i)| i),
+            Source::Structure(layers) => layers.of_weight.get(weight).copied(),
+        }
+    }
+
+    fn name_layer(&self, name: &str) -> Option<u32> {
+        match self {
+            Source::Names(_) => self.weight_layer(name),
+            Source::Structure(_) => None,
+        }
+    }
+
+    fn label(&self) -> String {
+        match self {
+            Source::Names(container) => container.clone(),
+            Source::Structure(layers) => format!(
+                "(graph structure: {} weight reads repeated per layer)",
+                layers.period
+            ),
+        }
+    }
+}
+
 /// Finds the blocks of `forward` (nodes in topological order; `is_weight` says which inputs
-/// are weights, `is_data` which tensors depend on the batch). None where fewer than two layer
-/// indices appear.
+/// are weights, `is_data` which tensors depend on the batch, `weight_kind` a weight's element
+/// type and shape): from the layer indices in names, else from the graph's repeated structure.
+/// None where neither gives two layers.
 pub fn find(
     forward: &[&NodeProto],
     is_weight: &dyn Fn(&str) -> bool,
     is_data: &dyn Fn(&str) -> bool,
+    weight_kind: &dyn Fn(&str) -> Option<String>,
 ) -> Option<Blocks> {
     let anchors: Vec<Anchors> = forward
         .iter()
@@ -80,37 +121,65 @@ pub fn find(
                 .input
                 .iter()
                 .map(String::as_str)
-                .filter(|i| is_weight(i) && !i.starts_with(&format!("{PREFIX}/")))
+                .filter(|i| {
+                    is_weight(i)
+                        && !i.starts_with(&format!("{PREFIX}/"))
+                        && weight_kind(i).is_some()
+                })
                 .collect(),
             name: n.name(),
         })
         .collect();
-    let container = choose_container(&anchors)?;
-    let index_in = |name: &str| -> Option<u32> {
-        layer_index(name)
-            .filter(|(c, _)| *c == container)
-            .map(|(_, i)| i)
-    };
+    if let Some(container) = choose_container(&anchors) {
+        let found = blocks_of(forward, &anchors, Source::Names(container), is_data);
+        if found.is_some() {
+            return found;
+        }
+    }
+    let layers = structure::layers(forward, is_weight, is_data, weight_kind)?;
+    blocks_of(forward, &anchors, Source::Structure(layers), is_data)
+}
+
+/// The blocks of `forward` with the layer indices of `source`; None where they do not make
+/// a chain of two or more blocks.
+fn blocks_of(
+    forward: &[&NodeProto],
+    anchors: &[Anchors],
+    source: Source,
+    is_data: &dyn Fn(&str) -> bool,
+) -> Option<Blocks> {
     // the layer each node anchors: from its weights (all agreeing) and what was computed
     // from them alone (the Transpose or Cast of a layer's weight), else from its name
     let mut weight_layer: HashMap<&str, u32> = HashMap::default();
+    // tensors computed from weights alone, of any layer or none (a tied head's Transpose)
+    let mut weight_made: HashSet<&str> = HashSet::default();
     let mut anchor: Vec<Option<u32>> = Vec::with_capacity(forward.len());
-    for (n, a) in forward.iter().zip(&anchors) {
-        let mut from_weights: BTreeSet<u32> =
-            a.weights.iter().filter_map(|w| index_in(w)).collect();
+    for (n, a) in forward.iter().zip(anchors) {
+        let mut from_weights: BTreeSet<u32> = a
+            .weights
+            .iter()
+            .filter_map(|w| source.weight_layer(w))
+            .collect();
         from_weights.extend(n.input.iter().filter_map(|i| weight_layer.get(i.as_str())));
         let reads_data = n.input.iter().any(|i| is_data(i));
         let own = match from_weights.len() {
             1 => from_weights.first().copied(),
             // a name counts on a node that computes on the batch (not on a constant, which
             // exporters share between layers)
-            0 if reads_data && !a.name.starts_with(&format!("{PREFIX}/")) => index_in(a.name),
+            0 if reads_data && !a.name.starts_with(&format!("{PREFIX}/")) => {
+                source.name_layer(a.name)
+            }
             _ => None,
         };
         if let (Some(k), false) = (own.filter(|_| from_weights.len() == 1), reads_data) {
             for o in n.output.iter().filter(|o| !o.is_empty()) {
                 weight_layer.insert(o.as_str(), k);
             }
+        }
+        if !reads_data
+            && (!a.weights.is_empty() || n.input.iter().any(|i| weight_made.contains(i.as_str())))
+        {
+            weight_made.extend(n.output.iter().map(String::as_str));
         }
         anchor.push(own);
     }
@@ -137,6 +206,9 @@ pub fn find(
         let own = anchor[p].map_or(none_after, i64::from);
         after[p] = preds(p).into_iter().map(|q| after[q]).fold(own, i64::max);
     }
+    if !chained(forward, &anchor, &after, &producer, is_data) {
+        return None;
+    }
     let mut before = vec![i64::MAX; forward.len()];
     for p in (0..forward.len()).rev() {
         if let Some(a) = anchor[p] {
@@ -152,7 +224,13 @@ pub fn find(
         if after[p] == before[p] && after[p] >= 0 {
             of_node[p] = Some(after[p] as u32);
         } else if after[p] < before[p] && before[p] != i64::MAX {
-            regions.entry(before[p]).or_default().push(p);
+            if forward[p].output.iter().any(|o| is_data(o)) {
+                regions.entry(before[p]).or_default().push(p);
+            } else {
+                // constants and shape arithmetic on them: no activation crosses through
+                // them, so they take no part in the cut (and are never copied)
+                of_node[p] = Some(before[p] as u32);
+            }
         }
     }
     let mut members: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
@@ -175,7 +253,79 @@ pub fn find(
             };
         }
     }
-    Some(Blocks { container, of_node })
+    // After the last block (the final norm, the head, the loss): the nodes that end the last
+    // layer (its residual Add) read no weight, so no anchor places them. They are found by
+    // the same cut, among the nodes before the next read of a weight (the final norm's, the
+    // head's) and before the loss.
+    let last = after.iter().copied().max().unwrap_or(none_after);
+    let read_in_forward: HashSet<&str> = forward
+        .iter()
+        .flat_map(|n| n.input.iter().map(String::as_str))
+        .collect();
+    let ends_window = |p: usize| {
+        let n = forward[p];
+        !anchors[p].weights.is_empty()
+            || n.input.iter().any(|i| weight_made.contains(i.as_str()))
+            || !n
+                .output
+                .iter()
+                .any(|o| read_in_forward.contains(o.as_str()))
+    };
+    let mut window: Vec<usize> = Vec::new();
+    let mut rest: Vec<usize> = Vec::new();
+    let mut window_open = true;
+    for p in 0..forward.len() {
+        if before[p] != i64::MAX || after[p] < 0 || !forward[p].output.iter().any(|o| is_data(o)) {
+            continue;
+        }
+        window_open &= after[p] != last || !ends_window(p);
+        window_open &= window.len() < MAX_CUT_REGION;
+        if window_open && after[p] == last {
+            window.push(p);
+        } else {
+            rest.push(p);
+        }
+    }
+    for p in best_cut(forward, &producer, &rest, &window, is_data) {
+        of_node[p] = Some(last as u32);
+    }
+    Some(Blocks {
+        container: source.label(),
+        of_node,
+    })
+}
+
+/// Whether each block reads what the block before it computed, as layers on a residual stream
+/// do: some node anchored to block k reads an activation computed after block k - 1's anchors
+/// and before block k's. Otherwise the "blocks" are siblings side by side (the q, k and v
+/// projections repeat alike) or names that number something else (Paddle's
+/// `helper.constant.N`), and recomputing them gains nothing.
+fn chained(
+    forward: &[&NodeProto],
+    anchor: &[Option<u32>],
+    after: &[i64],
+    producer: &HashMap<&str, usize>,
+    is_data: &dyn Fn(&str) -> bool,
+) -> bool {
+    let layers: Vec<u32> = anchor
+        .iter()
+        .flatten()
+        .copied()
+        .collect::<BTreeSet<u32>>()
+        .into_iter()
+        .collect();
+    layers.windows(2).all(|pair| {
+        let (previous, k) = (i64::from(pair[0]), pair[1]);
+        (0..forward.len()).any(|p| {
+            anchor[p] == Some(k)
+                && forward[p]
+                    .input
+                    .iter()
+                    .filter(|i| is_data(i))
+                    .filter_map(|i| producer.get(i.as_str()))
+                    .any(|&q| after[q] == previous)
+        })
+    })
 }
 
 /// The container whose names carry the most distinct layer indices (ties: the first by name):
@@ -260,7 +410,93 @@ fn best_cut(
 
 #[cfg(test)]
 mod tests {
-    use super::layer_index;
+    use super::{find, layer_index};
+    use crate::onnx::NodeProto;
+
+    fn node(name: &str, op: &str, inputs: &[&str], outputs: &[&str]) -> NodeProto {
+        NodeProto {
+            name: Some(name.into()),
+            op_type: Some(op.into()),
+            input: inputs.iter().map(|s| s.to_string()).collect(),
+            output: outputs.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// Two layers `x + MatMul(x * (1 + g_k), W_k)` on an embedding, then a norm whose scale is
+    /// `1 + g` and a head tied to the embedding (`MatMul(h, Transpose(E))`): no name has a layer
+    /// index. Returns the block of each node by output name.
+    fn blocks_of(siblings: bool) -> Option<Vec<(String, Option<u32>)>> {
+        let mut nodes = vec![node("emb", "Gather", &["E", "ids"], &["x0"])];
+        for k in 0..2 {
+            let x = if siblings {
+                "x0".to_string()
+            } else {
+                format!("x{k}")
+            };
+            let (g, w, s, n, m, y) = (
+                format!("g{k}"),
+                format!("w{k}"),
+                format!("s{k}"),
+                format!("n{k}"),
+                format!("m{k}"),
+                format!("x{}", k + 1),
+            );
+            nodes.push(node("", "Add", &["one", &g], &[&s]));
+            nodes.push(node("", "Mul", &[&x, &s], &[&n]));
+            nodes.push(node("", "MatMul", &[&n, &w], &[&m]));
+            nodes.push(node("", "Add", &[&x, &m], &[&y]));
+        }
+        let last = if siblings { "x1" } else { "x2" };
+        nodes.push(node("", "Add", &["one", "g"], &["s"]));
+        nodes.push(node("", "Mul", &[last, "s"], &["h"]));
+        nodes.push(node("", "Transpose", &["E"], &["Et"]));
+        nodes.push(node("", "MatMul", &["h", "Et"], &["logits"]));
+        nodes.push(node("", "ReduceSum", &["logits"], &["loss"]));
+        let forward: Vec<&NodeProto> = nodes.iter().collect();
+        let weights = ["E", "one", "g", "g0", "g1", "w0", "w1"];
+        let is_data = |t: &str| !weights.contains(&t);
+        let kind = |t: &str| match t {
+            "E" => Some("f[48,8]".to_string()),
+            "one" => None,
+            w if w.starts_with('w') => Some("f[8,8]".to_string()),
+            _ => Some("f[8]".to_string()),
+        };
+        let found = find(&forward, &|t| weights.contains(&t), &is_data, &kind)?;
+        assert!(
+            found.container.starts_with("(graph structure"),
+            "{}",
+            found.container
+        );
+        Some(
+            nodes
+                .iter()
+                .zip(found.of_node)
+                .map(|(n, b)| (n.output[0].clone(), b))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn layers_from_structure_end_at_the_residual_add_before_a_tied_head() {
+        let blocks = blocks_of(false).expect("two layers");
+        let block = |t: &str| blocks.iter().find(|(o, _)| o == t).unwrap().1;
+        assert_eq!(block("x1"), Some(0), "{blocks:?}");
+        assert_eq!(
+            (block("n1"), block("m1"), block("x2")),
+            (Some(1), Some(1), Some(1))
+        );
+        // the final norm, the head and the loss belong to no block
+        assert_eq!(
+            (block("h"), block("logits"), block("loss")),
+            (None, None, None)
+        );
+    }
+
+    #[test]
+    fn repeats_side_by_side_are_no_layers() {
+        assert!(blocks_of(true).is_none());
+    }
 
     #[test]
     fn layer_indices_of_exporters_names() {

@@ -21,7 +21,12 @@ pub struct Hints {
 const GIB: f64 = (1u64 << 30) as f64;
 
 /// (recompute?, why) for the graph `view` sees.
-pub(super) fn decide(view: &View, hints: &Hints, state_bytes: u64) -> (bool, String) {
+pub(super) fn decide(
+    view: &View,
+    index: &GraphIndex,
+    hints: &Hints,
+    state_bytes: u64,
+) -> (bool, String) {
     let sizes = match symbol_sizes(view, hints) {
         Ok(s) => s,
         Err(symbol) => {
@@ -32,8 +37,7 @@ pub(super) fn decide(view: &View, hints: &Hints, state_bytes: u64) -> (bool, Str
         }
     };
     let graph = view.graph;
-    let index = GraphIndex::new(graph);
-    let shapes = Shapes::infer(&index);
+    let shapes = Shapes::infer(index);
     let types = crate::graph::elem_types::ElemTypes::infer(graph);
     let mut kept: u64 = 0;
     let mut counted = std::collections::BTreeSet::new();

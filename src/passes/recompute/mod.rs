@@ -14,6 +14,7 @@
 
 pub mod blocks;
 mod estimate;
+mod structure;
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -104,11 +105,15 @@ pub fn recompute(
         return Ok(Outcome::default());
     }
     let view = View::new(graph, facts);
-    let found = blocks::find(&view.forward_nodes(), &|t| view.is_weight(t), &|t| {
-        view.data.contains(t)
-    });
+    let index = GraphIndex::new(graph);
+    let found = blocks::find(
+        &view.forward_nodes(),
+        &|t| view.is_weight(t),
+        &|t| view.data.contains(t),
+        &|t| weight_kind(&index, t),
+    );
     let Some(found) = found else {
-        let what = "repeated blocks to recompute: no two layer indices in the weights' or nodes' names (such as model.layers.N., h.N., layers_N)";
+        let what = "repeated blocks to recompute: no two layer indices in the weights' or nodes' names (such as model.layers.N., h.N., layers_N), and no chain of blocks that read their weights alike (op, weight type and shape)";
         return match options.mode {
             Mode::Auto => Ok(Outcome {
                 reason: Some(format!("off: found no {what}")),
@@ -121,7 +126,7 @@ pub fn recompute(
         };
     };
     let reason = match options.mode {
-        Mode::Auto => match estimate::decide(&view, &options.hints, facts.state_bytes) {
+        Mode::Auto => match estimate::decide(&view, &index, &options.hints, facts.state_bytes) {
             (true, why) => Some(why),
             (false, why) => {
                 return Ok(Outcome {
@@ -132,7 +137,8 @@ pub fn recompute(
         },
         _ => None,
     };
-    let plan = view.plan(&found);
+    let plan = view.plan(&found, &index);
+    drop(index);
     if plan.blocks.is_empty() && options.mode == Mode::Layers {
         return Err(Error::Usage("--recompute layers found layers, but the backward reads none of their inner activations (nothing to recompute); drop --recompute".into()));
     }
@@ -141,6 +147,17 @@ pub fn recompute(
     outcome.reason = reason;
     outcome.layers = Some(layers);
     Ok(outcome)
+}
+
+/// A weight's element type and shape, for the structure search: float tensors of two or more
+/// elements only (scalars and integer constants are shared between layers by exporters).
+fn weight_kind(index: &GraphIndex, t: &str) -> Option<String> {
+    let (elem, dims) = index.declared_shape(t)?;
+    let elem = elem.filter(|&e| is_float(Some(e)))?;
+    let size: Option<i64> = dims
+        .iter()
+        .try_fold(1i64, |n, d| d.map(|d| n.saturating_mul(d)));
+    (size.is_none_or(|n| n >= 2) && !dims.is_empty()).then(|| format!("{elem}{dims:?}"))
 }
 
 /// The step graph as the pass sees it: which nodes are the forward, which tensors carry data.
@@ -200,7 +217,7 @@ impl<'g> View<'g> {
     }
 
     /// Which blocks to recompute and how.
-    fn plan(&self, found: &blocks::Blocks) -> Plan {
+    fn plan(&self, found: &blocks::Blocks, index: &GraphIndex) -> Plan {
         let graph = self.graph;
         let block_at: HashMap<usize, u32> = self
             .forward
@@ -215,8 +232,7 @@ impl<'g> View<'g> {
             }
         }
         let outputs: HashSet<&str> = graph.output.iter().map(|o| o.name()).collect();
-        let index = GraphIndex::new(graph);
-        let clonable = |n: &NodeProto| clonable(n, &index);
+        let clonable = |n: &NodeProto| clonable(n, index);
         let types = crate::graph::elem_types::ElemTypes::infer(graph);
         let in_subgraphs = subgraph_reads(graph);
         // where each forward tensor is read: by forward nodes of other blocks (it is kept),
