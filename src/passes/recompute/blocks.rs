@@ -307,25 +307,28 @@ fn chained(
     producer: &HashMap<&str, usize>,
     is_data: &dyn Fn(&str) -> bool,
 ) -> bool {
-    let layers: Vec<u32> = anchor
+    let layers: BTreeSet<u32> = anchor.iter().flatten().copied().collect();
+    let previous: HashMap<u32, i64> = layers
         .iter()
-        .flatten()
-        .copied()
-        .collect::<BTreeSet<u32>>()
-        .into_iter()
+        .zip(layers.iter().skip(1))
+        .map(|(&before, &k)| (k, i64::from(before)))
         .collect();
-    layers.windows(2).all(|pair| {
-        let (previous, k) = (i64::from(pair[0]), pair[1]);
-        (0..forward.len()).any(|p| {
-            anchor[p] == Some(k)
-                && forward[p]
-                    .input
-                    .iter()
-                    .filter(|i| is_data(i))
-                    .filter_map(|i| producer.get(i.as_str()))
-                    .any(|&q| after[q] == previous)
-        })
-    })
+    let mut reached: HashSet<u32> = HashSet::default();
+    for (p, n) in forward.iter().enumerate() {
+        let Some(k) = anchor[p] else { continue };
+        let Some(&before) = previous.get(&k) else {
+            continue;
+        };
+        if n.input
+            .iter()
+            .filter(|i| is_data(i))
+            .filter_map(|i| producer.get(i.as_str()))
+            .any(|&q| after[q] == before)
+        {
+            reached.insert(k);
+        }
+    }
+    reached.len() == previous.len()
 }
 
 /// The container whose names carry the most distinct layer indices (ties: the first by name):
