@@ -242,20 +242,7 @@ pub fn gather(
     if ri == 1 && a > 0 && a < r && ctx.opset >= 16 {
         // Columns of a wider tensor (the number loss reading K of V logits): the gradient is
         // added into the tensor's other gradient where the columns are, never built dense.
-        let mut shape = vec![1i64; r];
-        shape[a] = -1;
-        let shape = ctx.i64s(&shape);
-        let idx_b = ctx.op("Reshape", &[idx, &shape], "grad/gather_cols");
-        let gs = ctx.shape(&g);
-        let indices = ctx.op("Expand", &[&idx_b, &gs], "grad/gather_cols_idx");
-        ctx.scatter_into(
-            data,
-            crate::passes::grad::Scatter {
-                indices,
-                updates: g,
-                axis: a as i64,
-            },
-        );
+        scatter_along(ctx, data, idx, g, a, r, "cols");
         return Ok(vec![None]);
     }
     if a >= r {
@@ -297,20 +284,7 @@ pub fn gather(
     let g_flat = ctx.op("Reshape", &[&g_t, &gshape], "grad/gather_g");
     if a == 0 && ctx.opset >= 16 && ctx.sparse_rows(data) {
         // rows of a trained parameter (an embedding): added in place into its other gradient
-        let mut shape = vec![1i64; r];
-        shape[0] = -1;
-        let shape = ctx.i64s(&shape);
-        let idx_b = ctx.op("Reshape", &[&flat_idx, &shape], "grad/gather_rows");
-        let gs = ctx.shape(&g_flat);
-        let indices = ctx.op("Expand", &[&idx_b, &gs], "grad/gather_rows_idx");
-        ctx.scatter_into(
-            data,
-            crate::passes::grad::Scatter {
-                indices,
-                updates: g_flat,
-                axis: 0,
-            },
-        );
+        scatter_along(ctx, data, &flat_idx, g_flat, 0, r, "rows");
         return Ok(vec![None]);
     }
     let gx_t = if ctx.opset >= 16 {
@@ -353,6 +327,34 @@ pub fn gather(
 }
 
 /// GatherND (batch_dims 0): the gradient is scattered back with addition.
+/// Adds `updates` into `data`'s other gradient at the 1-D indices `idx` along `axis` of a
+/// rank-`rank` tensor (ScatterElements with the indices broadcast to the updates' shape), so
+/// that no dense gradient of `data` is built. `what` names the nodes (`grad/gather_<what>`).
+fn scatter_along(
+    ctx: &mut Ctx,
+    data: &str,
+    idx: &str,
+    updates: String,
+    axis: usize,
+    rank: usize,
+    what: &str,
+) {
+    let mut shape = vec![1i64; rank];
+    shape[axis] = -1;
+    let shape = ctx.i64s(&shape);
+    let idx_b = ctx.op("Reshape", &[idx, &shape], &format!("grad/gather_{what}"));
+    let gs = ctx.shape(&updates);
+    let indices = ctx.op("Expand", &[&idx_b, &gs], &format!("grad/gather_{what}_idx"));
+    ctx.scatter_into(
+        data,
+        crate::passes::grad::Scatter {
+            indices,
+            updates,
+            axis: axis as i64,
+        },
+    );
+}
+
 pub fn gather_nd(
     ctx: &mut Ctx,
     node: &NodeProto,
