@@ -41,6 +41,20 @@ pub fn validate_report(path: &Path, args: &[&str]) -> serde_json::Value {
     serde_json::from_slice(&out.get_output().stdout).unwrap()
 }
 
+/// How many checks of a `validate --json` report ran against onnxruntime, after asserting that
+/// every check passed (`what` names the case in the failure message).
+pub fn passed_checks_against_onnxruntime(report: &serde_json::Value, what: &str) -> usize {
+    let checks = report["checks"].as_array().expect("checks");
+    assert!(
+        checks.iter().all(|c| c["passed"] == true),
+        "{what}: {report}"
+    );
+    checks
+        .iter()
+        .filter(|c| c["against"] == "onnxruntime")
+        .count()
+}
+
 /// A step graph's `ntl_step` metadata.
 pub fn step_metadata(m: &ModelProto) -> serde_json::Value {
     let v = m
