@@ -63,8 +63,8 @@ pub fn layer_index(name: &str) -> Option<(String, u32)> {
 /// What a forward node reads and is called, for anchoring: the weights (float inputs of two
 /// or more elements that no node produces and that are not data; not the scalars and shape
 /// vectors exporters share and number apart) and the node's name.
-struct Anchors<'a> {
-    weights: Vec<&'a str>,
+pub(super) struct Anchors<'a> {
+    pub(super) weights: Vec<&'a str>,
     name: &'a str,
 }
 
@@ -136,7 +136,7 @@ pub fn find(
             return found;
         }
     }
-    let layers = structure::layers(forward, is_weight, is_data, weight_kind)?;
+    let layers = structure::layers(forward, &anchors, is_data, weight_kind)?;
     blocks_of(forward, &anchors, Source::Structure(layers), is_data)
 }
 

@@ -5,9 +5,9 @@
 //! gives the layers: the weights read in its k-th period are layer k's. Reads before the first
 //! period (the embedding) and after the last (the final norm, the head) belong to no layer.
 
+use super::blocks::Anchors;
 use crate::graph::hash::HashMap;
 use crate::onnx::NodeProto;
-use ntl_ops::names::PREFIX;
 
 /// At most this many comparisons in the search for the period (a run with P reads a period
 /// costs one pass over the sequence per candidate P): enough for every P up to half the
@@ -26,11 +26,11 @@ pub struct Layers<'a> {
 }
 
 /// The layer of each weight the repeated part of `forward` reads; None where the reads repeat
-/// fewer than twice. `weight_kind` names a weight's element type and shape (None: not a float
-/// tensor of two or more elements — constants, shape vectors — which do not count).
+/// fewer than twice. `anchors` holds the weights each node reads (as `blocks` anchors them),
+/// `weight_kind` names a weight's element type and shape.
 pub fn layers<'a>(
     forward: &[&'a NodeProto],
-    is_weight: &dyn Fn(&str) -> bool,
+    anchors: &[Anchors<'a>],
     is_data: &dyn Fn(&str) -> bool,
     weight_kind: &dyn Fn(&str) -> Option<String>,
 ) -> Option<Layers<'a>> {
@@ -44,7 +44,7 @@ pub fn layers<'a>(
     let mut derived: HashMap<&str, (u32, Vec<&'a str>)> = HashMap::default();
     // the reads: (kind of read, the weights read)
     let mut reads: Vec<(u32, Vec<&'a str>)> = Vec::new();
-    for n in forward {
+    for (n, a) in forward.iter().zip(anchors) {
         let of_input = |i: &'a str,
                         derived: &HashMap<&str, (u32, Vec<&'a str>)>,
                         intern: &mut dyn FnMut(String) -> u32|
@@ -52,7 +52,8 @@ pub fn layers<'a>(
             if let Some(d) = derived.get(i) {
                 return Some(d.clone());
             }
-            (is_weight(i) && !i.starts_with(&format!("{PREFIX}/")))
+            a.weights
+                .contains(&i)
                 .then(|| weight_kind(i))
                 .flatten()
                 .map(|kind| (intern(format!("w {kind}")), vec![i]))
