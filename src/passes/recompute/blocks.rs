@@ -63,8 +63,8 @@ pub fn layer_index(name: &str) -> Option<(String, u32)> {
 /// What a forward node reads and is called, for anchoring: the weights (float inputs of two
 /// or more elements that no node produces and that are not data; not the scalars and shape
 /// vectors exporters share and number apart) and the node's name.
-pub(super) struct Anchors<'a> {
-    pub(super) weights: Vec<&'a str>,
+struct Anchors<'a> {
+    weights: Vec<&'a str>,
     name: &'a str,
 }
 
@@ -136,7 +136,8 @@ pub fn find(
             return found;
         }
     }
-    let layers = structure::layers(forward, &anchors, is_data, weight_kind)?;
+    let weights: Vec<&[&str]> = anchors.iter().map(|a| a.weights.as_slice()).collect();
+    let layers = structure::layers(forward, &weights, is_data, weight_kind)?;
     blocks_of(forward, &anchors, Source::Structure(layers), is_data)
 }
 

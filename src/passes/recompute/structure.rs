@@ -5,7 +5,6 @@
 //! gives the layers: the weights read in its k-th period are layer k's. Reads before the first
 //! period (the embedding) and after the last (the final norm, the head) belong to no layer.
 
-use super::blocks::Anchors;
 use crate::graph::hash::HashMap;
 use crate::onnx::NodeProto;
 
@@ -26,11 +25,11 @@ pub struct Layers<'a> {
 }
 
 /// The layer of each weight the repeated part of `forward` reads; None where the reads repeat
-/// fewer than twice. `anchors` holds the weights each node reads (as `blocks` anchors them),
-/// `weight_kind` names a weight's element type and shape.
+/// fewer than twice. `weights` holds the weights each node of `forward` reads (those `blocks`
+/// anchors by), `weight_kind` names a weight's element type and shape.
 pub fn layers<'a>(
     forward: &[&'a NodeProto],
-    anchors: &[Anchors<'a>],
+    weights: &[&[&'a str]],
     is_data: &dyn Fn(&str) -> bool,
     weight_kind: &dyn Fn(&str) -> Option<String>,
 ) -> Option<Layers<'a>> {
@@ -44,7 +43,7 @@ pub fn layers<'a>(
     let mut derived: HashMap<&str, (u32, Vec<&'a str>)> = HashMap::default();
     // the reads: (kind of read, the weights read)
     let mut reads: Vec<(u32, Vec<&'a str>)> = Vec::new();
-    for (n, a) in forward.iter().zip(anchors) {
+    for (n, node_weights) in forward.iter().zip(weights) {
         let of_input = |i: &'a str,
                         derived: &HashMap<&str, (u32, Vec<&'a str>)>,
                         intern: &mut dyn FnMut(String) -> u32|
@@ -52,7 +51,7 @@ pub fn layers<'a>(
             if let Some(d) = derived.get(i) {
                 return Some(d.clone());
             }
-            a.weights
+            node_weights
                 .contains(&i)
                 .then(|| weight_kind(i))
                 .flatten()
