@@ -29,7 +29,8 @@ _OPTIMIZER = {
     "backoff_factor": VALUE, "growth_interval": VALUE, "fused_head": VALUE,
     "head_chunk_tokens": VALUE, "lora_r": VALUE, "lora_alpha": VALUE, "lora_targets": VALUE,
     "use_rslora": FLAG, "lora_init": VALUE, "lora_dropout": VALUE, "seed": VALUE, "train": MULTI,
-    "recompute": VALUE, "batch": VALUE, "seq": VALUE,
+    "recompute": VALUE, "batch": VALUE, "seq": VALUE, "attention": VALUE,
+    "attention_block": VALUE,
 }
 
 # one-value options whose value is a comma-separated list

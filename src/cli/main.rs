@@ -12,6 +12,7 @@ use ntl_ops::options::{
 };
 use ntl_patch::io::model_io::ExternalDataAction;
 use ntl_patch::passes::artifacts::{run_artifacts, ArtifactsRequest};
+use ntl_patch::passes::attention::{AttentionOptions, Mode as AttentionMode};
 use ntl_patch::passes::fused_head::{FusedHeadOptions, Mode as FusedHeadMode};
 use ntl_patch::passes::lora::LoraOptions;
 use ntl_patch::passes::pipeline::{run_patch, PatchRequest};
@@ -165,6 +166,15 @@ struct StepArgs {
     /// parameters and optimizer state at the step's shape.
     #[arg(long, value_enum, default_value_t = RecomputeArg::Off)]
     recompute: RecomputeArg,
+    /// Attention over blocks of query rows, never storing the [.., T, T] scores: the backward
+    /// recomputes each block's probabilities from the output and the rows' log-sum-exp. auto =
+    /// where the exported attention is recognised (others are left as exported and listed);
+    /// chunked = everywhere, an attention that cannot be is an error; eager = as exported.
+    #[arg(long, value_enum, default_value_t = AttentionArg::Auto)]
+    attention: AttentionArg,
+    /// Query rows per block of --attention [default: 1024].
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    attention_block: Option<i64>,
     /// --recompute auto: the batch size a step runs with, where the graph's is symbolic.
     #[arg(long, value_name = "B")]
     batch: Option<u64>,
@@ -222,6 +232,13 @@ enum RecomputeArg {
     Off,
     Layers,
     Auto,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum AttentionArg {
+    Auto,
+    Chunked,
+    Eager,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -852,6 +869,14 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
                 seq: args.seq,
             },
         },
+        attention: AttentionOptions {
+            mode: match args.attention {
+                AttentionArg::Auto => AttentionMode::Auto,
+                AttentionArg::Chunked => AttentionMode::Chunked,
+                AttentionArg::Eager => AttentionMode::Eager,
+            },
+            block: args.attention_block,
+        },
     };
     let s = run_step(&req)?;
     for n in s.patch.notices.iter().chain(&s.notes) {
@@ -878,6 +903,7 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
             "fused_head": s.fused_head_chunk_tokens.map(|c| serde_json::json!({"chunk_tokens": c})),
             "lora": s.lora,
             "recompute": s.recompute,
+            "attention": s.attention,
             "warnings": s.warnings,
         })
         .to_string()
@@ -907,6 +933,10 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
             Some(why) => format!("{recompute}; recompute {why}"),
             None => recompute,
         };
+        let attention = match s.attention["replaced"].as_u64() {
+            Some(n) if n > 0 => format!("; attention blockwise in {n} layers"),
+            _ => String::new(),
+        };
         let lora = match (&s.lora, &req.lora) {
             (Some(meta), Some(o)) => format!(
                 "; LoRA r={} alpha={} on {} layers ({})",
@@ -925,7 +955,7 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
             _ => String::new(),
         };
         format!(
-            "wrote {} ({} on {}, {} parameters / {} values trained with {}{}{}{}{}{})",
+            "wrote {} ({} on {}, {} parameters / {} values trained with {}{}{}{}{}{}{})",
             outputs.join(" and "),
             req.patch.loss.kind.name(),
             s.patch.ce_node,
@@ -939,7 +969,8 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
             frozen,
             buffers,
             fused,
-            recompute
+            recompute,
+            attention
         )
     })
 }

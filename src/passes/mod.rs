@@ -3,6 +3,7 @@
 //! ONNX Runtime Training artifacts ([`artifacts`]).
 
 pub mod artifacts;
+pub mod attention;
 pub mod fused_head;
 pub mod grad;
 pub mod lora;

@@ -284,6 +284,14 @@ pub fn reaching_loss(nodes: &[NodeProto], loss: &str, candidates: &[String]) -> 
         .collect()
 }
 
+/// Tensors that depend on one of `params` through differentiable edges, `params` included.
+pub fn depending_on(nodes: &[NodeProto], params: &[String]) -> std::collections::HashSet<String> {
+    live_tensors(nodes, params)
+        .into_keys()
+        .map(str::to_string)
+        .collect()
+}
+
 /// Tensors that depend on a parameter, with one parameter that reaches each (for errors).
 fn live_tensors<'a>(nodes: &'a [NodeProto], params: &'a [String]) -> HashMap<&'a str, &'a str> {
     let mut live: HashMap<&str, &str> = params.iter().map(|p| (p.as_str(), p.as_str())).collect();

@@ -412,7 +412,7 @@ fn is_float(t: Option<i32>) -> bool {
 }
 
 /// A constant whose values are all zero (0.0, false): read only where it is one value.
-fn all_zero(t: &crate::onnx::TensorProto) -> bool {
+pub(crate) fn all_zero(t: &crate::onnx::TensorProto) -> bool {
     if t.dims.iter().product::<i64>() != 1 {
         return false;
     }

@@ -25,6 +25,7 @@ use crate::onnx::{
     default_opset, proto, GraphProto, ModelProto, StringStringEntryProto, TensorProto, TypeProto,
     ValueInfoProto, FLOAT, INT64,
 };
+use crate::passes::attention::{self, AttentionOptions};
 use crate::passes::fused_head::{self, FusedHeadOptions, Outcome};
 use crate::passes::grad::{self, Ctx};
 use crate::passes::lora::{self, Adapted, LoraOptions};
@@ -82,6 +83,8 @@ pub struct StepRequest {
     pub train: Vec<String>,
     /// `--recompute`: the backward recomputes each layer's forward.
     pub recompute: RecomputeOptions,
+    /// `--attention`: attention over blocks of query rows, never storing the scores.
+    pub attention: AttentionOptions,
 }
 
 impl StepRequest {
@@ -106,6 +109,8 @@ pub struct StepSummary {
     pub lora: Option<serde_json::Value>,
     /// `--recompute`: what was chosen and why (the metadata's `recompute`).
     pub recompute: serde_json::Value,
+    /// `--attention`: what was replaced and what was left (the metadata's `attention`).
+    pub attention: serde_json::Value,
 }
 
 /// `model.onnx` → `model.step.onnx` (or `model.grad.onnx` + `model.update.onnx`).
@@ -177,6 +182,7 @@ pub fn run_step(req: &StepRequest) -> Result<StepSummary, Error> {
         return Err(Error::Usage("--train adds base weights to what LoRA trains; without --lora-r every weight trains already (use --freeze to leave some out)".into()));
     }
     req.loss_scale.check().map_err(Error::Usage)?;
+    req.attention.check()?;
     let outputs = match &req.patch.output {
         Some(out) if req.split => split_outputs(out),
         Some(out) => vec![out.clone()],
@@ -219,6 +225,7 @@ pub fn run_step(req: &StepRequest) -> Result<StepSummary, Error> {
         fused_head_chunk_tokens: built.fused_head_chunk_tokens,
         lora: built.lora,
         recompute: built.recompute,
+        attention: built.attention,
     };
     // Everything but the main graph first, removed again if a later write fails: an error
     // leaves no output at all.
@@ -262,6 +269,7 @@ struct Built {
     fused_head_chunk_tokens: Option<i64>,
     lora: Option<serde_json::Value>,
     recompute: serde_json::Value,
+    attention: serde_json::Value,
 }
 
 fn is_buffer_name(name: &str) -> bool {
@@ -430,6 +438,24 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
     let widened = widen_half_export(graph, req, &mut b, &trains)?;
     crate::passes::grad::canonical::canonicalize(graph, &mut b);
     // the rewrites' constants join the graph now, so shapes and ranks see their values
+    graph.initializer.append(&mut b.initializers);
+    let weights: Vec<String> = graph
+        .initializer
+        .iter()
+        .filter(|t| {
+            crate::onnx::is_float_type(t.data_type()) && t.dims.iter().product::<i64>() >= 2
+        })
+        .map(|t| t.name().to_string())
+        .collect();
+    let weight_derived = grad::depending_on(&graph.node, &weights);
+    let attended = attention::replace(model, &req.attention, &mut b, &weight_derived)?;
+    if let Some((node, why)) = attended.left.first() {
+        warnings.push(format!(
+            "{} attention(s) left as exported, storing their [.., T, T] scores for the backward (e.g. at Softmax node '{node}': {why})",
+            attended.left.len()
+        ));
+    }
+    let graph = model.graph.as_mut().expect("graph");
     graph.initializer.append(&mut b.initializers);
     let graph = &*graph;
     let loss = graph.output[0].name().to_string();
@@ -747,6 +773,10 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
     warnings.extend(recomputed.warnings.iter().cloned());
     let recompute_json = recomputed.to_json(req.recompute.mode);
     meta["recompute"] = recompute_json.clone();
+    // after recomputation, which copies a layer's attention node like any other
+    attention::lower::lower(model, precision.half_type());
+    let attention_json = attended.to_json(&req.attention);
+    meta["attention"] = attention_json.clone();
     {
         let graph = model.graph.as_mut().expect("graph");
         let taken = GraphIndex::new(graph).taken_names(PREFIX, &[]);
@@ -781,6 +811,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         fused_head_chunk_tokens: fused.map(|v| v.chunk_tokens),
         lora: lora_meta,
         recompute: recompute_json,
+        attention: attention_json,
     })
 }
 

@@ -2,6 +2,7 @@
 //! its rule. A new op's rule goes into the family module and one line here.
 
 mod activations;
+mod attention;
 mod elementwise;
 mod fused;
 mod linalg;
@@ -95,6 +96,7 @@ pub fn rule(op: &str) -> Option<Rule> {
         "GatherND" => r(first, shape::gather_nd),
         "Pad" => r(first, shape::pad),
         crate::passes::fused_head::node::FORWARD => r(fused::inputs, fused::fused_head),
+        crate::passes::attention::node::FORWARD => r(attention::inputs, attention::attention),
         _ => None,
     }
 }

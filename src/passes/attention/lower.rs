@@ -1,0 +1,390 @@
+//! The attention's two internal nodes expanded into standard ONNX: a `Scan` over blocks of `C`
+//! query rows (`C = min(block, Tq)`, `S = ⌈Tq / C⌉` blocks, both read at run time). The scan
+//! input is each block's first row; the body gathers its rows of the query (and of the masks
+//! and scale where they have rows) from the outer graph, clamped to the last row, so the last
+//! block may run past `Tq`: its extra rows are computed and dropped (forward), or read as zero
+//! gradients (backward). Per block only `[.., C, Tk]` scores exist.
+//!
+//! Forward: `s`, `m = max s`, `e = exp(s − m)`, `l = Σ e`, `o = (e / l)·v`, `lse = m + log l`.
+//! Backward: `p = exp(s − lse)`, `dv += pᵀ·do`, `dp = do·vᵀ`, `ds = p ∘ (dp − Σ(do ∘ o))`
+//! (through the masks' `Where`s and the scale), `dq = ds·k`, `dkt += qᵀ·ds`.
+//!
+//! Under `--precision` the products run in the half type (the scores, the softmax and the
+//! accumulators stay float32), as torch's autocast runs eager attention.
+
+use ntl_ops::names::PREFIX;
+use ntl_ops::Builder;
+
+use super::node::{Attn, TermKind, BACKWARD, DOMAIN, FORWARD};
+use crate::graph::GraphIndex;
+use crate::onnx::{default_opset, graph_attr, int_attr, GraphProto, ModelProto, NodeProto};
+use crate::onnx::{FLOAT, INT64};
+use crate::passes::fused_head::node::tensor_info;
+
+/// Replaces every internal attention node of the model's graph by its `Scan`.
+pub fn lower(model: &mut ModelProto, half: Option<i32>) {
+    let opset = default_opset(model).unwrap_or(ntl_ops::builder::MIN_OPSET);
+    let graph = model.graph.as_mut().expect("graph");
+    if !graph.node.iter().any(super::node::is_attention) {
+        return;
+    }
+    let mut b = Builder::new(
+        PREFIX,
+        opset,
+        GraphIndex::new(graph).taken_names(PREFIX, &[]),
+    );
+    let old = std::mem::take(&mut graph.node);
+    for node in old {
+        match (node.domain(), node.op_type()) {
+            (DOMAIN, FORWARD) => forward(&mut b, &node, half),
+            (DOMAIN, BACKWARD) => backward(&mut b, &node, half),
+            _ => graph.node.push(node),
+        }
+        graph.node.append(&mut b.nodes);
+    }
+    graph.initializer.append(&mut b.initializers);
+}
+
+/// What the outer graph prepares for a `Scan` over blocks of query rows.
+struct Blocks {
+    /// `[1]`: Tq.
+    rows: String,
+    /// `[S, 1]`: each block's first row (the scan input).
+    starts: String,
+    /// `[C]`: 0..C.
+    offsets: String,
+    /// `[1]`: Tq − 1.
+    last: String,
+}
+
+fn blocks(b: &mut Builder, a: &Attn) -> Blocks {
+    let shape = b.node("Shape", &[&a.q], "attention/q_shape", vec![]);
+    let r = a.q_rank as i64;
+    let rows = b.slice(&shape, r - 2, r - 1, 0, "attention/rows");
+    let one = b.const_i64("attention/one", &[1], &[1]);
+    let most = b.const_i64("attention/block", &[1], &[a.block]);
+    let c = b.binary("Min", &most, &rows, "attention/block_cap");
+    let c = b.binary("Max", &c, &one, "attention/block_rows");
+    let c1 = b.binary("Sub", &c, &one, "attention/block_rows_1");
+    let up = b.binary("Add", &rows, &c1, "attention/rows_up");
+    let s = b.binary("Div", &up, &c, "attention/blocks");
+    let total = b.binary("Mul", &s, &c, "attention/padded_rows");
+    let zero = b.const_i64("attention/zero", &[], &[0]);
+    let step1 = b.const_i64("attention/step", &[], &[1]);
+    let total = b.squeeze(&total, &[0], "attention/padded_rows_s");
+    let cs = b.squeeze(&c, &[0], "attention/block_rows_s");
+    let starts = b.node("Range", &[&zero, &total, &cs], "attention/starts", vec![]);
+    // [S, 1]: each iteration reads a [1] vector (tract's Scan takes no scalar slices)
+    let starts = b.unsqueeze(&starts, &[1], "attention/starts_col");
+    let offsets = b.node("Range", &[&zero, &cs, &step1], "attention/offsets", vec![]);
+    let last = b.binary("Sub", &rows, &one, "attention/last_row");
+    Blocks {
+        rows,
+        starts,
+        offsets,
+        last,
+    }
+}
+
+/// The outer tensors the bodies read: the products' operands in the compute type, and per
+/// tensor with rows its last row index.
+struct Outer {
+    q: String,
+    kt: String,
+    v: String,
+    /// `[1]` per row-carrying tensor (name → last row), for clamping.
+    last_rows: std::collections::HashMap<String, String>,
+}
+
+fn outer(b: &mut Builder, a: &Attn, half: Option<i32>) -> Outer {
+    let typed = |b: &mut Builder, x: &str| match half {
+        Some(h) => b.cast(x, h, "attention/half"),
+        None => x.to_string(),
+    };
+    let mut last_rows = std::collections::HashMap::new();
+    let mut row_tensor = |b: &mut Builder, x: &str, rank: usize| {
+        if rank >= 2 && !last_rows.contains_key(x) {
+            let shape = b.node("Shape", &[x], "attention/mask_shape", vec![]);
+            let r = rank as i64;
+            let n = b.slice(&shape, r - 2, r - 1, 0, "attention/mask_rows");
+            let one = b.const_i64("attention/one", &[1], &[1]);
+            let last = b.binary("Sub", &n, &one, "attention/mask_last");
+            last_rows.insert(x.to_string(), last);
+        }
+    };
+    if !a.scale.is_empty() {
+        row_tensor(b, &a.scale, a.scale_rank);
+    }
+    for t in &a.terms {
+        for (x, &r) in t.inputs.iter().zip(&t.ranks) {
+            row_tensor(b, x, r);
+        }
+    }
+    Outer {
+        q: typed(b, &a.q),
+        kt: typed(b, &a.kt),
+        v: typed(b, &a.v),
+        last_rows,
+    }
+}
+
+/// Inside a body: the block's row indices (clamped to Tq − 1) from its first row `start`.
+fn row_indices(b: &mut Builder, bl: &Blocks, start: &str) -> (String, String) {
+    let idx = b.binary("Add", &bl.offsets, start, "attention/row_ids");
+    let clamped = b.binary("Min", &idx, &bl.last, "attention/rows_in");
+    (idx, clamped)
+}
+
+/// `x`'s rows of the block (along axis rank − 2), or `x` itself where it has no rows.
+fn rows_of(b: &mut Builder, o: &Outer, x: &str, rank: usize, idx: &str) -> String {
+    match o.last_rows.get(x) {
+        Some(last) => {
+            let at = b.binary("Min", idx, last, "attention/mask_rows_in");
+            b.gather(x, &at, rank as i64 - 2, "attention/mask_block")
+        }
+        None => x.to_string(),
+    }
+}
+
+/// The block's float32 scores: `q_b·kt`, scaled, masked.
+fn scores(b: &mut Builder, a: &Attn, o: &Outer, q_b: &str, idx: &str, half: bool) -> String {
+    let mut s = b.binary("MatMul", q_b, &o.kt, "attention/scores");
+    if half {
+        s = b.cast(&s, FLOAT, "attention/scores_f");
+    }
+    if !a.scale.is_empty() {
+        let sc = rows_of(b, o, &a.scale, a.scale_rank, idx);
+        let op = if a.scale_divides { "Div" } else { "Mul" };
+        s = b.binary(op, &s, &sc, "attention/scaled");
+    }
+    for t in &a.terms {
+        let x: Vec<String> = t
+            .inputs
+            .iter()
+            .zip(&t.ranks)
+            .map(|(x, &r)| rows_of(b, o, x, r, idx))
+            .collect();
+        s = match t.kind {
+            TermKind::Add => b.binary("Add", &s, &x[0], "attention/masked"),
+            TermKind::Keep => b.where_(&x[0], &s, &x[1], "attention/masked"),
+            TermKind::Fill => b.where_(&x[0], &x[1], &s, "attention/masked"),
+        };
+    }
+    s
+}
+
+/// `x` (`[.., C, n]` per block, stacked as `[S, .., C, n]`) back to `[.., Tq, n]` in `out`.
+fn unblock(b: &mut Builder, stacked: &str, rank: usize, rows: &str, out: &str) {
+    let r = rank as i64;
+    // [S, b.., C, n] → [b.., S, C, n]
+    let mut perm: Vec<i64> = (1..=r - 2).collect();
+    perm.extend([0, r - 1, r]);
+    let moved = b.transpose(stacked, &perm, "attention/unblocked");
+    let shape = b.node("Shape", &[&moved], "attention/unblocked_shape", vec![]);
+    let batch = b.slice(&shape, 0, r - 2, 0, "attention/batch_dims");
+    let tail = b.slice(&shape, r, r + 1, 0, "attention/tail_dim");
+    let minus_one = b.const_i64("attention/merged", &[1], &[-1]);
+    let target = b.concat(&[&batch, &minus_one, &tail], 0, "attention/merged_shape");
+    let merged = b.node(
+        "Reshape",
+        &[&moved, &target],
+        "attention/merged_rows",
+        vec![],
+    );
+    let zero = b.const_i64("attention/row_zero", &[1], &[0]);
+    let axis = b.const_i64("attention/row_axis", &[1], &[r - 2]);
+    b.node_to("Slice", &[&merged, &zero, rows, &axis], &[out], vec![]);
+}
+
+fn unknown(rank: usize) -> Vec<Option<i64>> {
+    vec![None; rank]
+}
+
+/// A `Scan` body of the nodes `b` holds (the caller set the outer graph's nodes aside).
+fn body(
+    b: &mut Builder,
+    inputs: &[(&str, i32, usize)],
+    outputs: &[(&str, i32, usize)],
+    name: &str,
+) -> GraphProto {
+    let value = |&(n, t, r): &(&str, i32, usize)| tensor_info(n, t, &unknown(r));
+    GraphProto {
+        name: Some(name.into()),
+        node: std::mem::take(&mut b.nodes),
+        input: inputs.iter().map(value).collect(),
+        output: outputs.iter().map(value).collect(),
+        ..Default::default()
+    }
+}
+
+fn scan(b: &mut Builder, inputs: &[&str], outputs: &[&str], body: GraphProto) {
+    b.node_to(
+        "Scan",
+        inputs,
+        outputs,
+        vec![graph_attr("body", body), int_attr("num_scan_inputs", 1)],
+    );
+}
+
+fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
+    let a = Attn::of(node);
+    let bl = blocks(b, &a);
+    let o = outer(b, &a, half);
+    let outer_nodes = std::mem::take(&mut b.nodes);
+
+    let start = b.fresh("attention/start");
+    let (_, q_rows) = row_indices(b, &bl, &start);
+    let q_b = b.gather(&o.q, &q_rows, a.q_rank as i64 - 2, "attention/q_block");
+    let s = scores(b, &a, &o, &q_b, &q_rows, half.is_some());
+    let m = b.reduce("ReduceMax", &s, &[-1], true, "attention/row_max");
+    let z = b.binary("Sub", &s, &m, "attention/shifted");
+    let e = b.unary("Exp", &z, "attention/exp");
+    let l = b.reduce_sum(&e, &[-1], true, "attention/row_sum");
+    let p = b.binary("Div", &e, &l, "attention/probs");
+    let log_l = b.unary("Log", &l, "attention/log_sum");
+    let lse = b.binary("Add", &m, &log_l, "attention/lse_block");
+    let p = match half {
+        Some(h) => b.cast(&p, h, "attention/probs_h"),
+        None => p,
+    };
+    let mut o_b = b.binary("MatMul", &p, &o.v, "attention/out_block");
+    if half.is_some() {
+        o_b = b.cast(&o_b, FLOAT, "attention/out_block_f");
+    }
+    let r = a.rank;
+    let g = body(
+        b,
+        &[(&start, INT64, 1)],
+        &[(&o_b, FLOAT, r), (&lse, FLOAT, r)],
+        "attention_forward",
+    );
+    b.nodes = outer_nodes;
+    let o_stack = b.fresh("attention/out_blocks");
+    let lse_stack = b.fresh("attention/lse_blocks");
+    scan(b, &[&bl.starts], &[&o_stack, &lse_stack], g);
+    unblock(b, &o_stack, r, &bl.rows, &node.output[0]);
+    unblock(b, &lse_stack, r, &bl.rows, &node.output[1]);
+}
+
+/// `[.., 1, 1]` slices of the products' operands added: their broadcast batch shape `[..]`.
+fn batch_shape(b: &mut Builder, a: &Attn) -> String {
+    let corner = |b: &mut Builder, x: &str| {
+        let zeros = b.const_i64("attention/corner_start", &[2], &[0, 0]);
+        let ones = b.const_i64("attention/corner_end", &[2], &[1, 1]);
+        let axes = b.const_i64("attention/corner_axes", &[2], &[-2, -1]);
+        b.node(
+            "Slice",
+            &[x, &zeros, &ones, &axes],
+            "attention/corner",
+            vec![],
+        )
+    };
+    let q = corner(b, &a.q);
+    let k = corner(b, &a.kt);
+    let v = corner(b, &a.v);
+    let qk = b.binary("Add", &q, &k, "attention/corner_qk");
+    let all = b.binary("Add", &qk, &v, "attention/corner_all");
+    let shape = b.node("Shape", &[&all], "attention/corner_shape", vec![]);
+    b.slice(&shape, 0, a.rank as i64 - 2, 0, "attention/batch")
+}
+
+/// Zeros of the batch shape followed by `x`'s last two dims.
+fn accumulator(b: &mut Builder, batch: &str, x: &str, rank: usize) -> String {
+    let shape = b.node("Shape", &[x], "attention/acc_of", vec![]);
+    let r = rank as i64;
+    let tail = b.slice(&shape, r - 2, r, 0, "attention/acc_tail");
+    let target = b.concat(&[batch, &tail], 0, "attention/acc_shape");
+    let zero = b.scalar_f32("attention/acc_zero", 0.0);
+    b.node("Expand", &[&zero, &target], "attention/acc", vec![])
+}
+
+fn swap_last_two(b: &mut Builder, x: &str, rank: usize, hint: &str) -> String {
+    let mut perm: Vec<i64> = (0..rank as i64).collect();
+    perm.swap(rank - 2, rank - 1);
+    b.transpose(x, &perm, hint)
+}
+
+fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
+    let a = Attn::of(node);
+    let n = a.forward_inputs();
+    let (out, lse, g_out) = (&node.input[n], &node.input[n + 1], &node.input[n + 2]);
+    let r = a.rank;
+    let bl = blocks(b, &a);
+    let o = outer(b, &a, half);
+    let k = swap_last_two(b, &o.kt, a.kt_rank, "attention/k");
+    let vt = swap_last_two(b, &o.v, a.v_rank, "attention/vt");
+    let batch = batch_shape(b, &a);
+    let dkt0 = accumulator(b, &batch, &a.kt, a.kt_rank);
+    let dv0 = accumulator(b, &batch, &a.v, a.v_rank);
+    let outer_nodes = std::mem::take(&mut b.nodes);
+
+    let dkt_in = b.fresh("attention/dkt_in");
+    let dv_in = b.fresh("attention/dv_in");
+    let start = b.fresh("attention/start");
+    let (idx, q_rows) = row_indices(b, &bl, &start);
+    let q_b = b.gather(&o.q, &q_rows, a.q_rank as i64 - 2, "attention/q_block");
+    let s = scores(b, &a, &o, &q_b, &q_rows, half.is_some());
+    let lse_b = b.gather(lse, &q_rows, r as i64 - 2, "attention/lse_rows");
+    let z = b.binary("Sub", &s, &lse_b, "attention/shifted");
+    let p = b.unary("Exp", &z, "attention/probs");
+    // rows past Tq carry no gradient
+    let inside = b.binary("Less", &idx, &bl.rows, "attention/inside");
+    let inside = b.unsqueeze(&inside, &[1], "attention/inside_col");
+    let g_rows = b.gather(g_out, &q_rows, r as i64 - 2, "attention/g_rows");
+    let zero = b.scalar_f32("attention/zero_f", 0.0);
+    let g_b = b.where_(&inside, &g_rows, &zero, "attention/g_block");
+    let o_b = b.gather(out, &q_rows, r as i64 - 2, "attention/out_rows");
+    let go = b.binary("Mul", &g_b, &o_b, "attention/g_dot_o");
+    let delta = b.reduce_sum(&go, &[-1], true, "attention/delta");
+    let to_compute = |b: &mut Builder, x: &str| match half {
+        Some(h) => b.cast(x, h, "attention/h"),
+        None => x.to_string(),
+    };
+    let to_float = |b: &mut Builder, x: String| match half {
+        Some(_) => b.cast(&x, FLOAT, "attention/f"),
+        None => x,
+    };
+    let p_c = to_compute(b, &p);
+    let g_c = to_compute(b, &g_b);
+    let pt = swap_last_two(b, &p_c, r, "attention/probs_t");
+    let dv_b = b.binary("MatMul", &pt, &g_c, "attention/dv_block");
+    let dv_b = to_float(b, dv_b);
+    let dv_out = b.binary("Add", &dv_in, &dv_b, "attention/dv_acc");
+    let dp = b.binary("MatMul", &g_c, &vt, "attention/dp");
+    let dp = to_float(b, dp);
+    let centred = b.binary("Sub", &dp, &delta, "attention/dp_centred");
+    let mut ds = b.binary("Mul", &p, &centred, "attention/ds");
+    for t in a.terms.iter().rev() {
+        let cond = match t.kind {
+            TermKind::Add => continue,
+            _ => rows_of(b, &o, &t.inputs[0], t.ranks[0], &q_rows),
+        };
+        ds = match t.kind {
+            TermKind::Keep => b.where_(&cond, &ds, &zero, "attention/ds_kept"),
+            _ => b.where_(&cond, &zero, &ds, "attention/ds_kept"),
+        };
+    }
+    if !a.scale.is_empty() {
+        let sc = rows_of(b, &o, &a.scale, a.scale_rank, &q_rows);
+        let op = if a.scale_divides { "Div" } else { "Mul" };
+        ds = b.binary(op, &ds, &sc, "attention/ds_scaled");
+    }
+    let ds_c = to_compute(b, &ds);
+    let dq_b = b.binary("MatMul", &ds_c, &k, "attention/dq_block");
+    let dq_b = to_float(b, dq_b);
+    let qt = swap_last_two(b, &q_b, a.q_rank, "attention/q_t");
+    let dkt_b = b.binary("MatMul", &qt, &ds_c, "attention/dkt_block");
+    let dkt_b = to_float(b, dkt_b);
+    let dkt_out = b.binary("Add", &dkt_in, &dkt_b, "attention/dkt_acc");
+    let g = body(
+        b,
+        &[(&dkt_in, FLOAT, r), (&dv_in, FLOAT, r), (&start, INT64, 1)],
+        &[(&dkt_out, FLOAT, r), (&dv_out, FLOAT, r), (&dq_b, FLOAT, r)],
+        "attention_backward",
+    );
+    b.nodes = outer_nodes;
+    let dq_stack = b.fresh("attention/dq_blocks");
+    let (g_q, g_kt, g_v) = (&node.output[0], &node.output[1], &node.output[2]);
+    scan(b, &[&dkt0, &dv0, &bl.starts], &[g_kt, g_v, &dq_stack], g);
+    unblock(b, &dq_stack, r, &bl.rows, g_q);
+}

@@ -1,0 +1,163 @@
+//! `--attention`: attention that never stores the `[.., T, T]` scores. The exported attention
+//! (`find`) becomes one internal node ([`node::FORWARD`]) before the graph is differentiated;
+//! its gradient is one internal node too, and [`lower::lower`] expands both into `Scan`s over
+//! blocks of query rows: the forward keeps only the output and each row's log-sum-exp, the
+//! backward recomputes each block's probabilities from them (`exp(s − lse)`), as flash
+//! attention's backward does, in standard ONNX ops.
+
+mod find;
+pub mod lower;
+pub mod node;
+
+use std::collections::HashSet;
+
+use ntl_ops::Builder;
+
+use crate::error::Error;
+use crate::graph::patch::{apply, Patch};
+use crate::graph::GraphIndex;
+use crate::onnx::{default_opset, ModelProto, FLOAT};
+use crate::passes::fused_head::node::tensor_info;
+
+/// `--attention`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// Blockwise where the attention is recognised; others stay as exported (listed).
+    #[default]
+    Auto,
+    /// Blockwise everywhere: an attention-like softmax that cannot be is an error.
+    Chunked,
+    /// As exported.
+    Eager,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Auto => "auto",
+            Mode::Chunked => "chunked",
+            Mode::Eager => "eager",
+        }
+    }
+}
+
+/// Query rows per block by default: the scores of one block of one head at 4096 keys are
+/// 16 MiB in float32, few enough launches per layer on a GPU.
+pub const DEFAULT_BLOCK: i64 = 1024;
+
+#[derive(Debug, Clone, Default)]
+pub struct AttentionOptions {
+    pub mode: Mode,
+    /// Query rows per block (None: [`DEFAULT_BLOCK`]).
+    pub block: Option<i64>,
+}
+
+impl AttentionOptions {
+    pub fn check(&self) -> Result<(), Error> {
+        match self.block {
+            Some(b) if !(1..=1 << 20).contains(&b) => Err(Error::Usage(
+                "--attention-block must be between 1 and 1048576 query rows (e.g. 1024)".into(),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    fn block(&self) -> i64 {
+        self.block.unwrap_or(DEFAULT_BLOCK)
+    }
+}
+
+/// What the pass did (the metadata's and the summary's `attention`).
+#[derive(Debug, Clone, Default)]
+pub struct Outcome {
+    pub replaced: usize,
+    /// Attention-like softmaxes left as exported: (node, why).
+    pub left: Vec<(String, String)>,
+}
+
+impl Outcome {
+    pub fn to_json(&self, opts: &AttentionOptions) -> serde_json::Value {
+        let left: Vec<serde_json::Value> = self
+            .left
+            .iter()
+            .map(|(node, why)| serde_json::json!({"node": node, "why": why}))
+            .collect();
+        serde_json::json!({
+            "mode": opts.mode.name(),
+            "block": opts.block(),
+            "replaced": self.replaced,
+            "left": left,
+        })
+    }
+}
+
+/// Replaces each recognised attention of the forward graph by one [`node::FORWARD`] node.
+/// `b` names what is added (it is the step graph's builder, so later names never collide);
+/// `weight_derived`: the tensors that depend on weights through differentiable edges (a
+/// scale or mask among them keeps its attention as exported).
+pub fn replace(
+    model: &mut ModelProto,
+    opts: &AttentionOptions,
+    b: &mut Builder,
+    weight_derived: &HashSet<String>,
+) -> Result<Outcome, Error> {
+    if opts.mode == Mode::Eager {
+        return Ok(Outcome::default());
+    }
+    let opset = default_opset(model).unwrap_or(ntl_ops::builder::MIN_OPSET);
+    let graph = model.graph.as_ref().expect("loaded models have a graph");
+    let index = GraphIndex::new(graph);
+    let types = crate::graph::elem_types::ElemTypes::infer(graph);
+    let finder = find::Finder {
+        index: &index,
+        ranks: index.inferred_ranks(),
+        types: &types,
+        opset,
+        weight_derived,
+    };
+    let (sites, left) = finder.find();
+    if opts.mode == Mode::Chunked {
+        if let Some(l) = left.first() {
+            return Err(Error::Usage(format!(
+                "--attention chunked: the attention at Softmax node '{}' cannot be computed blockwise: {}; use --attention auto to leave it as exported",
+                l.softmax, l.why
+            )));
+        }
+    }
+    let mut patch = Patch::default();
+    let mut infos = Vec::new();
+    for site in &sites {
+        let mut attn = site.attn.clone();
+        attn.block = opts.block();
+        let out = graph.node[site.value_product].output[0].clone();
+        let lse = b.fresh("attention/lse");
+        let name = b.fresh(node::FORWARD);
+        infos.push(tensor_info(&lse, FLOAT, &vec![None::<i64>; attn.rank]));
+        if index.declared_shape(&out).is_none() {
+            infos.push(tensor_info(&out, FLOAT, &vec![None::<i64>; attn.rank]));
+        }
+        for &at in &site.nodes {
+            let nodes = if at == site.value_product {
+                vec![attn.forward_node(&name, &out, &lse)]
+            } else {
+                Vec::new()
+            };
+            patch.replacements.push((at, nodes));
+        }
+    }
+    let outcome = Outcome {
+        replaced: sites.len(),
+        left: left.into_iter().map(|l| (l.softmax, l.why)).collect(),
+    };
+    drop(index);
+    if outcome.replaced > 0 {
+        model
+            .graph
+            .as_mut()
+            .expect("graph")
+            .value_info
+            .extend(infos);
+        apply(model, patch)?;
+    }
+    Ok(outcome)
+}

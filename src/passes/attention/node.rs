@@ -1,0 +1,194 @@
+//! Attention as one node while the step graph is built: `BlockAttention` reads the query, the
+//! transposed keys, the values and what sits between the scores and the softmax (a scale, masks),
+//! and writes the output and the log-sum-exp of each score row; its gradient is one
+//! `BlockAttentionGrad` node (`grad/rules/attention.rs`). Both are internal: `lower` expands
+//! them into `Scan`s over blocks of query rows before the graph is written.
+//!
+//! `BlockAttention(q [.., Tq, D], kt [.., D, Tk], v [.., Tk, Dv], scale?, term inputs…)` →
+//! `o [.., Tq, Dv]`, `lse [.., Tq, 1]` (float32), with the scores
+//! `s = q·kt (× or ÷ scale) (+ bias | where(cond, s, value) | where(cond, value, s))…`,
+//! each term applied in the graph's order, and `o = softmax(s)·v`.
+//!
+//! `BlockAttentionGrad(q, kt, v, scale?, term inputs…, o, lse, g_o)` → `(g_q, g_kt, g_v)`, each
+//! in the broadcast shape of the scores' batch axes (the rule sums them down to the inputs').
+
+use crate::onnx::{attr_i, attr_ints, int_attr, ints_attr, NodeProto};
+
+pub use crate::passes::fused_head::node::DOMAIN;
+pub const FORWARD: &str = "BlockAttention";
+pub const BACKWARD: &str = "BlockAttentionGrad";
+
+/// What happens to the scores between the product and the softmax, after the scale.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TermKind {
+    /// `s + bias` (one input).
+    Add = 1,
+    /// `where(cond, s, value)` (two inputs: cond, value).
+    Keep = 2,
+    /// `where(cond, value, s)` (two inputs: cond, value).
+    Fill = 3,
+}
+
+impl TermKind {
+    fn from_code(c: i64) -> Option<TermKind> {
+        match c {
+            1 => Some(TermKind::Add),
+            2 => Some(TermKind::Keep),
+            3 => Some(TermKind::Fill),
+            _ => None,
+        }
+    }
+
+    pub fn arity(self) -> usize {
+        match self {
+            TermKind::Add => 1,
+            TermKind::Keep | TermKind::Fill => 2,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Term {
+    pub kind: TermKind,
+    /// The bias, or (cond, value).
+    pub inputs: Vec<String>,
+    /// Each input's rank (rows are read along axis `rank − 2` where the rank is 2 or more).
+    pub ranks: Vec<usize>,
+}
+
+/// What both nodes share.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Attn {
+    pub q: String,
+    pub kt: String,
+    pub v: String,
+    /// Empty without a scale.
+    pub scale: String,
+    /// The scale divides (`s / scale`) rather than multiplies.
+    pub scale_divides: bool,
+    pub terms: Vec<Term>,
+    /// Ranks of q, kt, v and the scale (0 without one).
+    pub q_rank: usize,
+    pub kt_rank: usize,
+    pub v_rank: usize,
+    pub scale_rank: usize,
+    /// The rank of the scores and of the output.
+    pub rank: usize,
+    /// Query rows per block.
+    pub block: i64,
+}
+
+impl Attn {
+    pub fn inputs(&self) -> Vec<String> {
+        let mut v = vec![
+            self.q.clone(),
+            self.kt.clone(),
+            self.v.clone(),
+            self.scale.clone(),
+        ];
+        for t in &self.terms {
+            v.extend(t.inputs.iter().cloned());
+        }
+        v
+    }
+
+    fn attributes(&self) -> Vec<crate::onnx::AttributeProto> {
+        let kinds: Vec<i64> = self.terms.iter().map(|t| t.kind as i64).collect();
+        let term_ranks: Vec<i64> = self
+            .terms
+            .iter()
+            .flat_map(|t| t.ranks.iter().map(|&r| r as i64))
+            .collect();
+        vec![
+            int_attr("scale_divides", self.scale_divides as i64),
+            ints_attr("terms", &kinds),
+            ints_attr("term_ranks", &term_ranks),
+            ints_attr(
+                "ranks",
+                &[
+                    self.q_rank as i64,
+                    self.kt_rank as i64,
+                    self.v_rank as i64,
+                    self.scale_rank as i64,
+                    self.rank as i64,
+                ],
+            ),
+            int_attr("block", self.block),
+        ]
+    }
+
+    /// Reads the attention back from either node.
+    pub fn of(node: &NodeProto) -> Attn {
+        let kinds = attr_ints(node, "terms").unwrap_or_default();
+        let term_ranks = attr_ints(node, "term_ranks").unwrap_or_default();
+        let ranks = attr_ints(node, "ranks").unwrap_or_default();
+        let rank = |i: usize| ranks.get(i).copied().unwrap_or(0) as usize;
+        let mut next = 4;
+        let mut next_rank = 0;
+        let mut terms = Vec::new();
+        for kind in kinds.iter().filter_map(|&c| TermKind::from_code(c)) {
+            let n = kind.arity();
+            terms.push(Term {
+                kind,
+                inputs: node.input[next..next + n].to_vec(),
+                ranks: term_ranks[next_rank..next_rank + n]
+                    .iter()
+                    .map(|&r| r as usize)
+                    .collect(),
+            });
+            next += n;
+            next_rank += n;
+        }
+        Attn {
+            q: node.input[0].clone(),
+            kt: node.input[1].clone(),
+            v: node.input[2].clone(),
+            scale: node.input[3].clone(),
+            scale_divides: attr_i(node, "scale_divides") == Some(1),
+            terms,
+            q_rank: rank(0),
+            kt_rank: rank(1),
+            v_rank: rank(2),
+            scale_rank: rank(3),
+            rank: rank(4),
+            block: attr_i(node, "block").unwrap_or(1024),
+        }
+    }
+
+    /// The number of inputs the forward node has.
+    pub fn forward_inputs(&self) -> usize {
+        4 + self.terms.iter().map(|t| t.inputs.len()).sum::<usize>()
+    }
+
+    pub fn forward_node(&self, name: &str, output: &str, lse: &str) -> NodeProto {
+        NodeProto {
+            name: Some(name.to_string()),
+            op_type: Some(FORWARD.into()),
+            domain: Some(DOMAIN.into()),
+            input: self.inputs(),
+            output: vec![output.to_string(), lse.to_string()],
+            attribute: self.attributes(),
+            ..Default::default()
+        }
+    }
+
+    /// `saved`: the forward's output, its log-sum-exp and the output's gradient.
+    pub fn backward_node(&self, name: &str, saved: [&str; 3], outputs: [&str; 3]) -> NodeProto {
+        let mut input = self.inputs();
+        input.extend(saved.iter().map(|s| s.to_string()));
+        NodeProto {
+            name: Some(name.to_string()),
+            op_type: Some(BACKWARD.into()),
+            domain: Some(DOMAIN.into()),
+            input,
+            output: outputs.iter().map(|s| s.to_string()).collect(),
+            attribute: self.attributes(),
+            ..Default::default()
+        }
+    }
+}
+
+/// Whether `node` is one of the two internal nodes.
+pub fn is_attention(node: &NodeProto) -> bool {
+    node.domain() == DOMAIN && matches!(node.op_type(), FORWARD | BACKWARD)
+}
