@@ -31,6 +31,10 @@ pub struct Left {
     pub why: String,
 }
 
+/// Layout ops an attention may put between its products and its softmax (BLOOM's `view`s):
+/// such an attention is reported as left, not rewritten.
+const LAYOUT: &[&str] = &["Reshape", "Squeeze", "Unsqueeze", "Transpose", "Expand"];
+
 /// How deep the search from the softmax back to the score product goes.
 const MAX_CHAIN: usize = 12;
 
@@ -86,6 +90,7 @@ impl Finder<'_, '_> {
             match reader.op_type() {
                 "MatMul" => return from_product,
                 "Cast" | "Identity" | "Dropout" => x = reader.output[0].as_str(),
+                op if LAYOUT.contains(&op) => x = reader.output[0].as_str(),
                 _ => return false,
             }
         }
@@ -115,27 +120,36 @@ impl Finder<'_, '_> {
         }
         let positions: &[usize] = match node.op_type() {
             "Cast" | "Identity" => &[0],
+            // seen through to tell attention from other softmaxes, not rewritten
+            op if LAYOUT.contains(&op) && !strict => &[0],
             "Add" | "Mul" => &[0, 1],
             "Div" => &[0],
             "Where" => &[1, 2],
             op => return Err(format!("the scores pass through a {op} node")),
         };
         let mut found: Vec<Vec<(usize, usize)>> = Vec::new();
+        let mut first_why = None;
         for &p in positions {
             let input = &node.input[p];
-            if let Ok(mut path) = self.chain_to_product(input, depth - 1, strict) {
-                if strict && !self.single_reader(input) {
-                    return Err(format!(
-                        "the scores '{input}' are read elsewhere too (they would have to be stored)"
-                    ));
+            match self.chain_to_product(input, depth - 1, strict) {
+                Ok(mut path) => {
+                    if strict && !self.single_reader(input) {
+                        return Err(format!(
+                            "the scores '{input}' are read elsewhere too (they would have to be stored)"
+                        ));
+                    }
+                    path.push((i, p));
+                    found.push(path);
                 }
-                path.push((i, p));
-                found.push(path);
+                // the reason of the scores' own operand (the first), not of a mask's
+                Err(why) => {
+                    first_why.get_or_insert(why);
+                }
             }
         }
         match found.len() {
             1 => Ok(found.pop().expect("one")),
-            0 => Err("the scores are not computed by a MatMul".into()),
+            0 => Err(first_why.unwrap_or_else(|| "the scores are not computed by a MatMul".into())),
             _ => Err(format!(
                 "both inputs of {} node '{}' come from products",
                 node.op_type(),

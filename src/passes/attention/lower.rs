@@ -6,7 +6,7 @@
 //! gradients (backward). Per block only `[.., C, Tk]` scores exist.
 //!
 //! Forward: `s`, `m = max s`, `e = exp(s − m)`, `l = Σ e`, `o = (e / l)·v`, `lse = m + log l`.
-//! Backward: `p = exp(s − lse)`, `dv += pᵀ·do`, `dp = do·vᵀ`, `ds = p ∘ (dp − Σ(do ∘ o))`
+//! Backward: `p = exp(s − lse)`, `dv += pᵀ·do`, `dp = do·vᵀ`, `ds = p ∘ (dp − Σ(p ∘ dp))`
 //! (through the masks' `Where`s and the scale), `dq = ds·k`, `dkt += qᵀ·ds`.
 //!
 //! Under `--precision` the products run in the half type (the scores, the softmax and the
@@ -307,7 +307,7 @@ fn swap_last_two(b: &mut Builder, x: &str, rank: usize, hint: &str) -> String {
 fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let a = Attn::of(node);
     let n = a.forward_inputs();
-    let (out, lse, g_out) = (&node.input[n], &node.input[n + 1], &node.input[n + 2]);
+    let (lse, g_out) = (&node.input[n], &node.input[n + 1]);
     let r = a.rank;
     let bl = blocks(b, &a);
     let o = outer(b, &a, half);
@@ -333,9 +333,6 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let g_rows = b.gather(g_out, &q_rows, r as i64 - 2, "attention/g_rows");
     let zero = b.scalar_f32("attention/zero_f", 0.0);
     let g_b = b.where_(&inside, &g_rows, &zero, "attention/g_block");
-    let o_b = b.gather(out, &q_rows, r as i64 - 2, "attention/out_rows");
-    let go = b.binary("Mul", &g_b, &o_b, "attention/g_dot_o");
-    let delta = b.reduce_sum(&go, &[-1], true, "attention/delta");
     let to_compute = |b: &mut Builder, x: &str| match half {
         Some(h) => b.cast(x, h, "attention/h"),
         None => x.to_string(),
@@ -352,6 +349,10 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let dv_out = b.binary("Add", &dv_in, &dv_b, "attention/dv_acc");
     let dp = b.binary("MatMul", &g_c, &vt, "attention/dp");
     let dp = to_float(b, dp);
+    // Σ p∘dp rather than flash attention's Σ do∘o: the rows of ds then sum to zero to rounding
+    // (a key bias's gradient is exactly zero), as the exported softmax's gradient does
+    let pdp = b.binary("Mul", &p, &dp, "attention/p_dp");
+    let delta = b.reduce_sum(&pdp, &[-1], true, "attention/delta");
     let centred = b.binary("Sub", &dp, &delta, "attention/dp_centred");
     let mut ds = b.binary("Mul", &p, &centred, "attention/ds");
     for t in a.terms.iter().rev() {

@@ -9,7 +9,7 @@
 //! `s = q·kt (× or ÷ scale) (+ bias | where(cond, s, value) | where(cond, value, s))…`,
 //! each term applied in the graph's order, and `o = softmax(s)·v`.
 //!
-//! `BlockAttentionGrad(q, kt, v, scale?, term inputs…, o, lse, g_o)` → `(g_q, g_kt, g_v)`, each
+//! `BlockAttentionGrad(q, kt, v, scale?, term inputs…, lse, g_o)` → `(g_q, g_kt, g_v)`, each
 //! in the broadcast shape of the scores' batch axes (the rule sums them down to the inputs').
 
 use crate::onnx::{attr_i, attr_ints, int_attr, ints_attr, NodeProto};
@@ -172,8 +172,9 @@ impl Attn {
         }
     }
 
-    /// `saved`: the forward's output, its log-sum-exp and the output's gradient.
-    pub fn backward_node(&self, name: &str, saved: [&str; 3], outputs: [&str; 3]) -> NodeProto {
+    /// `saved`: the forward's log-sum-exp and the output's gradient (the output itself is not
+    /// read, so the forward keeps only the log-sum-exp for it).
+    pub fn backward_node(&self, name: &str, saved: [&str; 2], outputs: [&str; 3]) -> NodeProto {
         let mut input = self.inputs();
         input.extend(saved.iter().map(|s| s.to_string()));
         NodeProto {

@@ -38,7 +38,7 @@ pub fn attention(
         })
         .collect();
     let name = ctx.b.fresh(BACKWARD);
-    let saved = [node.output[0].as_str(), node.output[1].as_str(), g.as_str()];
+    let saved = [node.output[1].as_str(), g.as_str()];
     let outputs = [full[0].as_str(), full[1].as_str(), full[2].as_str()];
     ctx.b.nodes.push(a.backward_node(&name, saved, outputs));
     let same = same_batch(ctx, &a);
