@@ -498,7 +498,7 @@ def worker(argv) -> None:
 
 
 def runner_step(graph: Path, runner_python: Path, ids, labels, threads: int, device: str):
-    if device == "cuda":  # onnxruntime-gpu 1.22 uses torch's CUDA 12 / cuDNN 9 libraries
+    if device == "cuda":  # onnxruntime-gpu loads the CUDA / cuDNN libraries torch brings (1.31.1: CUDA 13)
         import torch  # noqa: F401
 
         import onnxruntime as ort
