@@ -855,9 +855,17 @@ def run_one(args, work: Path, meta: dict, kind: str) -> dict:
         env["NTL_BENCH_NO_CPU_ARENA"] = "1"
     if args.disable_optimizers:
         env["NTL_BENCH_DISABLED_OPTIMIZERS"] = args.disable_optimizers
+    if args.device == "cuda":  # the previous run's memory may still be being released: wait (<= 10 s) for it
+        idle = getattr(args, "gpu_idle_mib", None)
+        if idle is None:
+            idle = args.gpu_idle_mib = gpu_used_mib()
+        t_wait = time.perf_counter()
+        while gpu_used_mib() > idle + 256 and time.perf_counter() - t_wait < 10:
+            time.sleep(0.1)
     gpu = GpuPeak() if args.device == "cuda" else None
     rc, stdout, stderr, killed, peak, wall = run_guarded(cmd, env, args.spec.get("rss_limit_gib"), args.min_free_gib)
     gpu_peak = gpu.stop() if gpu else None
+    gpu_base = gpu.base if gpu else None
     phases = [line for line in stderr.splitlines() if line.startswith("phase: ")]
     if killed:
         last = " → ".join(x.removeprefix("phase: ") for x in phases[-3:]) if phases else "start"
@@ -875,6 +883,7 @@ def run_one(args, work: Path, meta: dict, kind: str) -> dict:
     out["wall_s"] = wall
     if gpu_peak is not None:
         out["mem"]["gpu_peak"] = gpu_peak
+        out["mem"]["gpu_used_before"] = gpu_base
     return out
 
 
