@@ -49,11 +49,37 @@ each one run per configuration in a rotated order, so slow drifts of the machine
 all configurations alike. Threads: --threads in torch (intra-op, 1 inter-op) and onnxruntime
 (intra_op_num_threads, 1 inter-op).
 
---device cuda (scripts/gpu/gpu-check.sh --memory): the same on GPU 0, onnxruntime's CUDA provider
-(use_tf32=0) against torch on CUDA, both workers in one environment (--python); each run's GPU
-memory is the peak of nvidia-smi's memory.used for that GPU while it runs, above the value
-before it starts (the process's whole use: CUDA context, allocator caches; torch's own
-max_memory_allocated/reserved are reported beside it).
+--device cuda (scripts/gpu/gpu-check.sh --memory, scripts/gpu/bench_attention_gpu.sh): the same on
+GPU 0, onnxruntime's CUDA provider against torch on CUDA, both workers in one environment
+(--python); each run's GPU memory is the peak of the device's used memory (NVML, polled every
+0.05 s by this driver, which never touches the GPU itself; nvidia-smi where NVML cannot be
+loaded) while it runs, above the value before it starts (the process's whole use: CUDA
+context, allocator caches; torch's own max_memory_allocated/reserved are reported beside it).
+TF32 is an explicit choice (--tf32 on|off, default off): onnxruntime's CUDA provider gets
+use_tf32=1|0 (its own default is 1) and torch's float32 matmuls TF32 or strict float32
+(torch.backends.cuda.matmul.fp32_precision "tf32"|"ieee", allow_tf32 on torch < 2.9); each run
+reports what its session / torch actually used.
+
+Attention (issue 33): step configurations `eager` = `--attention eager` (attention as exported),
+`chunked` = `--attention chunked` (blocks of query rows, never the T x T scores), `eager-rc` and
+`chunked-rc` the same with `--recompute layers`; --attention-block N adds `--attention-block N`
+to every step configuration whose --attention is not eager. The torch side: `torch` (eager
+attention), `torch-sdpa` (attn_implementation="sdpa"), `torch-sdpa-ckpt` (SDPA +
+gradient_checkpointing_enable()), `torch_ckpt` (eager + checkpointing). --precision bf16: the
+step configurations get `--precision bf16`, the torch configurations run under
+torch.autocast(device, dtype=torch.bfloat16) with float32 weights and AdamW (what the step
+graph's bf16 follows); otherwise torch is float32 (TF32 as --tf32 says).
+The summary table: per configuration the median time of the steps after --warmup steps, the
+memory (GPU: used memory above the start; CPU: peak RSS), both over the baseline
+(--baseline-config: a torch configuration, default `torch`; a LoRA step configuration is
+compared with `peft`, one with --recompute with the baseline's checkpointing variant when it
+runs: torch -> torch_ckpt, torch-sdpa -> torch-sdpa-ckpt; --baseline-config CONFIG=BASE sets
+one configuration's), the losses of step 1 and the model FLOPs utilisation
+MFU = (6 N B T + 12 L B T^2 d) / (step time x --peak-flops): N the model's parameters (tied
+embedding once), L layers, d = heads x head_dim, B x T tokens; the attention term is
+QK^T and PV, forward and backward, the causal half not taken off; recomputation is not
+counted (model FLOPs, not hardware FLOPs); a LoRA run is counted as a full fine-tune (6N).
+--peak-flops defaults to 989e12 (H200 / H100 SXM dense bf16), for every row (float32 too).
 
 Memory: a real-size run needs ~20 GB (the issue measured torch at ~10 GB and the old StepRunner
 at ~19 GB for qwen0.5b). The script refuses to start a run when /proc/meminfo's MemAvailable is
@@ -104,9 +130,19 @@ PRESETS = {
 }
 LORA_ARGS = "--lora-r 16 --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 STEP_CONFIGS = {"dense": "--fused-head off", "default": "", "lora": LORA_ARGS,
-                "recompute": "--recompute layers"}
+                "recompute": "--recompute layers",
+                # issue 33: attention as exported, or over blocks of query rows
+                "eager": "--attention eager", "chunked": "--attention chunked",
+                "eager-rc": "--attention eager --recompute layers",
+                "chunked-rc": "--attention chunked --recompute layers"}
+# torch configurations: (attn_implementation, gradient checkpointing); `peft` is eager attention
 # torch_ckpt: torch with model.gradient_checkpointing_enable() (each decoder layer recomputed)
-TORCH_KINDS = ("torch", "peft", "torch_ckpt")
+TORCH_ATTN = {"torch": ("eager", False), "torch_ckpt": ("eager", True),
+              "torch-sdpa": ("sdpa", False), "torch-sdpa-ckpt": ("sdpa", True), "peft": ("eager", False)}
+TORCH_KINDS = ("torch", "peft", "torch_ckpt", "torch-sdpa", "torch-sdpa-ckpt")
+# the checkpointing variant of a torch baseline (the reference of a step configuration with --recompute)
+CKPT_OF = {"torch": "torch_ckpt", "torch-sdpa": "torch-sdpa-ckpt"}
+PEAK_FLOPS = 989e12  # H200 (and H100 SXM): dense bf16 tensor-core peak, FLOP/s
 PYTHONS = {"step": REPO / ".venv-rt/bin/python", "torch": REPO / ".venv/bin/python"}
 # keys of a preset that are not the model's shape
 RUN_KEYS = ("min_available_gib", "max_load", "rss_limit_gib", "configs")
@@ -118,8 +154,9 @@ def parse_args(argv=None):
     for k in ("layers", "dim", "heads", "kv_heads", "mlp", "vocab", "batch", "seq"):
         p.add_argument(f"--{k.replace('_', '-')}", type=int, help=f"override the preset's {k}")
     p.add_argument("--configs", default=None,
-                   help="comma-separated: step configurations (see --step-config), `torch` and `peft` "
-                        "(default: dense,default,torch; qwen1.5b: lora,peft)")
+                   help="comma-separated: step configurations (see --step-config; built in: dense, default, "
+                        "lora, recompute, eager, chunked, eager-rc, chunked-rc) and torch configurations "
+                        f"({', '.join(TORCH_KINDS)}) (default: dense,default,torch; qwen1.5b: lora,peft)")
     p.add_argument("--peft-of", default="lora", help="the LoRA step configuration whose r, alpha, "
                    "targets and initial A the `peft` runs take")
     p.add_argument("--export-dtype", choices=("float32", "float16"), default="float32",
@@ -134,7 +171,22 @@ def parse_args(argv=None):
                    help="kill a run when MemAvailable falls below this while it runs")
     p.add_argument("--step-config", action="append", default=[], metavar="NAME=ARGS",
                    help="extra `ntl-patch step` arguments of a step configuration (repeatable)")
+    p.add_argument("--attention-block", type=int, metavar="N",
+                   help="add `--attention-block N` (query rows per block) to every step configuration "
+                        "whose --attention is not eager and that gives no block of its own")
+    p.add_argument("--baseline-config", action="append", default=[], metavar="[CONFIG=]BASE",
+                   help="the torch configuration every ratio is taken against (default `torch`; a LoRA "
+                        "step configuration: `peft`; one with --recompute: BASE's checkpointing variant "
+                        "when it runs); CONFIG=BASE sets one configuration's (repeatable)")
+    p.add_argument("--tf32", choices=("on", "off"), default="off",
+                   help="--device cuda: onnxruntime's CUDA provider option use_tf32 and torch's float32 "
+                        "matmul precision (off: strict float32 on both sides)")
+    p.add_argument("--peak-flops", type=float, default=PEAK_FLOPS,
+                   help="the device's peak FLOP/s for the model FLOPs utilisation (default 989e12: "
+                        "H200 dense bf16)")
     p.add_argument("--steps", type=int, default=3, help="training steps per run")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="steps of each run left out of the step time (the median is over the rest)")
     p.add_argument("--rounds", type=int, default=3, help="runs per configuration, interleaved")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -181,16 +233,36 @@ def parse_args(argv=None):
     for item in args.step_config:
         name, sep, extra = item.partition("=")
         if not sep or not name or name in TORCH_KINDS or "," in name:
-            p.error(f"--step-config wants NAME=ARGS (NAME not 'torch' or 'peft'), not {item!r}")
+            p.error(f"--step-config wants NAME=ARGS (NAME not one of {', '.join(TORCH_KINDS)}), not {item!r}")
         args.step_configs[name] = extra
     if args.precision:
         for name, extra in args.step_configs.items():
             if "--precision" not in shlex.split(extra):
                 args.step_configs[name] = f"{extra} --precision {args.precision}".strip()
+    if args.attention_block is not None:
+        for name, extra in args.step_configs.items():
+            a = shlex.split(extra)
+            if "--attention" in a and "--attention-block" not in a and \
+                    a[a.index("--attention") + 1:a.index("--attention") + 2] != ["eager"]:
+                args.step_configs[name] = f"{extra} --attention-block {args.attention_block}"
     args.config_list = [c for c in args.configs.split(",") if c]
     unknown = [c for c in args.config_list if c not in TORCH_KINDS and c not in args.step_configs]
     if unknown:
         p.error(f"unknown configurations {unknown}: add them with --step-config NAME=ARGS")
+    if args.warmup >= args.steps:
+        p.error(f"--warmup {args.warmup} leaves none of the --steps {args.steps} to time")
+    args.baseline_of = {}
+    base = "torch"
+    for item in args.baseline_config:
+        config, sep, ref = item.rpartition("=")
+        if ref not in TORCH_KINDS:
+            p.error(f"--baseline-config {item!r}: the baseline must be a torch configuration "
+                    f"({', '.join(TORCH_KINDS)})")
+        if sep:
+            args.baseline_of[config] = ref
+        else:
+            base = ref
+    args.baseline_name = base
     if "peft" in args.config_list:
         if args.peft_of not in args.step_configs or "--lora-r" not in shlex.split(args.step_configs[args.peft_of]):
             p.error(f"`peft` takes its LoRA from the step configuration --peft-of {args.peft_of!r}, "
@@ -207,8 +279,9 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------- model and data
 
 
-def qwen2(spec: dict):
-    """Qwen2ForCausalLM with random weights (seeded), eager attention, no dropout."""
+def qwen2(spec: dict, attn: str = "eager"):
+    """Qwen2ForCausalLM with random weights (seeded), eager attention (attn: transformers'
+    attn_implementation; the weights do not depend on it), no dropout."""
     import torch
     import transformers
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -218,11 +291,11 @@ def qwen2(spec: dict):
                       num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
                       num_key_value_heads=spec["kv_heads"], tie_word_embeddings=True,
                       max_position_embeddings=max(2048, spec["seq"]), rms_norm_eps=1e-6, rope_theta=1e6,
-                      attention_dropout=0.0, attn_implementation="eager", use_cache=False,
+                      attention_dropout=0.0, attn_implementation=attn, use_cache=False,
                       bos_token_id=2, eos_token_id=3, pad_token_id=0)
     torch.manual_seed(spec["seed"])
     model = Qwen2ForCausalLM(cfg)
-    assert model.config._attn_implementation == "eager"
+    assert model.config._attn_implementation == attn, model.config._attn_implementation
     assert model.lm_head.weight is model.model.embed_tokens.weight
     if spec.get("export_dtype", "float32") == "float16":
         model = model.half()  # the float32 weights rounded: the float16 export of the same model
@@ -391,7 +464,9 @@ def phase(what: str) -> None:
 
 def worker(argv) -> None:
     """KIND WORKDIR STEPS THREADS DEVICE [STEP_GRAPH RUNNER_PYTHON]: one run; prints one JSON
-    line. KIND: step, torch or peft (STEP_GRAPH: the LoRA step graph whose A it copies)."""
+    line. KIND: step, a torch configuration (TORCH_ATTN) or peft (STEP_GRAPH: the LoRA step
+    graph whose A it copies). NTL_BENCH_TF32 (1/0) and NTL_BENCH_PRECISION (bf16: torch under
+    autocast) come from the driver."""
     kind, work, steps, threads, device = argv[0], Path(argv[1]), int(argv[2]), int(argv[3]), argv[4]
     import numpy as np
 
@@ -399,8 +474,9 @@ def worker(argv) -> None:
     ids, labels = z["input_ids"], z["labels"]
     t_load = time.perf_counter()
     phase("load")
-    if kind in ("torch", "torch_ckpt"):
-        step, extra = torch_step(work, ids, labels, threads, device, checkpoint=kind == "torch_ckpt")
+    if kind in TORCH_ATTN and kind != "peft":
+        attn, ckpt = TORCH_ATTN[kind]
+        step, extra = torch_step(work, ids, labels, threads, device, attn=attn, checkpoint=ckpt)
     elif kind == "peft":
         step, extra = torch_step(work, ids, labels, threads, device, lora_graph=work / argv[5])
     else:
@@ -418,11 +494,11 @@ def worker(argv) -> None:
                       "mem": {**proc_status(), **extra.get("mem", lambda: {})(),
                               "loaded_rss": mem_loaded.get("VmRSS", 0)},
                       "skipped": extra.get("skipped", lambda: [])(),
-                      "versions": extra.get("versions", {})}), flush=True)
+                      "versions": extra.get("versions", {}), "info": extra.get("info", {})}), flush=True)
 
 
 def runner_step(graph: Path, runner_python: Path, ids, labels, threads: int, device: str):
-    if device == "cuda":  # onnxruntime-gpu 1.22 uses torch's CUDA 12 / cuDNN 9 libraries
+    if device == "cuda":  # onnxruntime-gpu loads the CUDA / cuDNN libraries torch brings (1.31.1: CUDA 13)
         import torch  # noqa: F401
 
         import onnxruntime as ort
@@ -454,12 +530,18 @@ def runner_step(graph: Path, runner_python: Path, ids, labels, threads: int, dev
         except ImportError:
             pass
     providers = ["CPUExecutionProvider"]
-    if device == "cuda":
-        providers.insert(0, ("CUDAExecutionProvider", {"device_id": 0, "use_tf32": 0}))
+    tf32 = os.environ.get("NTL_BENCH_TF32", "0")
+    if device == "cuda":  # TF32 stated, not onnxruntime's default (use_tf32=1)
+        providers.insert(0, ("CUDAExecutionProvider", {"device_id": 0, "use_tf32": tf32}))
     runner = StepRunner(graph, providers=providers, session_options=so)
     want = providers[0] if isinstance(providers[0], str) else providers[0][0]
     if runner.session.get_providers()[0] != want:
         raise RuntimeError(f"the session runs on {runner.session.get_providers()}, not {want}")
+    info = {"providers": runner.session.get_providers()}
+    if device == "cuda":  # what the session took, as it reports it
+        info["use_tf32"] = runner.session.get_provider_options().get("CUDAExecutionProvider", {}).get("use_tf32")
+        if str(info["use_tf32"]) != tf32:  # reported, not fatal: the table says what ran
+            print(f"asked for use_tf32={tf32}, the session has {info['use_tf32']!r}", file=sys.stderr, flush=True)
     batch = dict(zip(runner.data_inputs, (ids, labels)))
     skipped = []
 
@@ -468,7 +550,7 @@ def runner_step(graph: Path, runner_python: Path, ids, labels, threads: int, dev
         skipped.append(bool(getattr(runner, "last_step_skipped", False)))
         return out
 
-    return step, {"versions": {"onnxruntime": ort.__version__}, "skipped": lambda: skipped}
+    return step, {"versions": {"onnxruntime": ort.__version__}, "skipped": lambda: skipped, "info": info}
 
 
 def peft_wrap(model, lora_graph: Path):
@@ -508,8 +590,19 @@ def peft_wrap(model, lora_graph: Path):
     return pm, [p for p in pm.parameters() if p.requires_grad], lora
 
 
+def torch_float32_matmul(torch, tf32: bool) -> str:
+    """Sets TF32 (True) or strict float32 (False) for torch's CUDA float32 matmuls with one API
+    only (torch >= 2.9 refuses a mix of fp32_precision and allow_tf32); returns what is set."""
+    m = torch.backends.cuda.matmul
+    if hasattr(m, "fp32_precision"):
+        m.fp32_precision = "tf32" if tf32 else "ieee"
+        return f"torch.backends.cuda.matmul.fp32_precision={m.fp32_precision!r}"
+    m.allow_tf32 = tf32
+    return f"torch.backends.cuda.matmul.allow_tf32={m.allow_tf32}"
+
+
 def torch_step(work: Path, ids, labels, threads: int, device: str, lora_graph: Path | None = None,
-               checkpoint: bool = False):
+               checkpoint: bool = False, attn: str = "eager"):
     import ntloss
     import torch
     from transformers import PreTrainedTokenizerFast
@@ -522,7 +615,13 @@ def torch_step(work: Path, ids, labels, threads: int, device: str, lora_graph: P
     meta = json.loads((work / "meta.json").read_text())
     spec = meta["spec"]
     half = spec.get("export_dtype", "float32") == "float16"
-    model = qwen2(spec)
+    bf16 = os.environ.get("NTL_BENCH_PRECISION") == "bf16" and not half
+    info = {"attn_implementation": attn, "gradient_checkpointing": checkpoint,
+            "autocast": "float16" if half else "bfloat16" if bf16 else None}
+    if device == "cuda":
+        info["float32_matmul"] = torch_float32_matmul(torch, os.environ.get("NTL_BENCH_TF32", "0") == "1")
+        info["gpu"] = torch.cuda.get_device_name(0)
+    model = qwen2(spec, attn)
     if lora_graph is not None:  # LoRA: the frozen base in its exported type, float32 adapters
         model, trained, _ = peft_wrap(model, lora_graph)
     else:  # full fine-tune: float32 masters of every weight (the float16 export's values)
@@ -536,6 +635,8 @@ def torch_step(work: Path, ids, labels, threads: int, device: str, lora_graph: P
     opt = torch.optim.AdamW(trained, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     x, y = torch.from_numpy(ids).to(device), torch.from_numpy(labels).to(device)
     scaler, autocast, skipped = None, None, []
+    if bf16:  # what `--precision bf16` follows: float32 weights and AdamW, bfloat16 autocast, no scaler
+        autocast = lambda: torch.autocast(device, dtype=torch.bfloat16)  # noqa: E731
     if half:  # what `--precision fp16` follows: autocast with CUDA's float32 list, GradScaler
         import contextlib
 
@@ -550,7 +651,17 @@ def torch_step(work: Path, ids, labels, threads: int, device: str, lora_graph: P
                 yield
 
     def step():
-        if scaler is None:
+        if bf16:
+            with autocast():
+                out = model(input_ids=x, labels=y)
+                ce = out.loss
+                number = ntl(out.logits[:, :-1, :], y[:, 1:], reduction="mean")
+                total = ce + WEIGHT * number
+            phase("backward")
+            total.backward()
+            phase("optimizer")
+            opt.step()
+        elif scaler is None:
             out = model(input_ids=x, labels=y)
             ce = out.loss
             number = ntl(out.logits[:, :-1, :], y[:, 1:], reduction="mean")
@@ -582,9 +693,11 @@ def torch_step(work: Path, ids, labels, threads: int, device: str, lora_graph: P
                 "torch_max_reserved": torch.cuda.max_memory_reserved() / 2**20}
 
     import peft
+    import transformers
 
-    return step, {"mem": mem, "versions": {"torch": torch.__version__, "peft": peft.__version__},
-                  "skipped": lambda: skipped}
+    return step, {"mem": mem, "versions": {"torch": torch.__version__, "peft": peft.__version__,
+                                           "transformers": transformers.__version__},
+                  "skipped": lambda: skipped, "info": info}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -609,26 +722,79 @@ def check_machine(args) -> None:
         sys.exit(f"load average {load:.2f} is above {max_load}: the timings would be noise; wait or --force")
 
 
+class Nvml:
+    """GPU 0's used memory through NVML (libnvidia-ml.so.1 by ctypes: no CUDA context, no
+    package); None when the library cannot be loaded."""
+
+    _lib = None
+
+    @classmethod
+    def handle(cls):
+        import ctypes
+
+        if cls._lib is None:
+            try:
+                lib = ctypes.CDLL("libnvidia-ml.so.1")
+                h = ctypes.c_void_p()
+                if lib.nvmlInit_v2() != 0 or lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(h)) != 0:
+                    raise OSError("nvmlInit / nvmlDeviceGetHandleByIndex failed")
+                cls._lib = (lib, h)
+            except (OSError, AttributeError):
+                cls._lib = False
+        return cls._lib or None
+
+    @classmethod
+    def used_mib(cls) -> float | None:
+        import ctypes
+
+        class Memory(ctypes.Structure):  # nvmlMemory_t
+            _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+        got = cls.handle()
+        if got is None:
+            return None
+        lib, h = got
+        m = Memory()
+        if lib.nvmlDeviceGetMemoryInfo(h, ctypes.byref(m)) != 0:
+            return None
+        return m.used / 2**20
+
+
 def gpu_used_mib() -> float:
-    """memory.used of GPU 0 (MiB), as nvidia-smi reports it."""
+    """Used memory of GPU 0 (MiB): NVML, else nvidia-smi's memory.used."""
+    used = Nvml.used_mib()
+    if used is not None:
+        return used
     r = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
                        capture_output=True, text=True, timeout=30)
     return float(r.stdout.strip().splitlines()[0])
 
 
+def gpu_info() -> str:
+    """GPU 0's name, driver and memory, as nvidia-smi says ('' without one)."""
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader",
+                            "-i", "0"], capture_output=True, text=True, timeout=30)
+        return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else ""
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
 class GpuPeak:
-    """The highest memory.used of GPU 0 while a run is in progress, polled every 0.2 s."""
+    """The highest used memory of GPU 0 while a run is in progress, polled every 0.05 s (NVML;
+    0.2 s with nvidia-smi)."""
 
     def __init__(self):
         import threading
 
         self.base = self.peak = gpu_used_mib()
+        self._every = 0.05 if Nvml.handle() else 0.2
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
 
     def _poll(self):
-        while not self._stop.wait(0.2):
+        while not self._stop.wait(self._every):
             self.peak = max(self.peak, gpu_used_mib())
 
     def stop(self) -> float:
@@ -681,16 +847,25 @@ def run_one(args, work: Path, meta: dict, kind: str) -> dict:
     cmd = [python, __file__, "worker", worker_kind, str(work), str(args.steps), str(args.threads), args.device]
     if kind == "peft":
         cmd += [meta["step_graphs"][args.peft_of]["path"]]
-    elif kind not in ("torch", "torch_ckpt"):
+    elif kind not in TORCH_KINDS:
         cmd += [meta["step_graphs"][kind]["path"], args.runner_python]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONDONTWRITEBYTECODE": "1",
+           "NTL_BENCH_TF32": "1" if args.tf32 == "on" else "0", "NTL_BENCH_PRECISION": args.precision or ""}
     if args.no_cpu_arena:
         env["NTL_BENCH_NO_CPU_ARENA"] = "1"
     if args.disable_optimizers:
         env["NTL_BENCH_DISABLED_OPTIMIZERS"] = args.disable_optimizers
+    if args.device == "cuda":  # the previous run's memory may still be being released: wait (<= 10 s) for it
+        idle = getattr(args, "gpu_idle_mib", None)
+        if idle is None:
+            idle = args.gpu_idle_mib = gpu_used_mib()
+        t_wait = time.perf_counter()
+        while gpu_used_mib() > idle + 256 and time.perf_counter() - t_wait < 10:
+            time.sleep(0.1)
     gpu = GpuPeak() if args.device == "cuda" else None
     rc, stdout, stderr, killed, peak, wall = run_guarded(cmd, env, args.spec.get("rss_limit_gib"), args.min_free_gib)
     gpu_peak = gpu.stop() if gpu else None
+    gpu_base = gpu.base if gpu else None
     phases = [line for line in stderr.splitlines() if line.startswith("phase: ")]
     if killed:
         last = " → ".join(x.removeprefix("phase: ") for x in phases[-3:]) if phases else "start"
@@ -708,15 +883,16 @@ def run_one(args, work: Path, meta: dict, kind: str) -> dict:
     out["wall_s"] = wall
     if gpu_peak is not None:
         out["mem"]["gpu_peak"] = gpu_peak
+        out["mem"]["gpu_used_before"] = gpu_base
     return out
 
 
-def summarize(runs: list[dict]) -> dict:
+def summarize(runs: list[dict], warmup: int = 1) -> dict:
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return {"error": runs[0]["error"] if runs else "not run"}
-    later = [t for r in ok for t in r["times"][1:]] or [t for r in ok for t in r["times"]]
-    cpu = [t for r in ok for t in r["cpu"][1:]] or [t for r in ok for t in r["cpu"]]
+    later = [t for r in ok for t in r["times"][warmup:]] or [t for r in ok for t in r["times"]]
+    cpu = [t for r in ok for t in r["cpu"][warmup:]] or [t for r in ok for t in r["cpu"]]
     hwm = [r["mem"]["VmHWM"] for r in ok]
     return {
         "runs": len(ok), "first_s": statistics.median(r["times"][0] for r in ok),
@@ -730,20 +906,57 @@ def summarize(runs: list[dict]) -> dict:
         "loaded_rss_mib": statistics.median(r["mem"].get("loaded_rss", 0) for r in ok),
         "gpu_peak_mib": max((r["mem"].get("gpu_peak", 0) for r in ok), default=0),
         "torch_reserved_mib": max((r["mem"].get("torch_max_reserved", 0) for r in ok), default=0),
+        "timed_steps": len(later), "info": ok[0].get("info", {}), "versions": ok[0].get("versions", {}),
     }
 
 
 def reference(args, meta: dict, kind: str) -> str | None:
-    """What a configuration is compared with: `peft` for a LoRA step configuration, `torch`
-    for the others; None for torch and peft themselves."""
+    """What a step configuration is compared with: --baseline-config CONFIG=BASE where given;
+    `peft` for a LoRA step configuration; for one with --recompute the baseline's checkpointing
+    variant (torch -> torch_ckpt, torch-sdpa -> torch-sdpa-ckpt) when it runs; else the
+    baseline (--baseline-config, default `torch`). None for the torch configurations."""
     if kind in TORCH_KINDS:
         return None
+    if kind in args.baseline_of:
+        return args.baseline_of[kind]
     g = meta["step_graphs"].get(kind, {})
-    if "--lora-r" in shlex.split(g.get("args", "")):
+    a = shlex.split(g.get("args", args.step_configs.get(kind, "")))
+    if "--lora-r" in a:
         return "peft"
-    if "--recompute" in shlex.split(g.get("args", "")) and "torch_ckpt" in args.config_list:
-        return "torch_ckpt"
-    return "torch"
+    base = args.baseline_name
+    if "--recompute" in a and a[a.index("--recompute") + 1:a.index("--recompute") + 2] != ["off"] \
+            and CKPT_OF.get(base) in args.config_list:
+        return CKPT_OF[base]
+    return base
+
+
+def baseline_of(args, meta: dict, kind: str) -> str | None:
+    """The summary table's reference: reference() for a step configuration; the baseline for
+    a torch configuration (--baseline-config CONFIG=BASE where given), None for the baseline
+    itself."""
+    if kind not in TORCH_KINDS:
+        return reference(args, meta, kind)
+    ref = args.baseline_of.get(kind, args.baseline_name)
+    return None if ref == kind else ref
+
+
+def model_params(s: dict) -> int:
+    """Parameters of the Qwen2 shape (the tied embedding once): embedding V d; per layer q
+    (d x d + bias), k and v (d x kv_heads hd + bias), o (d x d), the MLP's gate, up, down
+    (3 d mlp), two RMSNorms; the final norm."""
+    d, hd = s["dim"], s["dim"] // s["heads"]
+    kv = s["kv_heads"] * hd
+    layer = (d * d + d) + 2 * (d * kv + kv) + d * d + 3 * d * s["mlp"] + 2 * d
+    return s["vocab"] * d + s["layers"] * layer + d
+
+
+def model_flops(s: dict) -> float:
+    """Model FLOPs of one training step (forward + backward): 6 N B T + 12 L B T^2 d, d =
+    heads x head_dim (the attention's QK^T and PV, 4 B T^2 d a layer forward, x3 with the
+    backward; causal masking not taken off)."""
+    tokens = s["batch"] * s["seq"]
+    d_attn = s["heads"] * (s["dim"] // s["heads"])
+    return 6 * model_params(s) * tokens + 12 * s["layers"] * s["batch"] * s["seq"] ** 2 * d_attn
 
 
 def loss_diff(a: list, b: list) -> float:
@@ -752,6 +965,75 @@ def loss_diff(a: list, b: list) -> float:
 
 def gib(n: float) -> str:
     return f"{n / 2**30:.3f}"
+
+
+def describe(args, meta: dict, kind: str) -> str:
+    """What a configuration runs, in words."""
+    if kind not in TORCH_KINDS:
+        extra = meta["step_graphs"].get(kind, {}).get("args", args.step_configs.get(kind, ""))
+        return f"step graph, `{extra}`" if extra else "step graph, no extra arguments"
+    attn, ckpt = TORCH_ATTN[kind]
+    what = "torch + PEFT" if kind == "peft" else "torch"
+    what += ", SDPA" if attn == "sdpa" else ", eager attention"
+    if ckpt:
+        what += " + gradient checkpointing"
+    if meta["spec"].get("export_dtype", "float32") == "float16":
+        what += ", float16 weights, autocast float16 + GradScaler"
+    elif args.precision == "bf16":
+        what += ", autocast bf16"
+    else:
+        what += ", float32"
+    return what
+
+
+def derive(args, meta: dict, res: dict) -> None:
+    """Adds to each configuration's summary: its baseline, the memory the table shows (GPU:
+    used memory above the start; CPU: peak RSS), both ratios and the model FLOPs utilisation."""
+    flops = model_flops(meta["spec"])
+    for kind, c in res.items():
+        if "error" in c:
+            continue
+        c["memory_mib"] = c["gpu_peak_mib"] if args.device == "cuda" else c["peak_mib"]
+        c["model_flops"] = flops
+        c["mfu"] = flops / c["median_s"] / args.peak_flops
+        c["losses_step1"] = c["losses"][0]
+    for kind, c in res.items():
+        if "error" in c:
+            continue
+        ref = baseline_of(args, meta, kind)
+        b = res.get(ref or "", {})
+        c["baseline"] = ref
+        if ref and b and "error" not in b:
+            c["time_ratio"] = c["median_s"] / b["median_s"]
+            c["memory_ratio"] = c["memory_mib"] / b["memory_mib"] if b["memory_mib"] else None
+
+
+def summary_table(args, meta: dict, res: dict) -> list[str]:
+    s = meta["spec"]
+    mem = "GPU memory GiB (used above the start)" if args.device == "cuda" else "peak RSS GiB"
+    mfu = args.device == "cuda"
+    lines = [f"| configuration | what | s/step (median of steps {args.warmup + 1}–{args.steps}) | × baseline | "
+             f"{mem} | × baseline |" + (" MFU |" if mfu else "") + " losses of step 1 (total / CE / NTL) | baseline |",
+             "| --- | --- | ---: | ---: | ---: | ---: |" + (" ---: |" if mfu else "") + " --- | --- |"]
+    for kind in args.config_list:
+        c = res.get(kind, {"error": "not run"})
+        if "error" in c:
+            lines.append(f"| `{kind}` | {describe(args, meta, kind)} | cannot run: {c['error']} | | | |" +
+                         (" |" if mfu else "") + " | |")
+            continue
+        tr = f"**{c['time_ratio']:.2f}**" if c.get("time_ratio") is not None else "-"
+        mr = f"**{c['memory_ratio']:.2f}**" if c.get("memory_ratio") is not None else "-"
+        loss = " / ".join(f"{x:.5f}" for x in c["losses_step1"])
+        lines.append(f"| `{kind}` | {describe(args, meta, kind)} | {c['median_s']:.3f} | {tr} | "
+                     f"{c['memory_mib'] / 1024:.2f} | {mr} |" + (f" {100 * c['mfu']:.1f} % |" if mfu else "") +
+                     f" {loss} | {('`' + c['baseline'] + '`') if c.get('baseline') else '-'} |")
+    if mfu:
+        lines += ["", f"MFU = (6·N·B·T + 12·L·B·T²·d) / (s/step · {args.peak_flops:.4g} FLOP/s): N = "
+                  f"{model_params(s) / 1e6:.1f} M parameters (tied embedding once), L = {s['layers']}, "
+                  f"d = heads·head_dim = {s['heads'] * (s['dim'] // s['heads'])}, B·T = {s['batch'] * s['seq']} tokens: "
+                  f"{model_flops(s) / 1e12:.2f} TFLOP per step (attention QKᵀ and PV forward + backward, "
+                  f"the causal half not taken off; recomputation not counted; LoRA counted as 6N)."]
+    return lines
 
 
 def markdown(args, meta: dict, res: dict, env: dict, baseline: dict | None = None) -> str:
@@ -780,7 +1062,21 @@ def markdown(args, meta: dict, res: dict, env: dict, baseline: dict | None = Non
                         f"{gib(w['parameters'])} GiB, optimizer state {gib(w['optimizer'])} GiB")
             lines.append(f"- `{name}` (extra arguments {extra}): {g['parameters']} trained tensors, "
                          f"{g['parameter_elements'] / 1e6:.1f} M elements; `ntl-patch step` {g['step_s']:.1f} s{wtxt}")
-    lines += ["", "| configuration | runs | s/step (median of steps 2+) | min – max | × ref | CPU s/step | first step s | "
+    if args.device == "cuda":
+        tf32 = sorted({str(c.get("info", {}).get("use_tf32")) for k, c in res.items()
+                       if k not in TORCH_KINDS and "error" not in c})
+        tt = sorted({c.get("info", {}).get("float32_matmul", "?") for k, c in res.items()
+                     if k in TORCH_KINDS and "error" not in c})
+        ver = {}
+        for c in res.values():
+            ver.update(c.get("versions", {}) if "error" not in c else {})
+        lines[0] = lines[0][:-1] + (f"; GPU: {env.get('gpu') or '?'}; GPU memory sampled with "
+                                    f"{env.get('gpu_sampler')}; --tf32 {args.tf32}: onnxruntime CUDA provider use_tf32="
+                                    f"{'/'.join(tf32) or '-'} (as the sessions report it), torch "
+                                    f"{', '.join(tt) or '-'}; "
+                                    + ", ".join(f"{k} {v}" for k, v in sorted(ver.items())) + ".")
+    lines += [""] + summary_table(args, meta, res)
+    lines += ["", f"| configuration | runs | s/step (median of steps {args.warmup + 1}+) | min – max | × ref | CPU s/step | first step s | "
               "peak RSS MiB (median, min – max) | × ref | at the end: anon / file MiB | losses (total, run 1) |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for kind in args.config_list:
@@ -799,14 +1095,13 @@ def markdown(args, meta: dict, res: dict, env: dict, baseline: dict | None = Non
                      f"{c['cpu_s']:.3f} | {c['first_s']:.3f} | {c['peak_mib']:.0f} ({c['peak_min_mib']:.0f} – {c['peak_max_mib']:.0f}) | "
                      f"{pr} | {c['anon_end_mib']:.0f} / {c['file_end_mib']:.0f} | {losses} |")
     if args.device == "cuda":
-        torch_gpu = res.get("torch", {}).get("gpu_peak_mib")
-        lines += ["", "| configuration | GPU memory MiB (peak memory.used above the start, largest run) | × torch | "
+        lines += ["", "| configuration | GPU memory MiB (peak used memory above the start, largest run) | × baseline | "
                   "torch max_memory_reserved MiB |", "| --- | ---: | ---: | ---: |"]
         for kind in args.config_list:
             c = res.get(kind, {})
             if "error" in c or not c:
                 continue
-            ratio = f"{c['gpu_peak_mib'] / torch_gpu:.2f}" if torch_gpu and kind not in TORCH_KINDS else "-"
+            ratio = f"{c['memory_ratio']:.2f} ({c['baseline']})" if c.get("memory_ratio") else "-"
             reserved = f"{c['torch_reserved_mib']:.0f}" if kind in TORCH_KINDS else "-"
             lines.append(f"| `{kind}` | {c['gpu_peak_mib']:.0f} | {ratio} | {reserved} |")
     for kind in args.config_list:
@@ -849,6 +1144,11 @@ def main():
     work = Path(args.workdir)
     env = {"load_start": os.getloadavg()[0]}
     check_machine(args)
+    if args.device == "cuda":
+        env["gpu"] = gpu_info()
+        env["gpu_sampler"] = "NVML" if Nvml.handle() else "nvidia-smi"
+        print(f"GPU: {env['gpu'] or '?'}; memory sampled with {env['gpu_sampler']}; --tf32 {args.tf32}; "
+              f"--precision {args.precision or '(none)'}", flush=True)
     meta = prepare(args, work)
     kinds = [k for k in args.config_list if k in TORCH_KINDS or "error" not in meta["step_graphs"][k]]
     if "peft" in kinds and "error" in meta["step_graphs"][args.peft_of]:
@@ -859,23 +1159,35 @@ def main():
         for kind in order:
             r = run_one(args, work, meta, kind)
             runs[kind].append(r)
-            what = r.get("error") or (f"{statistics.median(r['times']):.2f} s/step, peak "
+            what = r.get("error") or (f"{statistics.median(r['times']):.3f} s/step (steps: "
+                                      f"{', '.join(f'{t:.3f}' for t in r['times'])}), peak RSS "
                                       f"{r['mem']['VmHWM']:.0f} MiB, loss {r['losses'][0][0]:.5f}")
+            if "error" not in r and args.device == "cuda":
+                info = r.get("info", {})
+                what += (f", GPU {r['mem'].get('gpu_peak', 0):.0f} MiB above the start, " +
+                         (f"use_tf32={info.get('use_tf32')}" if kind not in TORCH_KINDS
+                          else info.get("float32_matmul", "")))
             print(f"round {rnd + 1}/{args.rounds} {kind}: {what}", flush=True)
-    res = {k: summarize(v) for k, v in runs.items()}
+    res = {k: summarize(v, args.warmup) for k, v in runs.items()}
     for k in args.config_list:
         if k not in TORCH_KINDS and "error" in meta["step_graphs"].get(k, {}):
             res[k] = {"error": "no step graph: " + meta["step_graphs"][k]["error"]}
         if k == "peft" and "error" in meta["step_graphs"][args.peft_of]:
             res[k] = {"error": f"no LoRA step graph `{args.peft_of}` to copy A from"}
     env["load_end"] = os.getloadavg()[0]
+    derive(args, meta, res)
     baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else None
     md = markdown(args, meta, res, env, baseline)
     print(md)
     if args.markdown:
         Path(args.markdown).write_text(md + "\n")
     if args.json:
-        Path(args.json).write_text(json.dumps({"meta": meta, "env": env, "runs": runs, "summary": res}, indent=1))
+        options = {"device": args.device, "precision": args.precision, "tf32": args.tf32, "steps": args.steps,
+                   "warmup": args.warmup, "rounds": args.rounds, "baseline": args.baseline_name,
+                   "baseline_of": args.baseline_of, "peak_flops": args.peak_flops, "configs": args.config_list,
+                   "step_configs": {k: v for k, v in args.step_configs.items() if k in args.config_list}}
+        Path(args.json).write_text(json.dumps({"meta": meta, "env": env, "options": options, "runs": runs,
+                                               "summary": res}, indent=1))
 
 
 if __name__ == "__main__":
