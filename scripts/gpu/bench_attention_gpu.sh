@@ -30,8 +30,10 @@
 # step graphs, ~2-10 GB a shape; default /tmp/bench-attention), BENCH_DEADLINE_S (seconds from the
 # start within which every benchmark must end, default 400: later parts get what is left and are
 # killed with their workers when it runs out), BENCH_THREADS (CPU threads of torch / onnxruntime, 8),
-# BENCH_ATTENTION_BLOCK (passed as --attention-block N when set), BENCH_PARTS (which of A B C A2 to run,
-# default all four).
+# BENCH_ATTENTION_BLOCK (passed as --attention-block N when set), BENCH_PARTS (which of A P B C A2 to
+# run, default all; P: scripts/gpu/profile_step.py on A's chunked step graph).
+# $OUT ends with summary.md, bench-attention.log and all.tgz (every table, JSON and log): the device
+# tool brings back at most 8 files.
 set -uo pipefail
 
 t_start=$(date +%s)
@@ -41,7 +43,7 @@ out="${OUT:-$root/target/gpu-bench-attention}"
 work="${BENCH_WORK:-/tmp/bench-attention}"
 deadline=$((t_start + ${BENCH_DEADLINE_S:-400}))
 threads="${BENCH_THREADS:-8}"
-parts_to_run=" ${BENCH_PARTS:-A B C A2} "
+parts_to_run=" ${BENCH_PARTS:-A P B C A2} "
 mkdir -p "$out" "$work"
 log="$out/bench-attention.log"
 say() { echo "bench-attention: $*" | tee -a "$log"; }
@@ -161,6 +163,13 @@ if [[ "$parts_to_run" == *" A "* ]]; then
   bench bf16-b4-t512 --batch 4 --seq 512 --precision bf16 --configs chunked,eager,torch-sdpa \
     --baseline-config torch-sdpa --rounds 1 --workdir "$work/b4-t512"
 fi
+if [[ "$parts_to_run" == *" P "* ]] && [[ -f "$work/b4-t512/model.chunked.step.onnx" ]]; then
+  # where the short-sequence step's time goes (issue 33, item 2): onnxruntime's profiler by op type
+  say "profile: start at $(elapsed) s"
+  timeout -k 5 90 python3 scripts/gpu/profile_step.py "$work/b4-t512/model.chunked.step.onnx" --batch 4 --seq 512 \
+    --device cuda --steps 3 --json "$out/profile-bf16-b4-t512.json" 2>&1 | tee "$out/profile-bf16-b4-t512.md"
+  say "profile: exit ${PIPESTATUS[0]} after $(elapsed) s"
+fi
 if [[ "$parts_to_run" == *" B "* ]]; then
   # chunked-rc is compared with torch-sdpa-ckpt (the baseline's checkpointing variant)
   bench bf16-b1-t4096 --batch 1 --seq 4096 --precision bf16 \
@@ -191,3 +200,5 @@ fi
 } > "$out/summary.md"
 cat "$out/summary.md"
 say "done after $(elapsed) s"
+(cd "$out" && tar czf /tmp/all.tgz --exclude=all.tgz . && find . -maxdepth 1 -type f ! -name summary.md \
+  ! -name bench-attention.log -delete && mv /tmp/all.tgz all.tgz)
