@@ -80,21 +80,25 @@ impl Finder<'_, '_> {
         let from_product = self
             .chain_to_product(&softmax.input[0], MAX_CHAIN, false)
             .is_ok();
-        let mut x = softmax.output[0].as_str();
-        for _ in 0..MAX_CHAIN {
-            let readers = self.index.consumers(x);
-            let Some(&c) = readers.first() else {
-                return false;
-            };
-            let reader = &self.index.graph.node[c];
-            match reader.op_type() {
-                "MatMul" => return from_product,
-                "Cast" | "Identity" | "Dropout" => x = reader.output[0].as_str(),
-                op if LAYOUT.contains(&op) => x = reader.output[0].as_str(),
-                _ => return false,
-            }
-        }
-        false
+        from_product && self.reaches_product(&softmax.output[0], MAX_CHAIN)
+    }
+
+    /// Whether a reader of `x`, through pass-through and layout steps, is a `MatMul`.
+    fn reaches_product(&self, x: &str, depth: usize) -> bool {
+        depth > 0
+            && self.index.consumers(x).iter().any(|&c| {
+                let reader = &self.index.graph.node[c];
+                match reader.op_type() {
+                    "MatMul" => true,
+                    "Cast" | "Identity" | "Dropout" | "Where" | "IsNaN" => {
+                        self.reaches_product(&reader.output[0], depth - 1)
+                    }
+                    op if LAYOUT.contains(&op) => {
+                        self.reaches_product(&reader.output[0], depth - 1)
+                    }
+                    _ => false,
+                }
+            })
     }
 
     fn single_reader(&self, t: &str) -> bool {
@@ -123,7 +127,7 @@ impl Finder<'_, '_> {
             // seen through to tell attention from other softmaxes, not rewritten
             op if LAYOUT.contains(&op) && !strict => &[0],
             "Add" | "Mul" => &[0, 1],
-            "Div" => &[0],
+            "Div" | "Sub" => &[0],
             "Where" => &[1, 2],
             op => return Err(format!("the scores pass through a {op} node")),
         };
@@ -232,11 +236,16 @@ impl Finder<'_, '_> {
                     let r = self.shaping(&s, rank)?;
                     scale = Some((s, node.op_type() == "Div", r));
                 }
-                "Add" => {
+                "Add" | "Sub" => {
                     let bias = other(1 - p);
                     let r = self.shaping(&bias, rank)?;
+                    let kind = if node.op_type() == "Add" {
+                        TermKind::Add
+                    } else {
+                        TermKind::Sub
+                    };
                     terms.push(Term {
-                        kind: TermKind::Add,
+                        kind,
                         inputs: vec![bias],
                         ranks: vec![r],
                     });
@@ -262,7 +271,14 @@ impl Finder<'_, '_> {
         let mut nodes: Vec<usize> = path.iter().map(|&(at, _)| at).collect();
         nodes.push(softmax_at);
         let mut p = softmax.output[0].as_str();
+        let mut nan_to_zero = false;
         let value_product = loop {
+            if let Some((isnan, fill)) = self.nan_to_zero(p) {
+                nodes.extend([isnan, fill]);
+                nan_to_zero = true;
+                p = graph[fill].output[0].as_str();
+                continue;
+            }
             if !self.single_reader(p) {
                 return Err(format!(
                     "the probabilities '{p}' are read elsewhere too (e.g. returned as attention weights)"
@@ -302,6 +318,7 @@ impl Finder<'_, '_> {
                 v: v.clone(),
                 scale,
                 scale_divides,
+                nan_to_zero,
                 terms,
                 q_rank,
                 kt_rank,
@@ -311,6 +328,25 @@ impl Finder<'_, '_> {
                 block: 0,
             },
         })
+    }
+
+    /// `Where(IsNaN(p), 0, p)` (torch's SDPA export zeroes fully masked rows): the two nodes,
+    /// where `p` is read by them alone.
+    fn nan_to_zero(&self, p: &str) -> Option<(usize, usize)> {
+        let readers = self.index.consumers(p);
+        if readers.len() != 2 || self.index.is_graph_output(p) {
+            return None;
+        }
+        let graph = &self.index.graph.node;
+        let isnan = *readers.iter().find(|&&c| graph[c].op_type() == "IsNaN")?;
+        let fill = *readers.iter().find(|&&c| graph[c].op_type() == "Where")?;
+        let w = &graph[fill];
+        let zero = self
+            .index
+            .constant_tensor(&w.input[1])
+            .is_some_and(crate::passes::recompute::all_zero);
+        let shape = w.input[0] == graph[isnan].output[0] && w.input[2] == p && zero;
+        (shape && self.single_reader(&graph[isnan].output[0])).then_some((isnan, fill))
     }
 
     /// A `Dropout` that passes its input through: not in training mode, its mask unread.

@@ -5,9 +5,10 @@
 //! block may run past `Tq`: its extra rows are computed and dropped (forward), or read as zero
 //! gradients (backward). Per block only `[.., C, Tk]` scores exist.
 //!
-//! Forward: `s`, `m = max s`, `e = exp(s − m)`, `l = Σ e`, `o = (e / l)·v`, `lse = m + log l`.
-//! Backward: `p = exp(s − lse)`, `dv += pᵀ·do`, `dp = do·vᵀ`, `ds = p ∘ (dp − Σ(p ∘ dp))`
-//! (through the masks' `Where`s and the scale), `dq = ds·k`, `dkt += qᵀ·ds`.
+//! Forward: `p = softmax(s)`, `o = p·v`. Backward: the same `p` again, `dv += pᵀ·do`,
+//! `dp = do·vᵀ`, `ds = p ∘ (dp − Σ p ∘ dp)` (through the masks' `Where`s and the scale),
+//! `dq = ds·k`, `dkt += qᵀ·ds`. A scalar scale multiplies the query once instead of every
+//! block's scores (and `dq` once after the blocks).
 //!
 //! Under `--precision` the products run in the half type (the scores, the softmax and the
 //! accumulators stay float32), as torch's autocast runs eager attention.
@@ -86,12 +87,14 @@ fn blocks(b: &mut Builder, a: &Attn) -> Blocks {
     }
 }
 
-/// The outer tensors the bodies read: the products' operands in the compute type, and per
-/// tensor with rows its last row index.
+/// The outer tensors the bodies read: the products' operands in the compute type (the query
+/// already scaled by a scalar scale), and per tensor with rows its last row index.
 struct Outer {
     q: String,
     kt: String,
     v: String,
+    /// The scale multiplies the query (a scalar), not each block's scores.
+    scale_folded: bool,
     /// `[1]` per row-carrying tensor (name → last row), for clamping.
     last_rows: std::collections::HashMap<String, String>,
 }
@@ -120,11 +123,26 @@ fn outer(b: &mut Builder, a: &Attn, half: Option<i32>) -> Outer {
             row_tensor(b, x, r);
         }
     }
+    let scale_folded = !a.scale.is_empty() && a.scale_rank == 0;
+    let q = if scale_folded {
+        b.binary(scale_op(a), &a.q, &a.scale, "attention/q_scaled")
+    } else {
+        a.q.clone()
+    };
     Outer {
-        q: typed(b, &a.q),
+        q: typed(b, &q),
         kt: typed(b, &a.kt),
         v: typed(b, &a.v),
+        scale_folded,
         last_rows,
+    }
+}
+
+fn scale_op(a: &Attn) -> &'static str {
+    if a.scale_divides {
+        "Div"
+    } else {
+        "Mul"
     }
 }
 
@@ -146,16 +164,16 @@ fn rows_of(b: &mut Builder, o: &Outer, x: &str, rank: usize, idx: &str) -> Strin
     }
 }
 
-/// The block's float32 scores: `q_b·kt`, scaled, masked.
-fn scores(b: &mut Builder, a: &Attn, o: &Outer, q_b: &str, idx: &str, half: bool) -> String {
+/// The block's probabilities (float32) from its query rows `q_b`: the scores `q_b·kt`, scaled
+/// and masked as the export did, through the softmax.
+fn probabilities(b: &mut Builder, a: &Attn, o: &Outer, q_b: &str, idx: &str, half: bool) -> String {
     let mut s = b.binary("MatMul", q_b, &o.kt, "attention/scores");
     if half {
         s = b.cast(&s, FLOAT, "attention/scores_f");
     }
-    if !a.scale.is_empty() {
+    if !a.scale.is_empty() && !o.scale_folded {
         let sc = rows_of(b, o, &a.scale, a.scale_rank, idx);
-        let op = if a.scale_divides { "Div" } else { "Mul" };
-        s = b.binary(op, &s, &sc, "attention/scaled");
+        s = b.binary(scale_op(a), &s, &sc, "attention/scaled");
     }
     for t in &a.terms {
         let x: Vec<String> = t
@@ -166,11 +184,18 @@ fn scores(b: &mut Builder, a: &Attn, o: &Outer, q_b: &str, idx: &str, half: bool
             .collect();
         s = match t.kind {
             TermKind::Add => b.binary("Add", &s, &x[0], "attention/masked"),
+            TermKind::Sub => b.binary("Sub", &s, &x[0], "attention/masked"),
             TermKind::Keep => b.where_(&x[0], &s, &x[1], "attention/masked"),
             TermKind::Fill => b.where_(&x[0], &x[1], &s, "attention/masked"),
         };
     }
-    s
+    let p = b.softmax(&s, -1, "attention/probs");
+    if !a.nan_to_zero {
+        return p;
+    }
+    let nan = b.unary("IsNaN", &p, "attention/probs_nan");
+    let zero = b.scalar_f32("attention/probs_zero", 0.0);
+    b.where_(&nan, &zero, &p, "attention/probs_kept")
 }
 
 /// `x` (`[.., C, n]` per block, stacked as `[S, .., C, n]`) back to `[.., Tq, n]` in `out`.
@@ -235,14 +260,7 @@ fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let start = b.fresh("attention/start");
     let (_, q_rows) = row_indices(b, &bl, &start);
     let q_b = b.gather(&o.q, &q_rows, a.q_rank as i64 - 2, "attention/q_block");
-    let s = scores(b, &a, &o, &q_b, &q_rows, half.is_some());
-    let m = b.reduce("ReduceMax", &s, &[-1], true, "attention/row_max");
-    let z = b.binary("Sub", &s, &m, "attention/shifted");
-    let e = b.unary("Exp", &z, "attention/exp");
-    let l = b.reduce_sum(&e, &[-1], true, "attention/row_sum");
-    let p = b.binary("Div", &e, &l, "attention/probs");
-    let log_l = b.unary("Log", &l, "attention/log_sum");
-    let lse = b.binary("Add", &m, &log_l, "attention/lse_block");
+    let p = probabilities(b, &a, &o, &q_b, &q_rows, half.is_some());
     let p = match half {
         Some(h) => b.cast(&p, h, "attention/probs_h"),
         None => p,
@@ -255,15 +273,13 @@ fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let g = body(
         b,
         &[(&start, INT64, 1)],
-        &[(&o_b, FLOAT, r), (&lse, FLOAT, r)],
+        &[(&o_b, FLOAT, r)],
         "attention_forward",
     );
     b.nodes = outer_nodes;
     let o_stack = b.fresh("attention/out_blocks");
-    let lse_stack = b.fresh("attention/lse_blocks");
-    scan(b, &[&bl.starts], &[&o_stack, &lse_stack], g);
+    scan(b, &[&bl.starts], &[&o_stack], g);
     unblock(b, &o_stack, r, &bl.rows, &node.output[0]);
-    unblock(b, &lse_stack, r, &bl.rows, &node.output[1]);
 }
 
 /// `[.., 1, 1]` slices of the products' operands added: their broadcast batch shape `[..]`.
@@ -306,8 +322,7 @@ fn swap_last_two(b: &mut Builder, x: &str, rank: usize, hint: &str) -> String {
 
 fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let a = Attn::of(node);
-    let n = a.forward_inputs();
-    let (lse, g_out) = (&node.input[n], &node.input[n + 1]);
+    let g_out = &node.input[a.forward_inputs()];
     let r = a.rank;
     let bl = blocks(b, &a);
     let o = outer(b, &a, half);
@@ -323,10 +338,7 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let start = b.fresh("attention/start");
     let (idx, q_rows) = row_indices(b, &bl, &start);
     let q_b = b.gather(&o.q, &q_rows, a.q_rank as i64 - 2, "attention/q_block");
-    let s = scores(b, &a, &o, &q_b, &q_rows, half.is_some());
-    let lse_b = b.gather(lse, &q_rows, r as i64 - 2, "attention/lse_rows");
-    let z = b.binary("Sub", &s, &lse_b, "attention/shifted");
-    let p = b.unary("Exp", &z, "attention/probs");
+    let p = probabilities(b, &a, &o, &q_b, &q_rows, half.is_some());
     // rows past Tq carry no gradient
     let inside = b.binary("Less", &idx, &bl.rows, "attention/inside");
     let inside = b.unsqueeze(&inside, &[1], "attention/inside_col");
@@ -357,7 +369,7 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let mut ds = b.binary("Mul", &p, &centred, "attention/ds");
     for t in a.terms.iter().rev() {
         let cond = match t.kind {
-            TermKind::Add => continue,
+            TermKind::Add | TermKind::Sub => continue,
             _ => rows_of(b, &o, &t.inputs[0], t.ranks[0], &q_rows),
         };
         ds = match t.kind {
@@ -365,10 +377,9 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
             _ => b.where_(&cond, &zero, &ds, "attention/ds_kept"),
         };
     }
-    if !a.scale.is_empty() {
+    if !a.scale.is_empty() && !o.scale_folded {
         let sc = rows_of(b, &o, &a.scale, a.scale_rank, &q_rows);
-        let op = if a.scale_divides { "Div" } else { "Mul" };
-        ds = b.binary(op, &ds, &sc, "attention/ds_scaled");
+        ds = b.binary(scale_op(&a), &ds, &sc, "attention/ds_scaled");
     }
     let ds_c = to_compute(b, &ds);
     let dq_b = b.binary("MatMul", &ds_c, &k, "attention/dq_block");
@@ -387,5 +398,11 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let dq_stack = b.fresh("attention/dq_blocks");
     let (g_q, g_kt, g_v) = (&node.output[0], &node.output[1], &node.output[2]);
     scan(b, &[&dkt0, &dv0, &bl.starts], &[g_kt, g_v, &dq_stack], g);
-    unblock(b, &dq_stack, r, &bl.rows, g_q);
+    if o.scale_folded {
+        let dq = b.fresh("attention/dq_unscaled");
+        unblock(b, &dq_stack, r, &bl.rows, &dq);
+        b.node_to(scale_op(&a), &[&dq, &a.scale], &[g_q], vec![]);
+    } else {
+        unblock(b, &dq_stack, r, &bl.rows, g_q);
+    }
 }

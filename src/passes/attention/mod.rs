@@ -17,7 +17,7 @@ use crate::error::Error;
 use crate::graph::patch::{apply, Patch};
 use crate::graph::GraphIndex;
 use crate::onnx::{default_opset, ModelProto, FLOAT};
-use crate::passes::fused_head::node::tensor_info;
+use crate::passes::fused_head::node::{tensor_info, Dim};
 
 /// `--attention`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -108,6 +108,7 @@ pub fn replace(
     let graph = model.graph.as_ref().expect("loaded models have a graph");
     let index = GraphIndex::new(graph);
     let types = crate::graph::elem_types::ElemTypes::infer(graph);
+    let shapes = crate::graph::shapes::Shapes::infer(&index);
     let finder = find::Finder {
         index: &index,
         ranks: index.inferred_ranks(),
@@ -130,15 +131,18 @@ pub fn replace(
         let mut attn = site.attn.clone();
         attn.block = opts.block();
         let out = graph.node[site.value_product].output[0].clone();
-        let lse = b.fresh("attention/lse");
         let name = b.fresh(node::FORWARD);
-        infos.push(tensor_info(&lse, FLOAT, &vec![None::<i64>; attn.rank]));
+        // the product's proven shape, declared: the backward then knows what was broadcast
         if index.declared_shape(&out).is_none() {
-            infos.push(tensor_info(&out, FLOAT, &vec![None::<i64>; attn.rank]));
+            infos.push(tensor_info(
+                &out,
+                FLOAT,
+                &proven_dims(&shapes, &out, attn.rank),
+            ));
         }
         for &at in &site.nodes {
             let nodes = if at == site.value_product {
-                vec![attn.forward_node(&name, &out, &lse)]
+                vec![attn.forward_node(&name, &out)]
             } else {
                 Vec::new()
             };
@@ -160,4 +164,20 @@ pub fn replace(
         apply(model, patch)?;
     }
     Ok(outcome)
+}
+
+/// `t`'s dims as the graph proves them (symbols kept), unknown where it does not.
+fn proven_dims(shapes: &crate::graph::shapes::Shapes, t: &str, rank: usize) -> Vec<Dim> {
+    use crate::graph::shapes::Dim as Proven;
+    match shapes.get(t) {
+        Some(dims) if dims.len() == rank => dims
+            .iter()
+            .map(|d| match d {
+                Proven::Known(n) => Dim::from(*n),
+                Proven::Sym(s) => Dim::from(s.as_str()),
+                Proven::Unknown => Dim::from(None),
+            })
+            .collect(),
+        _ => vec![Dim::from(None); rank],
+    }
 }

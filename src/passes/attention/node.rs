@@ -1,16 +1,18 @@
 //! Attention as one node while the step graph is built: `BlockAttention` reads the query, the
 //! transposed keys, the values and what sits between the scores and the softmax (a scale, masks),
-//! and writes the output and the log-sum-exp of each score row; its gradient is one
-//! `BlockAttentionGrad` node (`grad/rules/attention.rs`). Both are internal: `lower` expands
-//! them into `Scan`s over blocks of query rows before the graph is written.
+//! and writes the output; its gradient is one `BlockAttentionGrad` node
+//! (`grad/rules/attention.rs`), which reads the same inputs and recomputes the probabilities.
+//! Both are internal: `lower` expands them into `Scan`s over blocks of query rows before the
+//! graph is written.
 //!
 //! `BlockAttention(q [.., Tq, D], kt [.., D, Tk], v [.., Tk, Dv], scale?, term inputs…)` →
-//! `o [.., Tq, Dv]`, `lse [.., Tq, 1]` (float32), with the scores
-//! `s = q·kt (× or ÷ scale) (+ bias | where(cond, s, value) | where(cond, value, s))…`,
-//! each term applied in the graph's order, and `o = softmax(s)·v`.
+//! `o [.., Tq, Dv]`, with the scores
+//! `s = q·kt (× or ÷ scale) (+ bias | − bias | where(cond, s, value) | where(cond, value, s))…`,
+//! each term applied in the graph's order, `p = softmax(s)` (with `nan_to_zero`,
+//! `where(isnan(p), 0, p)`, as torch's SDPA export writes it) and `o = p·v`.
 //!
-//! `BlockAttentionGrad(q, kt, v, scale?, term inputs…, lse, g_o)` → `(g_q, g_kt, g_v)`, each
-//! in the broadcast shape of the scores' batch axes (the rule sums them down to the inputs').
+//! `BlockAttentionGrad(q, kt, v, scale?, term inputs…, g_o)` → `(g_q, g_kt, g_v)`, each in the
+//! broadcast shape of the scores' batch axes (the rule sums them down to the inputs').
 
 use crate::onnx::{attr_i, attr_ints, int_attr, ints_attr, NodeProto};
 
@@ -23,6 +25,8 @@ pub const BACKWARD: &str = "BlockAttentionGrad";
 pub enum TermKind {
     /// `s + bias` (one input).
     Add = 1,
+    /// `s − bias` (one input).
+    Sub = 4,
     /// `where(cond, s, value)` (two inputs: cond, value).
     Keep = 2,
     /// `where(cond, value, s)` (two inputs: cond, value).
@@ -35,13 +39,14 @@ impl TermKind {
             1 => Some(TermKind::Add),
             2 => Some(TermKind::Keep),
             3 => Some(TermKind::Fill),
+            4 => Some(TermKind::Sub),
             _ => None,
         }
     }
 
     pub fn arity(self) -> usize {
         match self {
-            TermKind::Add => 1,
+            TermKind::Add | TermKind::Sub => 1,
             TermKind::Keep | TermKind::Fill => 2,
         }
     }
@@ -67,6 +72,8 @@ pub struct Attn {
     /// The scale divides (`s / scale`) rather than multiplies.
     pub scale_divides: bool,
     pub terms: Vec<Term>,
+    /// `where(isnan(p), 0, p)` on the probabilities.
+    pub nan_to_zero: bool,
     /// Ranks of q, kt, v and the scale (0 without one).
     pub q_rank: usize,
     pub kt_rank: usize,
@@ -101,6 +108,7 @@ impl Attn {
             .collect();
         vec![
             int_attr("scale_divides", self.scale_divides as i64),
+            int_attr("nan_to_zero", self.nan_to_zero as i64),
             ints_attr("terms", &kinds),
             ints_attr("term_ranks", &term_ranks),
             ints_attr(
@@ -145,6 +153,7 @@ impl Attn {
             v: node.input[2].clone(),
             scale: node.input[3].clone(),
             scale_divides: attr_i(node, "scale_divides") == Some(1),
+            nan_to_zero: attr_i(node, "nan_to_zero") == Some(1),
             terms,
             q_rank: rank(0),
             kt_rank: rank(1),
@@ -160,23 +169,23 @@ impl Attn {
         4 + self.terms.iter().map(|t| t.inputs.len()).sum::<usize>()
     }
 
-    pub fn forward_node(&self, name: &str, output: &str, lse: &str) -> NodeProto {
+    pub fn forward_node(&self, name: &str, output: &str) -> NodeProto {
         NodeProto {
             name: Some(name.to_string()),
             op_type: Some(FORWARD.into()),
             domain: Some(DOMAIN.into()),
             input: self.inputs(),
-            output: vec![output.to_string(), lse.to_string()],
+            output: vec![output.to_string()],
             attribute: self.attributes(),
             ..Default::default()
         }
     }
 
-    /// `saved`: the forward's log-sum-exp and the output's gradient (the output itself is not
-    /// read, so the forward keeps only the log-sum-exp for it).
-    pub fn backward_node(&self, name: &str, saved: [&str; 2], outputs: [&str; 3]) -> NodeProto {
+    /// `g_out`: the output's gradient (the forward's output is not read: nothing of the
+    /// forward is kept for the backward but its inputs).
+    pub fn backward_node(&self, name: &str, g_out: &str, outputs: [&str; 3]) -> NodeProto {
         let mut input = self.inputs();
-        input.extend(saved.iter().map(|s| s.to_string()));
+        input.push(g_out.to_string());
         NodeProto {
             name: Some(name.to_string()),
             op_type: Some(BACKWARD.into()),

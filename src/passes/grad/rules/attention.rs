@@ -38,9 +38,8 @@ pub fn attention(
         })
         .collect();
     let name = ctx.b.fresh(BACKWARD);
-    let saved = [node.output[1].as_str(), g.as_str()];
     let outputs = [full[0].as_str(), full[1].as_str(), full[2].as_str()];
-    ctx.b.nodes.push(a.backward_node(&name, saved, outputs));
+    ctx.b.nodes.push(a.backward_node(&name, &g, outputs));
     let same = same_batch(ctx, &a);
     let mut gx: Grads = vec![None; node.input.len()];
     for (k, x) in [&a.q, &a.kt, &a.v].into_iter().enumerate() {
