@@ -34,8 +34,17 @@ pub fn lower(model: &mut ModelProto, half: Option<i32>) {
         opset,
         GraphIndex::new(graph).taken_names(PREFIX, &[]),
     );
+    let widened = half.map(|_| widening_casts(graph)).unwrap_or_default();
     let old = std::mem::take(&mut graph.node);
-    for node in old {
+    for mut node in old {
+        if super::node::is_attention(&node) {
+            // q, kt, v: the half tensors themselves, not the precision pass's float32 copies
+            for x in node.input.iter_mut().take(3) {
+                if let Some(src) = widened.get(x.as_str()) {
+                    *x = src.clone();
+                }
+            }
+        }
         match (node.domain(), node.op_type()) {
             (DOMAIN, FORWARD) => forward(&mut b, &node, half),
             (DOMAIN, BACKWARD) => backward(&mut b, &node, half),
@@ -44,6 +53,48 @@ pub fn lower(model: &mut ModelProto, half: Option<i32>) {
         graph.node.append(&mut b.nodes);
     }
     graph.initializer.append(&mut b.initializers);
+    drop_unread_casts(graph, &widened);
+}
+
+/// The precision pass's float32 copies of half tensors (`Cast(x, to=FLOAT)` written as
+/// `ntl/amp/f32…`): copy → x. The attention reads x itself and casts its blocks' operands.
+fn widening_casts(graph: &GraphProto) -> std::collections::HashMap<String, String> {
+    graph
+        .node
+        .iter()
+        .filter(|n| n.op_type() == "Cast" && n.domain().is_empty())
+        .filter(|n| crate::onnx::attr_i(n, "to") == Some(FLOAT as i64))
+        .filter(|n| n.output[0].starts_with(&format!("{PREFIX}/amp/f32")))
+        .map(|n| (n.output[0].clone(), n.input[0].clone()))
+        .collect()
+}
+
+/// Removes those copies that nothing reads any more (the attention read them alone).
+fn drop_unread_casts(graph: &mut GraphProto, widened: &std::collections::HashMap<String, String>) {
+    if widened.is_empty() {
+        return;
+    }
+    let mut read: std::collections::HashSet<&str> = graph
+        .node
+        .iter()
+        .flat_map(|n| n.input.iter().map(String::as_str))
+        .collect();
+    read.extend(graph.output.iter().map(|o| o.name()));
+    let outer: Vec<String> = graph
+        .node
+        .iter()
+        .flat_map(|n| crate::graph::patch::outer_references(n).into_iter().map(str::to_string))
+        .collect();
+    read.extend(outer.iter().map(String::as_str));
+    let unread: std::collections::HashSet<String> = widened
+        .keys()
+        .filter(|c| !read.contains(c.as_str()))
+        .cloned()
+        .collect();
+    graph
+        .node
+        .retain(|n| !(n.output.len() == 1 && unread.contains(&n.output[0])));
+    graph.value_info.retain(|v| !unread.contains(v.name()));
 }
 
 /// What the outer graph prepares for a `Scan` over blocks of query rows.
@@ -125,7 +176,12 @@ fn outer(b: &mut Builder, a: &Attn, half: Option<i32>) -> Outer {
     }
     let scale_folded = !a.scale.is_empty() && a.scale_rank == 0;
     let q = if scale_folded {
-        b.binary(scale_op(a), &a.q, &a.scale, "attention/q_scaled")
+        // in float32 (a half query arrives as it is): the scale itself is not rounded
+        let q = match half {
+            Some(_) => b.cast(&a.q, FLOAT, "attention/q_f"),
+            None => a.q.clone(),
+        };
+        b.binary(scale_op(a), &q, &a.scale, "attention/q_scaled")
     } else {
         a.q.clone()
     };
@@ -288,12 +344,14 @@ fn batch_shape(b: &mut Builder, a: &Attn) -> String {
         let zeros = b.const_i64("attention/corner_start", &[2], &[0, 0]);
         let ones = b.const_i64("attention/corner_end", &[2], &[1, 1]);
         let axes = b.const_i64("attention/corner_axes", &[2], &[-2, -1]);
-        b.node(
+        let c = b.node(
             "Slice",
             &[x, &zeros, &ones, &axes],
             "attention/corner",
             vec![],
-        )
+        );
+        // q, kt and v may differ in type (a half one arrives as it is)
+        b.cast(&c, FLOAT, "attention/corner_f")
     };
     let q = corner(b, &a.q);
     let k = corner(b, &a.kt);
