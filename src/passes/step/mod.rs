@@ -5,12 +5,9 @@
 //! between the two).
 
 mod copies;
-mod frozen_half;
 mod in_place;
-pub mod loss_scale;
 pub mod optimizer;
 pub mod precision;
-mod upcast;
 mod zero_state;
 
 use std::collections::BTreeSet;
@@ -31,11 +28,15 @@ use crate::passes::grad::{self, Ctx};
 use crate::passes::lora::{self, Adapted, LoraOptions};
 use crate::passes::pipeline::{patch_model, PatchRequest, PatchSummary};
 use crate::passes::recompute::{self, RecomputeOptions, StepFacts};
-use loss_scale::{LossScaleOptions, ScaleState, SCALE_STATE, SKIP_OUTPUT, TRACKER_STATE};
 use ntl_ops::names::{CE_OUTPUT, NUMBER_OUTPUT, PREFIX};
 use ntl_ops::Builder;
 use optimizer::{emit_update, ParamUpdate};
 pub use optimizer::{OptimizerKind, OptimizerOptions};
+use precision::frozen_half;
+use precision::loss_scale::{
+    self, LossScaleOptions, ScaleState, SCALE_STATE, SKIP_OUTPUT, TRACKER_STATE,
+};
+use precision::upcast;
 pub use precision::Precision;
 use zero_state::ZeroState;
 
@@ -435,7 +436,7 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
             || lora_params.contains(name)
             || req.train.iter().any(|t| name.starts_with(t.as_str()))
     };
-    let widened = widen_half_export(graph, req, &mut b, &trains)?;
+    let widened = upcast::widen_half_export(graph, req.precision, &mut b, &trains)?;
     crate::passes::grad::canonical::canonicalize(graph, &mut b);
     // the rewrites' constants join the graph now, so shapes and ranks see their values
     graph.initializer.append(&mut b.initializers);
@@ -854,50 +855,6 @@ fn emit_optimizer(
 /// fp16's `ntl/skipped` output (bool scalar), after the state outputs.
 fn skip_output(scale_state: Option<&ScaleState>) -> Option<ValueInfoProto> {
     scale_state.map(|s| tensor_info(&s.skipped, loss_scale::SKIP_TYPE, &[]))
-}
-
-/// Half-precision exports: refused without --precision; otherwise the trained weights get
-/// float32 master copies (`upcast.rs`) and the frozen ones stay half, read through widening
-/// Casts (`frozen_half.rs`), so the rest of the step sees a float32 model.
-fn widen_half_export(
-    graph: &mut GraphProto,
-    req: &StepRequest,
-    b: &mut Builder,
-    trains: &dyn Fn(&str) -> bool,
-) -> Result<frozen_half::WidenedSet, Error> {
-    let loss = graph.output[0].name().to_string();
-    let half_inits: Vec<String> = graph
-        .initializer
-        .iter()
-        .filter(|t| float_type_name(t.data_type()).is_some_and(|n| n != "float64"))
-        .map(|t| t.name().to_string())
-        .collect();
-    if half_inits.is_empty() {
-        return Ok(Default::default());
-    }
-    let reaching = grad::reaching_loss(&graph.node, &loss, &half_inits);
-    let Some((ty, example)) = upcast::weight_type(graph, &reaching) else {
-        return Ok(Default::default());
-    };
-    if req.precision.is_none() {
-        return Err(Error::Usage(format!(
-            "the weights are {} (e.g. '{example}'): add --precision fp16 or --precision bf16 (mixed precision) or --precision fp32; step trains float32 master copies either way",
-            upcast::type_name(ty)
-        )));
-    }
-    // frozen weights (more than one value: scalars are exporter constants) stay half
-    let half: std::collections::HashSet<&str> = half_inits.iter().map(String::as_str).collect();
-    let kept: Vec<(String, i32)> = graph
-        .initializer
-        .iter()
-        .filter(|t| half.contains(t.name()))
-        .filter(|t| t.dims.iter().product::<i64>() > 1 && !trains(t.name()))
-        .map(|t| (t.name().to_string(), t.data_type()))
-        .collect();
-    let widened = frozen_half::keep_half(graph, &kept, b);
-    let keep: std::collections::HashSet<String> = kept.into_iter().map(|(n, _)| n).collect();
-    upcast::to_float32(graph, b, &keep)?;
-    Ok(widened)
 }
 
 /// Frozen weights (more than one value) as graph inputs too, their initializers the defaults
