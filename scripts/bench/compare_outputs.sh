@@ -8,7 +8,8 @@
 #
 #   scripts/bench/compare_outputs.sh BASE_BIN NEW_BIN [WORK_DIR]
 #
-# EXTRA_MODELS=DIR adds DIR/*.onnx (e.g. half-precision exports, which no fixture is).
+# EXTRA_MODELS=DIR adds DIR/*.onnx (e.g. half-precision exports, which no fixture is:
+# scripts/bench/half_variants.py makes them).
 #
 # Prints one line per difference and a count; exits 1 if any.
 set -uo pipefail
