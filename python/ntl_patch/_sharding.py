@@ -29,7 +29,8 @@ import onnxruntime as ort
 from . import _dlpack, _onnx_wire, _safetensors, _state
 
 MODES = ("none", "optimizer", "gradients")
-# the update graph's tensors that read every gradient (src/passes/step/optimizer.rs, loss_scale.rs)
+# the update graph's tensors that read every gradient (src/passes/step/optimizer.rs,
+# src/passes/step/precision/loss_scale.rs)
 NORM_SQ = ("Sum", re.compile(r"ntl/opt/grad_norm_sq(_\d+)?"))
 FOUND_INF = ("Or", re.compile(r"ntl/amp/found_inf(_\d+)?"))
 FLOAT, BOOL = 1, 9

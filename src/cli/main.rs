@@ -19,7 +19,7 @@ use ntl_patch::passes::pipeline::{run_patch, PatchRequest};
 use ntl_patch::passes::recompute::{
     Hints as RecomputeHints, Mode as RecomputeMode, RecomputeOptions,
 };
-use ntl_patch::passes::step::loss_scale::LossScaleOptions;
+use ntl_patch::passes::step::precision::loss_scale::LossScaleOptions;
 use ntl_patch::passes::step::{run_step, OptimizerKind, OptimizerOptions, Precision, StepRequest};
 use ntl_patch::text::escape;
 use ntl_patch::tools::validate::{self, Runtime, ValidateRequest};

@@ -5,18 +5,17 @@
 //! between the two).
 
 mod copies;
-mod frozen_half;
 mod in_place;
-pub mod loss_scale;
 pub mod optimizer;
+mod parameters;
 pub mod precision;
-mod upcast;
 mod zero_state;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use crate::error::Error;
+use crate::graph::elem_types::ElemTypes;
 use crate::graph::ranks::Ranks;
 use crate::graph::shapes::Shapes;
 use crate::graph::GraphIndex;
@@ -26,16 +25,21 @@ use crate::onnx::{
     ValueInfoProto, FLOAT, INT64,
 };
 use crate::passes::attention::{self, AttentionOptions};
-use crate::passes::fused_head::{self, FusedHeadOptions, Outcome};
+use crate::passes::fused_head::{self, FusedHeadOptions, FusedView, Outcome};
 use crate::passes::grad::{self, Ctx};
 use crate::passes::lora::{self, Adapted, LoraOptions};
 use crate::passes::pipeline::{patch_model, PatchRequest, PatchSummary};
 use crate::passes::recompute::{self, RecomputeOptions, StepFacts};
-use loss_scale::{LossScaleOptions, ScaleState, SCALE_STATE, SKIP_OUTPUT, TRACKER_STATE};
 use ntl_ops::names::{CE_OUTPUT, NUMBER_OUTPUT, PREFIX};
 use ntl_ops::Builder;
 use optimizer::{emit_update, ParamUpdate};
 pub use optimizer::{OptimizerKind, OptimizerOptions};
+use parameters::{Rule, Selection};
+use precision::frozen_half::{self, WidenedSet};
+use precision::loss_scale::{
+    self, LossScaleOptions, ScaleState, SCALE_STATE, SKIP_OUTPUT, TRACKER_STATE,
+};
+use precision::upcast;
 pub use precision::Precision;
 use zero_state::ZeroState;
 
@@ -53,17 +57,6 @@ pub fn step_metadata(model: &ModelProto) -> Option<serde_json::Result<serde_json
 }
 pub const LR_INPUT: &str = "ntl/lr";
 pub const STEP_INPUT: &str = "ntl/state/step";
-
-/// Float initializers whose names end like these are buffers torch never trains (rotary
-/// frequencies, batch-norm statistics, position ids): kept constant.
-const BUFFER_SUFFIXES: &[&str] = &[
-    "inv_freq",
-    "running_mean",
-    "running_var",
-    "num_batches_tracked",
-    "position_ids",
-    "masked_bias",
-];
 
 pub struct StepRequest {
     pub patch: PatchRequest,
@@ -272,173 +265,266 @@ struct Built {
     attention: serde_json::Value,
 }
 
-fn is_buffer_name(name: &str) -> bool {
-    BUFFER_SUFFIXES.iter().any(|s| {
-        name.strip_suffix(s)
-            .is_some_and(|rest| rest.is_empty() || rest.ends_with(['.', '/', '_', ':']))
-    })
-}
+/// One stage of the step graph: it reads what earlier stages left in the context and leaves
+/// what it made there.
+type Stage = fn(&mut StepCtx) -> Result<(), Error>;
 
-/// What torch.export's graph signature says each lifted input is, as the dynamo exporter
-/// records it on the value's metadata (`PARAMETER`, `BUFFER`, `CONSTANT_TENSOR`, ...).
-const INPUT_KIND_KEY: &str = "pkg.torch.export.graph_signature.InputSpec.kind";
-
-/// What the exporter recorded each lifted initializer as (`PARAMETER`, `BUFFER`, ...), where
-/// it did: non-parameters are buffers such as Gemma's `embed_scale` or GPT-J's
-/// `embed_positions`, or lifted constants.
-fn recorded_kinds(graph: &GraphProto) -> std::collections::HashMap<&str, &str> {
-    let values = graph.value_info.iter().chain(&graph.input);
-    let kinds = values.map(|v| (v.name(), &v.metadata_props)).chain(
-        graph
-            .initializer
-            .iter()
-            .map(|t| (t.name(), &t.metadata_props)),
-    );
-    kinds
-        .filter_map(|(name, props)| {
-            let kind = props.iter().find(|p| p.key() == INPUT_KIND_KEY)?;
-            Some((name, kind.value()))
-        })
-        .collect()
-}
-
-/// Whether a float initializer is a constant rather than a weight: a buffer by name, recorded
-/// as a non-parameter, or a single value the exporter did not record as a parameter —
-/// tf2onnx, jax2onnx and paddle2onnx store epsilons, scales and fill values (`-1`, `0`,
-/// `1/√d`) as initializers, and training them would change the model's arithmetic.
-fn is_constant(t: &TensorProto, kinds: &std::collections::HashMap<&str, &str>) -> bool {
-    let kind = kinds.get(t.name()).copied();
-    let single_value = t.dims.iter().product::<i64>() == 1;
-    is_buffer_name(t.name())
-        || kind.is_some_and(|k| k != "PARAMETER")
-        || (single_value && kind.is_none())
-}
-
-/// Why nothing trains: weights of another float type (a half-precision or float64 export)
-/// get their own fix; otherwise the weights are not initializers or all are frozen.
-fn no_parameters_message(graph: &GraphProto, loss: &str) -> String {
-    let other_floats: Vec<String> = graph
-        .initializer
-        .iter()
-        .filter(|t| float_type_name(t.data_type()).is_some())
-        .map(|t| t.name().to_string())
-        .collect();
-    let reaching = grad::reaching_loss(&graph.node, loss, &other_floats);
-    let typed = reaching.first().and_then(|name| {
-        let t = graph.initializer.iter().find(|t| t.name() == name)?;
-        Some((name, float_type_name(t.data_type())?))
-    });
-    match typed {
-        Some((name, ty)) => format!(
-            "the weights are {ty} (e.g. '{name}'), and step trains float32 parameters (float32 optimizer state and updates); export the model in float32"
-        ),
-        None => "no float32 initializer reaches the loss through differentiable ops, so there is nothing to train; check the export keeps the weights as initializers (and --freeze)".into(),
-    }
-}
-
-fn float_type_name(dt: i32) -> Option<&'static str> {
-    use crate::onnx::proto::tensor_proto::DataType;
-    match DataType::try_from(dt).ok()? {
-        DataType::Float16 => Some("float16"),
-        DataType::Bfloat16 => Some("bfloat16"),
-        DataType::Double => Some("float64"),
-        _ => None,
-    }
-}
-
-/// Checks each `--freeze` prefix: one that matches only initializers step keeps constant
-/// anyway (a buffer such as `inv_freq`, an exporter constant, a weight off the loss's path)
-/// holds as asked and gets a note; one that matches no initializer at all is a mistake.
-fn freeze_notes(
-    graph: &GraphProto,
-    freeze: &[String],
-    trained: &[String],
-) -> Result<Vec<String>, Error> {
-    let mut notes = Vec::new();
-    for prefix in freeze {
-        if trained.iter().any(|p| p.starts_with(prefix.as_str())) {
-            continue;
-        }
-        let user_initializers = graph
-            .initializer
-            .iter()
-            .map(|t| t.name())
-            .filter(|n| !n.starts_with(&format!("{PREFIX}/")));
-        let matched: Vec<&str> = user_initializers
-            .filter(|n| n.starts_with(prefix.as_str()))
-            .collect();
-        match matched.first() {
-            Some(first) => notes.push(format!(
-                "--freeze '{prefix}' matches {} initializer(s) (e.g. '{first}') that step keeps constant anyway (buffers, exporter constants, or off the loss's path): nothing more to freeze",
-                matched.len()
-            )),
-            None => {
-                return Err(Error::Usage(format!(
-                    "--freeze '{prefix}' matches no trained parameter and no initializer; parameters are initializer names such as '{}'",
-                    trained.first().map(String::as_str).unwrap_or("<none>")
-                )))
-            }
-        }
-    }
-    Ok(notes)
-}
+/// The step graph's stages, in the order they run; each one's doc says why it sits there.
+const STAGES: &[Stage] = &[
+    insert_lora,
+    fuse_head,
+    open_builder,
+    widen_half_export,
+    canonicalize,
+    replace_attention,
+    analyse_forward,
+    select_parameters,
+    claim_loss_scale,
+    differentiate,
+    autocast,
+    claim_optimizer_state,
+    describe,
+    emit_optimizer_update,
+    lower_fused_head,
+    recompute_layers,
+    lower_attention,
+    cast_frozen_half,
+    mark_in_place,
+];
 
 /// Turns the patched forward model into the step graph (or the gradient graph, returning the
 /// update graph as a separate model).
 fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Result<Built, Error> {
-    let opset = default_opset(model).expect("checked by the patch step");
-    let mut warnings = Vec::new();
-    // LoRA first: the fused head then finds an adapted head (if named) no plain projection
-    let adapted: Option<Adapted> = match &req.lora {
-        Some(o) => Some(lora::insert(model, o)?),
-        None => None,
-    };
-    if let Some(a) = &adapted {
-        let unnamed: Vec<&str> = a
-            .adapters
-            .iter()
-            .filter(|x| x.layer.module.is_none())
-            .map(|x| x.layer.weight.as_str())
-            .collect();
-        if let Some(first) = unnamed.first() {
-            warnings.push(format!(
-                "{} adapted layer(s) have no module path in the export (e.g. '{first}', a weight the exporter renamed): their adapter files use the ONNX names, which PEFT cannot map to the model; export with do_constant_folding=False (TorchScript) or the dynamo exporter to keep the names",
-                unnamed.len()
-            ));
+    let mut ctx = StepCtx::new(model, req, outputs);
+    for stage in STAGES {
+        stage(&mut ctx)?;
+    }
+    ctx.finish()
+}
+
+/// One optimizer state tensor: its input, its next value's output, dims and element type.
+type StatePair = (String, String, Vec<i64>, i32);
+
+/// The optimizer's state, named.
+#[derive(Default)]
+struct OptimizerState {
+    /// Each parameter's update: its gradient, slots and next values.
+    updates: Vec<ParamUpdate>,
+    /// The step count's input and next output.
+    step: (String, String),
+    lr: String,
+    /// Every state tensor in input order: each parameter, then its slots; the step count, then
+    /// fp16's loss-scale state.
+    pairs: Vec<StatePair>,
+}
+
+/// What the stages share: the request, the model being turned into the step graph, and what
+/// each stage left for the later ones.
+struct StepCtx<'a> {
+    req: &'a StepRequest,
+    outputs: &'a [PathBuf],
+    model: &'a mut ModelProto,
+    opset: i64,
+    precision: Precision,
+    warnings: Vec<String>,
+    adapted: Option<Adapted>,
+    /// LoRA's adapter initializers (empty without LoRA).
+    adapters: BTreeSet<String>,
+    fused: Option<FusedView>,
+    /// The step's node emitter, from `open_builder` to `emit_optimizer_update`.
+    b: Option<Builder>,
+    /// Frozen half weights read through widening Casts.
+    widened: WidenedSet,
+    attended: attention::Outcome,
+    /// The finished forward's loss and what was proven about its tensors.
+    loss: String,
+    ranks: Ranks,
+    shapes: Shapes,
+    types: ElemTypes,
+    selection: Selection,
+    zeros: ZeroState,
+    scale_state: Option<ScaleState>,
+    /// Each parameter's gradient, in `selection.params`' order.
+    grads: Vec<String>,
+    /// Forward tensor → its gradient, as the backward emitted them.
+    gradient_of: HashMap<String, String>,
+    /// The forward's data inputs (graph inputs that are not initializers).
+    data_inputs: Vec<String>,
+    /// The forward and backward retyped by autocast.
+    mixed: Option<precision::Mixed>,
+    state: OptimizerState,
+    meta: serde_json::Value,
+    lora_json: Option<serde_json::Value>,
+    update: Option<ModelProto>,
+    recompute_json: serde_json::Value,
+    attention_json: serde_json::Value,
+}
+
+impl<'a> StepCtx<'a> {
+    fn new(model: &'a mut ModelProto, req: &'a StepRequest, outputs: &'a [PathBuf]) -> Self {
+        StepCtx {
+            req,
+            outputs,
+            opset: default_opset(model).expect("checked by the patch step"),
+            model,
+            precision: req.precision(),
+            warnings: Vec::new(),
+            adapted: None,
+            adapters: BTreeSet::new(),
+            fused: None,
+            b: None,
+            widened: WidenedSet::default(),
+            attended: attention::Outcome::default(),
+            loss: String::new(),
+            ranks: Ranks::default(),
+            shapes: Shapes::default(),
+            types: ElemTypes::default(),
+            selection: Selection::default(),
+            zeros: ZeroState::inline(),
+            scale_state: None,
+            grads: Vec::new(),
+            gradient_of: HashMap::new(),
+            data_inputs: Vec::new(),
+            mixed: None,
+            state: OptimizerState::default(),
+            meta: serde_json::Value::Null,
+            lora_json: None,
+            update: None,
+            recompute_json: serde_json::Value::Null,
+            attention_json: serde_json::Value::Null,
         }
     }
-    let fused = match fused_head::fuse(model, &req.fused_head)? {
+
+    /// The metadata written into the step graph, checked, and what the summary reports.
+    fn finish(self) -> Result<Built, Error> {
+        self.model.metadata_props.push(StringStringEntryProto {
+            key: Some(STEP_METADATA_KEY.into()),
+            value: Some(self.meta.to_string()),
+        });
+        crate::graph::patch::check_consistency(self.model).map_err(Error::Inconsistent)?;
+        let s = self.selection;
+        Ok(Built {
+            parameters: s.params,
+            parameter_elements: s.elements,
+            frozen: s.frozen,
+            buffers: s.buffers,
+            notes: s.notes,
+            warnings: self.warnings,
+            update: self.update,
+            zeros: self.zeros,
+            fused_head_chunk_tokens: self.fused.map(|v| v.chunk_tokens),
+            lora: self.lora_json,
+            recompute: self.recompute_json,
+            attention: self.attention_json,
+        })
+    }
+}
+
+fn graph(model: &ModelProto) -> &GraphProto {
+    model.graph.as_ref().expect("loaded models have a graph")
+}
+
+fn graph_mut(model: &mut ModelProto) -> &mut GraphProto {
+    model.graph.as_mut().expect("loaded models have a graph")
+}
+
+/// The step's builder, open between `open_builder` and `emit_optimizer_update`.
+fn builder(b: &mut Option<Builder>) -> &mut Builder {
+    b.as_mut().expect("the step's builder is open")
+}
+
+/// Which weights train, by `--freeze`, `--train` and LoRA (`adapters`, where it adapted).
+fn train_rule<'r>(
+    req: &'r StepRequest,
+    adapted: Option<&Adapted>,
+    adapters: &'r BTreeSet<String>,
+) -> Rule<'r> {
+    Rule {
+        freeze: &req.freeze,
+        train: &req.train,
+        lora: adapted.is_some(),
+        adapters,
+    }
+}
+
+/// A state name, claimed exactly: the runtime feeds and reads it by this name.
+fn claim(b: &mut Builder, name: String) -> Result<String, Error> {
+    if b.claim(&name) {
+        Ok(name)
+    } else {
+        Err(Error::OutputNameTaken(name))
+    }
+}
+
+/// LoRA first: the fused head then finds an adapted head (if named), not a plain projection.
+fn insert_lora(ctx: &mut StepCtx) -> Result<(), Error> {
+    let Some(options) = &ctx.req.lora else {
+        return Ok(());
+    };
+    let adapted = lora::insert(ctx.model, options)?;
+    let unnamed: Vec<&str> = adapted
+        .adapters
+        .iter()
+        .filter(|x| x.layer.module.is_none())
+        .map(|x| x.layer.weight.as_str())
+        .collect();
+    if let Some(first) = unnamed.first() {
+        ctx.warnings.push(format!(
+            "{} adapted layer(s) have no module path in the export (e.g. '{first}', a weight the exporter renamed): their adapter files use the ONNX names, which PEFT cannot map to the model; export with do_constant_folding=False (TorchScript) or the dynamo exporter to keep the names",
+            unnamed.len()
+        ));
+    }
+    ctx.adapters = adapted.parameters();
+    ctx.adapted = Some(adapted);
+    Ok(())
+}
+
+/// The LM head fused into one internal node before anything differentiates the logits.
+fn fuse_head(ctx: &mut StepCtx) -> Result<(), Error> {
+    ctx.fused = match fused_head::fuse(ctx.model, &ctx.req.fused_head)? {
         Outcome::Fused(view) => Some(view),
         Outcome::Dense(Some(why)) => {
-            warnings.push(format!(
+            ctx.warnings.push(format!(
                 "the LM head is not fused, so the step graph holds the [N, V] logits: {why}"
             ));
             None
         }
         Outcome::Dense(None) => None,
     };
-    let graph = model.graph.as_mut().expect("loaded models have a graph");
-    let mut b = Builder::new(
-        PREFIX,
-        opset,
-        GraphIndex::new(graph).taken_names(PREFIX, &[]),
-    );
-    let lora_params = adapted
-        .as_ref()
-        .map(Adapted::parameters)
-        .unwrap_or_default();
-    let trains = |name: &str| -> bool {
-        if req.freeze.iter().any(|f| name.starts_with(f.as_str())) {
-            return false;
-        }
-        adapted.is_none()
-            || lora_params.contains(name)
-            || req.train.iter().any(|t| name.starts_with(t.as_str()))
-    };
-    let widened = widen_half_export(graph, req, &mut b, &trains)?;
-    crate::passes::grad::canonical::canonicalize(graph, &mut b);
-    // the rewrites' constants join the graph now, so shapes and ranks see their values
+    Ok(())
+}
+
+/// The step's builder opens after LoRA and the fused head: it knows the names they added.
+fn open_builder(ctx: &mut StepCtx) -> Result<(), Error> {
+    let taken = GraphIndex::new(graph(ctx.model)).taken_names(PREFIX, &[]);
+    ctx.b = Some(Builder::new(PREFIX, ctx.opset, taken));
+    Ok(())
+}
+
+/// A half-precision export widened to float32 once LoRA has said what trains (frozen weights
+/// stay half), before anything analyses the graph: later stages see float32.
+fn widen_half_export(ctx: &mut StepCtx) -> Result<(), Error> {
+    let rule = train_rule(ctx.req, ctx.adapted.as_ref(), &ctx.adapters);
+    let b = builder(&mut ctx.b);
+    let graph = graph_mut(ctx.model);
+    ctx.widened = upcast::widen_half_export(graph, ctx.req.precision, b, &|n| rule.trains(n))?;
+    Ok(())
+}
+
+/// Exporter idioms rewritten into differentiable forms; their constants join the graph now,
+/// so the analysis below sees their values.
+fn canonicalize(ctx: &mut StepCtx) -> Result<(), Error> {
+    let b = builder(&mut ctx.b);
+    let graph = graph_mut(ctx.model);
+    grad::canonical::canonicalize(graph, b);
     graph.initializer.append(&mut b.initializers);
+    Ok(())
+}
+
+/// Attention replaced by one internal node on the widened, canonical forward, before
+/// differentiation: the node has a blockwise gradient of its own.
+fn replace_attention(ctx: &mut StepCtx) -> Result<(), Error> {
+    let graph = graph(ctx.model);
     let weights: Vec<String> = graph
         .initializer
         .iter()
@@ -448,371 +534,374 @@ fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Resu
         .map(|t| t.name().to_string())
         .collect();
     let weight_derived = grad::depending_on(&graph.node, &weights);
-    let attended = attention::replace(model, &req.attention, &mut b, &weight_derived)?;
+    let b = builder(&mut ctx.b);
+    let attended = attention::replace(ctx.model, &ctx.req.attention, b, &weight_derived)?;
     if let Some((node, why)) = attended.left.first() {
-        warnings.push(format!(
+        ctx.warnings.push(format!(
             "{} attention(s) left as exported, storing their [.., T, T] scores for the backward (e.g. at Softmax node '{node}': {why})",
             attended.left.len()
         ));
     }
-    let graph = model.graph.as_mut().expect("graph");
-    graph.initializer.append(&mut b.initializers);
-    let graph = &*graph;
-    let loss = graph.output[0].name().to_string();
+    ctx.attended = attended;
+    graph_mut(ctx.model).initializer.append(&mut b.initializers);
+    Ok(())
+}
+
+/// Ranks, proven shapes and element types of the finished forward, for differentiation and
+/// the optimizer.
+fn analyse_forward(ctx: &mut StepCtx) -> Result<(), Error> {
+    let graph = graph(ctx.model);
+    ctx.loss = graph.output[0].name().to_string();
     let index = GraphIndex::new(graph);
-    let mut ranks = Ranks::infer(&index);
-    let shapes = Shapes::infer(&index);
-    let types = crate::graph::elem_types::ElemTypes::infer(index.graph);
+    ctx.ranks = Ranks::infer(&index);
+    ctx.shapes = Shapes::infer(&index);
+    ctx.types = ElemTypes::infer(index.graph);
+    Ok(())
+}
 
-    let float_inits: Vec<&TensorProto> = graph
-        .initializer
-        .iter()
-        .filter(|t| t.data_type() == FLOAT || widened.is_kept(t.name()))
-        .filter(|t| !t.name().starts_with(&format!("{PREFIX}/")) || lora_params.contains(t.name()))
-        .collect();
-    let kinds = recorded_kinds(graph);
-    let (buffer_like, candidates): (Vec<&TensorProto>, Vec<&TensorProto>) = float_inits
-        .into_iter()
-        .partition(|t| is_constant(t, &kinds));
-    let candidate_names: Vec<String> = candidates.iter().map(|t| t.name().to_string()).collect();
-    let reaching = grad::reaching_loss(&graph.node, &loss, &candidate_names);
-    let buffer_names: Vec<String> = buffer_like.iter().map(|t| t.name().to_string()).collect();
-    let buffers = grad::reaching_loss(&graph.node, &loss, &buffer_names);
+/// The trained parameters, chosen on the finished forward (LoRA's adapters and the widened
+/// weights are initializers by now).
+fn select_parameters(ctx: &mut StepCtx) -> Result<(), Error> {
+    let rule = train_rule(ctx.req, ctx.adapted.as_ref(), &ctx.adapters);
+    let mut selection = parameters::select(graph(ctx.model), &ctx.loss, &rule, &ctx.widened)?;
+    ctx.warnings.append(&mut selection.warnings);
+    // weights in external data: the zero state goes to a sparse file beside the graph that
+    // holds the optimizer state (the update graph with --split)
+    if selection.external {
+        ctx.zeros = ZeroState::beside(ctx.outputs.last().expect("one output at least"));
+    }
+    ctx.selection = selection;
+    Ok(())
+}
 
-    let notes = freeze_notes(graph, &req.freeze, &reaching)?;
-    if let Some(t) = req
-        .train
-        .iter()
-        .find(|t| !reaching.iter().any(|p| p.starts_with(t.as_str())))
-    {
-        return Err(Error::Usage(format!(
-            "--train '{t}' matches no weight on the loss's path; weights are initializer names such as '{}'",
-            reaching.iter().find(|p| !lora_params.contains(*p)).map(String::as_str).unwrap_or("<none>")
-        )));
+/// fp16's loss-scale state, claimed before differentiation: the backward is seeded with the
+/// scale (a state input).
+fn claim_loss_scale(ctx: &mut StepCtx) -> Result<(), Error> {
+    if !ctx.precision.scales_loss() {
+        return Ok(());
     }
-    let (params, frozen): (Vec<String>, Vec<String>) =
-        reaching.into_iter().partition(|p| trains(p));
-    if params.is_empty() {
-        return Err(Error::Usage(no_parameters_message(graph, &loss)));
-    }
-    let generated: Vec<&String> = params
-        .iter()
-        .filter(|p| p.starts_with("onnx::") || p.starts_with("val_") || p.starts_with("_val_"))
-        .collect();
-    if !generated.is_empty() {
-        warnings.push(format!(
-            "{} parameter(s) have exporter-generated names (e.g. '{}'): constant folding or the dynamo exporter's optimize=True may have copied, transposed or merged weights, which then train as separate tensors; export with do_constant_folding=False / optimize=False for training",
-            generated.len(),
-            generated[0]
-        ));
-    }
-    let by_name: std::collections::HashMap<&str, &TensorProto> =
-        graph.initializer.iter().map(|t| (t.name(), t)).collect();
-    let trained: Vec<&TensorProto> = params
-        .iter()
-        .filter_map(|p| by_name.get(p.as_str()).copied())
-        .collect();
-    if let Some((a, b)) = copies::same_values(&trained).first() {
-        warnings.push(format!(
-            "parameters '{a}' and '{b}' hold the same values (a weight the exporter stored twice, e.g. folded or transposed): they train as separate tensors, so the model drifts from the framework's; re-export without constant folding (torch: optimize=False / do_constant_folding=False; tf2onnx: without its fold_constants optimizer)"
-        ));
-    }
-    let param_dims: Vec<Vec<i64>> = params
-        .iter()
-        .map(|p| {
-            by_name
-                .get(p.as_str())
-                .map(|t| t.dims.clone())
-                .unwrap_or_default()
-        })
-        .collect();
-    if let Some((p, _)) = params
-        .iter()
-        .zip(&param_dims)
-        .find(|(_, d)| d.iter().any(|&x| x < 0))
-    {
-        return Err(Error::MalformedGraph(format!(
-            "initializer '{p}' has a negative dimension"
-        )));
-    }
-    // Weights in external data: the zero state goes to a sparse file beside the graph that
-    // holds the optimizer state (the update graph with --split).
-    let external = params
-        .iter()
-        .filter_map(|p| by_name.get(p.as_str()))
-        .any(|t| {
-            t.data_location() as i32
-                == crate::onnx::proto::tensor_proto::DataLocation::External as i32
-        });
-    let mut zeros = if external {
-        ZeroState::beside(outputs.last().expect("one output at least"))
-    } else {
-        ZeroState::inline()
+    let b = builder(&mut ctx.b);
+    let s = ScaleState {
+        scale: claim(b, SCALE_STATE.to_string())?,
+        tracker: claim(b, TRACKER_STATE.to_string())?,
+        next_scale: claim(b, format!("{PREFIX}/next/{SCALE_STATE}"))?,
+        next_tracker: claim(b, format!("{PREFIX}/next/{TRACKER_STATE}"))?,
+        skipped: claim(b, SKIP_OUTPUT.to_string())?,
     };
-    let parameter_elements: u64 = param_dims
-        .iter()
-        .map(|d| d.iter().map(|&x| x as u64).product::<u64>())
-        .sum();
+    ctx.ranks.set(&s.scale, 0);
+    ctx.scale_state = Some(s);
+    Ok(())
+}
 
-    // State names, claimed exactly.
-    let claim = |b: &mut Builder, name: String| -> Result<String, Error> {
-        if b.claim(&name) {
-            Ok(name)
-        } else {
-            Err(Error::OutputNameTaken(name))
-        }
-    };
-    let precision = req.precision();
-    // fp16: the backward is seeded with the loss scale (a state input)
-    let scale_state = if precision.scales_loss() {
-        Some(ScaleState {
-            scale: claim(&mut b, SCALE_STATE.to_string())?,
-            tracker: claim(&mut b, TRACKER_STATE.to_string())?,
-            next_scale: claim(&mut b, format!("{PREFIX}/next/{SCALE_STATE}"))?,
-            next_tracker: claim(&mut b, format!("{PREFIX}/next/{TRACKER_STATE}"))?,
-            skipped: claim(&mut b, SKIP_OUTPUT.to_string())?,
-        })
-    } else {
-        None
-    };
-    if let Some(s) = &scale_state {
-        ranks.set(&s.scale, 0);
-    }
+/// The whole model's backward, from the loss to every trained parameter.
+fn differentiate(ctx: &mut StepCtx) -> Result<(), Error> {
+    let graph = graph(ctx.model);
+    let b = builder(&mut ctx.b);
+    let mut gctx = Ctx::new(b, &mut ctx.ranks, &ctx.shapes, &ctx.types, ctx.opset);
+    let seed = ctx.scale_state.as_ref().map(|s| s.scale.as_str());
+    ctx.grads = grad::differentiate(
+        &mut gctx,
+        &graph.node,
+        &ctx.loss,
+        &ctx.selection.params,
+        seed,
+    )?;
+    ctx.gradient_of = std::mem::take(&mut gctx.gradient_of);
+    ctx.data_inputs = data_inputs(graph);
+    Ok(())
+}
 
-    let nodes = graph.node.clone();
-    let (grads, gradient_of) = {
-        let mut ctx = Ctx::new(&mut b, &mut ranks, &shapes, &types, opset);
-        let seed = scale_state.as_ref().map(|s| s.scale.as_str());
-        let grads = grad::differentiate(&mut ctx, &nodes, &loss, &params, seed)?;
-        (grads, std::mem::take(&mut ctx.gradient_of))
+/// Mixed precision over the forward and backward together, before the optimizer, which
+/// stays float32.
+fn autocast(ctx: &mut StepCtx) -> Result<(), Error> {
+    let Some(half) = ctx.precision.half_type() else {
+        return Ok(());
     };
-    let forward_data_inputs = data_inputs(graph);
-    // Mixed precision: forward and backward retyped together; the optimizer stays float32.
-    let mixed = match precision.half_type() {
-        Some(half) => {
-            let mut all = nodes;
-            all.append(&mut b.nodes);
-            let mut sinks: std::collections::HashSet<String> = grads.iter().cloned().collect();
-            sinks.extend([loss.clone(), CE_OUTPUT.into(), NUMBER_OUTPUT.into()]);
-            let mut all_types = crate::graph::elem_types::ElemTypes::infer(graph);
-            for t in &b.initializers {
-                all_types.set(t.name(), t.data_type());
-            }
-            all_types.follow(&all[graph.node.len()..]);
-            let param_set = params.iter().cloned().collect();
-            let inputs = precision::Inputs {
-                widened: &widened,
-                graph,
-                new_initializers: &b.initializers.clone(),
-                params: &param_set,
-                ranks: &ranks,
-                types: &all_types,
-                opset,
-                float32_sinks: &sinks,
-            };
-            Some(precision::autocast(&mut b, all, half, &inputs))
-        }
-        None => None,
+    let graph = graph(ctx.model);
+    let b = builder(&mut ctx.b);
+    let mut all = graph.node.clone();
+    all.append(&mut b.nodes);
+    let mut sinks: HashSet<String> = ctx.grads.iter().cloned().collect();
+    sinks.extend([ctx.loss.clone(), CE_OUTPUT.into(), NUMBER_OUTPUT.into()]);
+    let mut all_types = ElemTypes::infer(graph);
+    for t in &b.initializers {
+        all_types.set(t.name(), t.data_type());
+    }
+    all_types.follow(&all[graph.node.len()..]);
+    let params = ctx.selection.params.iter().cloned().collect();
+    let new_initializers = b.initializers.clone();
+    let inputs = precision::Inputs {
+        widened: &ctx.widened,
+        graph,
+        new_initializers: &new_initializers,
+        params: &params,
+        ranks: &ctx.ranks,
+        types: &all_types,
+        opset: ctx.opset,
+        float32_sinks: &sinks,
     };
-    let slots = req.optimizer.slots();
+    ctx.mixed = Some(precision::autocast(b, all, half, &inputs));
+    Ok(())
+}
+
+/// The optimizer's state names, claimed in the order the metadata lists them: each
+/// parameter, then its slots; the step count; fp16's scale state last.
+fn claim_optimizer_state(ctx: &mut StepCtx) -> Result<(), Error> {
+    let b = builder(&mut ctx.b);
+    let slots = ctx.req.optimizer.slots();
     let mut updates = Vec::new();
-    for (p, g) in params.iter().zip(&grads) {
+    for (p, g) in ctx.selection.params.iter().zip(&ctx.grads) {
         let slot_in: Vec<String> = slots
             .iter()
-            .map(|s| claim(&mut b, format!("{PREFIX}/state/{p}/{s}")))
+            .map(|s| claim(b, format!("{PREFIX}/state/{p}/{s}")))
             .collect::<Result<_, _>>()?;
         let slot_out: Vec<String> = slot_in
             .iter()
-            .map(|s| claim(&mut b, format!("{PREFIX}/next/{s}")))
+            .map(|s| claim(b, format!("{PREFIX}/next/{s}")))
             .collect::<Result<_, _>>()?;
         updates.push(ParamUpdate {
             param: p.clone(),
             grad: g.clone(),
-            next_param: claim(&mut b, format!("{PREFIX}/next/{p}"))?,
+            next_param: claim(b, format!("{PREFIX}/next/{p}"))?,
             slots: slot_in,
             next_slots: slot_out,
         });
     }
-    let step_in = claim(&mut b, STEP_INPUT.to_string())?;
-    let step_out = claim(&mut b, format!("{PREFIX}/next/{STEP_INPUT}"))?;
-    let lr = claim(&mut b, LR_INPUT.to_string())?;
+    let step_in = claim(b, STEP_INPUT.to_string())?;
+    let step_out = claim(b, format!("{PREFIX}/next/{STEP_INPUT}"))?;
+    let lr = claim(b, LR_INPUT.to_string())?;
 
-    // State pairs in input order: each parameter, then its slots; the step count last.
-    let mut state: Vec<(String, String, Vec<i64>, i32)> = Vec::new();
-    for (u, dims) in updates.iter().zip(&param_dims) {
-        state.push((u.param.clone(), u.next_param.clone(), dims.clone(), FLOAT));
+    let mut pairs: Vec<StatePair> = Vec::new();
+    for (u, dims) in updates.iter().zip(&ctx.selection.dims) {
+        pairs.push((u.param.clone(), u.next_param.clone(), dims.clone(), FLOAT));
         for (i, o) in u.slots.iter().zip(&u.next_slots) {
-            state.push((i.clone(), o.clone(), dims.clone(), FLOAT));
+            pairs.push((i.clone(), o.clone(), dims.clone(), FLOAT));
         }
     }
-    state.push((step_in.clone(), step_out.clone(), vec![], INT64));
-    if let Some(s) = &scale_state {
-        state.push((s.scale.clone(), s.next_scale.clone(), vec![], FLOAT));
-        state.push((s.tracker.clone(), s.next_tracker.clone(), vec![], INT64));
+    pairs.push((step_in.clone(), step_out.clone(), vec![], INT64));
+    if let Some(s) = &ctx.scale_state {
+        pairs.push((s.scale.clone(), s.next_scale.clone(), vec![], FLOAT));
+        pairs.push((s.tracker.clone(), s.next_tracker.clone(), vec![], INT64));
     }
+    ctx.state = OptimizerState {
+        updates,
+        step: (step_in, step_out),
+        lr,
+        pairs,
+    };
+    Ok(())
+}
 
+/// The `ntl_step` metadata, before the update is emitted: `--split` writes it into the update
+/// graph as it stands then.
+fn describe(ctx: &mut StepCtx) -> Result<(), Error> {
+    let req = ctx.req;
+    let s = &ctx.selection;
+    let scale_state = ctx.scale_state.as_ref();
     let mut meta = serde_json::json!({
         "version": env!("CARGO_PKG_VERSION"),
-        "state": state.iter().map(|(i, o, _, _)| [i, o]).collect::<Vec<_>>(),
-        "parameters": params,
-        "frozen": frozen,
-        "buffers": buffers,
+        "state": ctx.state.pairs.iter().map(|(i, o, _, _)| [i, o]).collect::<Vec<_>>(),
+        "parameters": s.params,
+        "frozen": s.frozen,
+        "buffers": s.buffers,
         "optimizer": req.optimizer.to_json(),
         "lr_input": LR_INPUT,
-        "losses": [loss, CE_OUTPUT, NUMBER_OUTPUT],
-        "data_inputs": data_inputs(graph),
+        "losses": [ctx.loss, CE_OUTPUT, NUMBER_OUTPUT],
+        "data_inputs": ctx.data_inputs,
         "split": req.split,
-        "precision": precision.name(),
-        "loss_scale": scale_state.as_ref().map(|_| req.loss_scale.to_json()),
-        "skip_output": scale_state.as_ref().map(|s| s.skipped.clone()),
+        "precision": ctx.precision.name(),
+        "loss_scale": scale_state.map(|_| req.loss_scale.to_json()),
+        "skip_output": scale_state.map(|s| s.skipped.clone()),
     });
-    if let Some(view) = &fused {
+    if let Some(view) = &ctx.fused {
         meta["fused_head"] = view.to_json();
     }
-    let lora_meta = adapted
+    ctx.lora_json = ctx
+        .adapted
         .as_ref()
         .zip(req.lora.as_ref())
         .map(|(a, o)| a.to_json(o));
-    if let Some(l) = &lora_meta {
+    if let Some(l) = &ctx.lora_json {
         meta["lora"] = l.clone();
     }
+    ctx.meta = meta;
+    Ok(())
+}
 
-    let update = if req.split {
-        let grad_names: Vec<String> = params
-            .iter()
-            .map(|p| claim(&mut b, format!("{PREFIX}/grad/{p}")))
-            .collect::<Result<_, _>>()?;
-        for (g, name) in grads.iter().zip(&grad_names) {
-            b.node_to("Identity", &[g], &[name], vec![]);
-        }
-        let update = update_model(
-            model,
-            req,
-            &updates,
-            &grad_names,
-            &state,
-            (&step_in, &step_out),
-            &lr,
-            scale_state.as_ref(),
-            &mut meta,
-            &mut zeros,
-        )?;
-        let graph = model.graph.as_mut().expect("graph");
-        set_nodes(graph, mixed, &mut b);
-        let mut param_inputs: Vec<ValueInfoProto> = params
-            .iter()
-            .zip(&param_dims)
-            .map(|(p, d)| tensor_info(p, FLOAT, d))
-            .collect();
-        // fp16: the gradient graph reads the current loss scale (the update graph holds it)
-        if let Some(s) = &scale_state {
-            param_inputs.push(tensor_info(&s.scale, FLOAT, &[]));
-            graph.initializer.push(crate::onnx::f32_tensor(
-                &s.scale,
-                &[],
-                &[req.loss_scale.init_scale as f32],
-            ));
-        }
-        set_inputs(graph, param_inputs);
-        let grad_outputs: Vec<ValueInfoProto> = grad_names
-            .iter()
-            .zip(&param_dims)
-            .map(|(n, d)| tensor_info(n, FLOAT, d))
-            .collect();
-        set_outputs(graph, &loss, grad_outputs);
-        Some(update)
+/// The optimizer update, into the step graph or (`--split`) into an update graph of its own;
+/// the forward, backward and update are then the graph's nodes and the step's builder closes.
+fn emit_optimizer_update(ctx: &mut StepCtx) -> Result<(), Error> {
+    if ctx.req.split {
+        split_update(ctx)?;
     } else {
-        let mut ctx = Ctx::new(&mut b, &mut ranks, &shapes, &types, opset);
-        emit_optimizer(
-            &mut ctx,
-            req,
-            &updates,
-            (&step_in, &step_out),
-            &lr,
-            scale_state.as_ref(),
-        );
-        let graph = model.graph.as_mut().expect("graph");
-        set_nodes(graph, mixed, &mut b);
-        add_state_initializers(graph, &state, &mut zeros, req)?;
+        inline_update(ctx)?;
+    }
+    ctx.b = None;
+    Ok(())
+}
+
+/// `--split`: the gradients become outputs, the optimizer goes into the update graph.
+fn split_update(ctx: &mut StepCtx) -> Result<(), Error> {
+    let (req, state) = (ctx.req, &ctx.state);
+    let b = builder(&mut ctx.b);
+    let grad_names: Vec<String> = ctx
+        .selection
+        .params
+        .iter()
+        .map(|p| claim(b, format!("{PREFIX}/grad/{p}")))
+        .collect::<Result<_, _>>()?;
+    for (g, name) in ctx.grads.iter().zip(&grad_names) {
+        b.node_to("Identity", &[g], &[name], vec![]);
+    }
+    ctx.update = Some(update_model(
+        ctx.model,
+        req,
+        &state.updates,
+        &grad_names,
+        &state.pairs,
+        (&state.step.0, &state.step.1),
+        &state.lr,
+        ctx.scale_state.as_ref(),
+        &mut ctx.meta,
+        &mut ctx.zeros,
+    )?);
+    let graph = graph_mut(ctx.model);
+    set_nodes(graph, ctx.mixed.take(), b);
+    let dims = &ctx.selection.dims;
+    let mut param_inputs: Vec<ValueInfoProto> = ctx
+        .selection
+        .params
+        .iter()
+        .zip(dims)
+        .map(|(p, d)| tensor_info(p, FLOAT, d))
+        .collect();
+    // fp16: the gradient graph reads the current loss scale (the update graph holds it)
+    if let Some(s) = &ctx.scale_state {
+        param_inputs.push(tensor_info(&s.scale, FLOAT, &[]));
         graph.initializer.push(crate::onnx::f32_tensor(
-            &lr,
+            &s.scale,
             &[],
-            &[req.optimizer.lr as f32],
+            &[req.loss_scale.init_scale as f32],
         ));
-        let mut inputs: Vec<ValueInfoProto> = state
-            .iter()
-            .map(|(i, _, d, t)| tensor_info(i, *t, d))
-            .collect();
-        inputs.push(tensor_info(&lr, FLOAT, &[]));
-        set_inputs(graph, inputs);
-        let mut next: Vec<ValueInfoProto> = state
-            .iter()
-            .map(|(_, o, d, t)| tensor_info(o, *t, d))
-            .collect();
-        next.extend(skip_output(scale_state.as_ref()));
-        set_outputs(graph, &loss, next);
-        None
-    };
-    fused_head::lower::lower(model, precision.half_type());
-    let recomputed = {
-        let graph = model.graph.as_mut().expect("graph");
-        let mut b = Builder::new(
-            PREFIX,
-            opset,
-            GraphIndex::new(graph).taken_names(PREFIX, &[]),
-        );
-        let state_bytes = parameter_elements.saturating_mul(1 + slots.len() as u64) * 4;
-        let facts = StepFacts {
-            losses: &[loss.as_str(), CE_OUTPUT, NUMBER_OUTPUT],
-            data_inputs: &forward_data_inputs,
-            gradient_of: &gradient_of,
-            state_bytes,
-        };
-        recompute::recompute(graph, &mut b, &req.recompute, &facts)?
-    };
-    warnings.extend(recomputed.warnings.iter().cloned());
-    let recompute_json = recomputed.to_json(req.recompute.mode);
-    meta["recompute"] = recompute_json.clone();
-    // after recomputation, which copies a layer's attention node like any other
-    attention::lower::lower(model, precision.half_type());
-    let attention_json = attended.to_json(&req.attention);
-    meta["attention"] = attention_json.clone();
+    }
+    set_inputs(graph, param_inputs);
+    let grad_outputs: Vec<ValueInfoProto> = grad_names
+        .iter()
+        .zip(dims)
+        .map(|(n, d)| tensor_info(n, FLOAT, d))
+        .collect();
+    set_outputs(graph, &ctx.loss, grad_outputs);
+    Ok(())
+}
+
+/// One step graph: the optimizer after the backward, the state as inputs and next outputs.
+fn inline_update(ctx: &mut StepCtx) -> Result<(), Error> {
+    let (req, state) = (ctx.req, &ctx.state);
+    let b = builder(&mut ctx.b);
     {
-        let graph = model.graph.as_mut().expect("graph");
-        let taken = GraphIndex::new(graph).taken_names(PREFIX, &[]);
-        frozen_half::cast_per_use(graph, &widened, opset, taken);
-        declare_frozen(graph, &frozen);
+        let mut gctx = Ctx::new(b, &mut ctx.ranks, &ctx.shapes, &ctx.types, ctx.opset);
+        emit_optimizer(
+            &mut gctx,
+            req,
+            &state.updates,
+            (&state.step.0, &state.step.1),
+            &state.lr,
+            ctx.scale_state.as_ref(),
+        );
     }
-    if update.is_none() {
-        // the parameters are read by the backward pass too: only the optimizer's own state
-        let params: BTreeSet<&str> = updates.iter().map(|u| u.param.as_str()).collect();
-        let candidates: Vec<(&str, &str)> = state
-            .iter()
-            .filter(|(i, _, _, _)| !params.contains(i.as_str()))
-            .map(|(i, o, _, _)| (i.as_str(), o.as_str()))
-            .collect();
-        let graph = model.graph.as_ref().expect("graph");
-        meta["in_place"] = in_place::in_place_inputs(graph, &candidates).into();
+    let graph = graph_mut(ctx.model);
+    set_nodes(graph, ctx.mixed.take(), b);
+    add_state_initializers(graph, &state.pairs, &mut ctx.zeros, req)?;
+    graph.initializer.push(crate::onnx::f32_tensor(
+        &state.lr,
+        &[],
+        &[req.optimizer.lr as f32],
+    ));
+    let mut inputs: Vec<ValueInfoProto> = state
+        .pairs
+        .iter()
+        .map(|(i, _, d, t)| tensor_info(i, *t, d))
+        .collect();
+    inputs.push(tensor_info(&state.lr, FLOAT, &[]));
+    set_inputs(graph, inputs);
+    let mut next: Vec<ValueInfoProto> = state
+        .pairs
+        .iter()
+        .map(|(_, o, d, t)| tensor_info(o, *t, d))
+        .collect();
+    next.extend(skip_output(ctx.scale_state.as_ref()));
+    set_outputs(graph, &ctx.loss, next);
+    Ok(())
+}
+
+/// The fused head expanded into Scans over chunks of positions once the backward is in the
+/// graph: differentiation and autocast saw one node.
+fn lower_fused_head(ctx: &mut StepCtx) -> Result<(), Error> {
+    fused_head::lower::lower(ctx.model, ctx.precision.half_type());
+    Ok(())
+}
+
+/// Each layer's forward recomputed before its backward, on the finished step graph: it
+/// copies the forward nodes the backward reads.
+fn recompute_layers(ctx: &mut StepCtx) -> Result<(), Error> {
+    let req = ctx.req;
+    let graph = graph_mut(ctx.model);
+    let mut b = Builder::new(
+        PREFIX,
+        ctx.opset,
+        GraphIndex::new(graph).taken_names(PREFIX, &[]),
+    );
+    let slots = req.optimizer.slots().len() as u64;
+    let state_bytes = ctx.selection.elements.saturating_mul(1 + slots) * 4;
+    let facts = StepFacts {
+        losses: &[ctx.loss.as_str(), CE_OUTPUT, NUMBER_OUTPUT],
+        data_inputs: &ctx.data_inputs,
+        gradient_of: &ctx.gradient_of,
+        state_bytes,
+    };
+    let recomputed = recompute::recompute(graph, &mut b, &req.recompute, &facts)?;
+    ctx.warnings.extend(recomputed.warnings.iter().cloned());
+    ctx.recompute_json = recomputed.to_json(req.recompute.mode);
+    ctx.meta["recompute"] = ctx.recompute_json.clone();
+    Ok(())
+}
+
+/// The attention nodes expanded into Scans after recomputation, which copies a layer's
+/// attention node like any other.
+fn lower_attention(ctx: &mut StepCtx) -> Result<(), Error> {
+    attention::lower::lower(ctx.model, ctx.precision.half_type());
+    ctx.attention_json = ctx.attended.to_json(&ctx.req.attention);
+    ctx.meta["attention"] = ctx.attention_json.clone();
+    Ok(())
+}
+
+/// Frozen half weights get one widening Cast per reading node, after every stage that adds
+/// readers (recomputed copies, lowered Scans); frozen weights are then declared inputs.
+fn cast_frozen_half(ctx: &mut StepCtx) -> Result<(), Error> {
+    let graph = graph_mut(ctx.model);
+    let taken = GraphIndex::new(graph).taken_names(PREFIX, &[]);
+    frozen_half::cast_per_use(graph, &ctx.widened, ctx.opset, taken);
+    declare_frozen(graph, &ctx.selection.frozen);
+    Ok(())
+}
+
+/// The state inputs a runtime may update in their own memory, checked last, on the emitted
+/// graph, against every reader of the state (`--split`'s update graph has its own).
+fn mark_in_place(ctx: &mut StepCtx) -> Result<(), Error> {
+    if ctx.update.is_some() {
+        return Ok(());
     }
-    model.metadata_props.push(StringStringEntryProto {
-        key: Some(STEP_METADATA_KEY.into()),
-        value: Some(meta.to_string()),
-    });
-    crate::graph::patch::check_consistency(model).map_err(Error::Inconsistent)?;
-    Ok(Built {
-        parameters: params,
-        parameter_elements,
-        frozen,
-        buffers,
-        notes,
-        warnings,
-        update,
-        zeros,
-        fused_head_chunk_tokens: fused.map(|v| v.chunk_tokens),
-        lora: lora_meta,
-        recompute: recompute_json,
-        attention: attention_json,
-    })
+    // the parameters are read by the backward pass too: only the optimizer's own state
+    let state = &ctx.state;
+    let params: BTreeSet<&str> = state.updates.iter().map(|u| u.param.as_str()).collect();
+    let candidates: Vec<(&str, &str)> = state
+        .pairs
+        .iter()
+        .filter(|(i, _, _, _)| !params.contains(i.as_str()))
+        .map(|(i, o, _, _)| (i.as_str(), o.as_str()))
+        .collect();
+    ctx.meta["in_place"] = in_place::in_place_inputs(graph(ctx.model), &candidates).into();
+    Ok(())
 }
 
 /// The graph's nodes: the forward and backward (retyped by the precision pass, or as they
@@ -854,50 +943,6 @@ fn emit_optimizer(
 /// fp16's `ntl/skipped` output (bool scalar), after the state outputs.
 fn skip_output(scale_state: Option<&ScaleState>) -> Option<ValueInfoProto> {
     scale_state.map(|s| tensor_info(&s.skipped, loss_scale::SKIP_TYPE, &[]))
-}
-
-/// Half-precision exports: refused without --precision; otherwise the trained weights get
-/// float32 master copies (`upcast.rs`) and the frozen ones stay half, read through widening
-/// Casts (`frozen_half.rs`), so the rest of the step sees a float32 model.
-fn widen_half_export(
-    graph: &mut GraphProto,
-    req: &StepRequest,
-    b: &mut Builder,
-    trains: &dyn Fn(&str) -> bool,
-) -> Result<frozen_half::WidenedSet, Error> {
-    let loss = graph.output[0].name().to_string();
-    let half_inits: Vec<String> = graph
-        .initializer
-        .iter()
-        .filter(|t| float_type_name(t.data_type()).is_some_and(|n| n != "float64"))
-        .map(|t| t.name().to_string())
-        .collect();
-    if half_inits.is_empty() {
-        return Ok(Default::default());
-    }
-    let reaching = grad::reaching_loss(&graph.node, &loss, &half_inits);
-    let Some((ty, example)) = upcast::weight_type(graph, &reaching) else {
-        return Ok(Default::default());
-    };
-    if req.precision.is_none() {
-        return Err(Error::Usage(format!(
-            "the weights are {} (e.g. '{example}'): add --precision fp16 or --precision bf16 (mixed precision) or --precision fp32; step trains float32 master copies either way",
-            upcast::type_name(ty)
-        )));
-    }
-    // frozen weights (more than one value: scalars are exporter constants) stay half
-    let half: std::collections::HashSet<&str> = half_inits.iter().map(String::as_str).collect();
-    let kept: Vec<(String, i32)> = graph
-        .initializer
-        .iter()
-        .filter(|t| half.contains(t.name()))
-        .filter(|t| t.dims.iter().product::<i64>() > 1 && !trains(t.name()))
-        .map(|t| (t.name().to_string(), t.data_type()))
-        .collect();
-    let widened = frozen_half::keep_half(graph, &kept, b);
-    let keep: std::collections::HashSet<String> = kept.into_iter().map(|(n, _)| n).collect();
-    upcast::to_float32(graph, b, &keep)?;
-    Ok(widened)
 }
 
 /// Frozen weights (more than one value) as graph inputs too, their initializers the defaults

@@ -12,7 +12,7 @@
 use crate::onnx::{BOOL, FLOAT, INT64};
 use crate::passes::grad::Ctx;
 
-use super::optimizer::{emit_update, OptimizerOptions, ParamUpdate};
+use crate::passes::step::optimizer::{emit_update, OptimizerOptions, ParamUpdate};
 
 pub const SCALE_STATE: &str = "ntl/state/loss_scale";
 pub const TRACKER_STATE: &str = "ntl/state/growth_tracker";

@@ -19,8 +19,8 @@
 //! Measured with onnxruntime 1.19 and 1.31 (`ORT_ENABLE_ALL`, tests/python/test_lora_half.py):
 //! a Cast (or CastLike) of a constant half initializer is folded into a float32 initializer
 //! whatever reads it, so frozen weights are also declared graph inputs (initializers with a
-//! default value, which onnxruntime never folds: `declare_frozen` in `mod.rs`); then one Cast
-//! per reading node survives its optimiser.
+//! default value, which onnxruntime never folds: `declare_frozen` in `step/mod.rs`); then one
+//! Cast per reading node survives its optimiser.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 

@@ -1,6 +1,6 @@
 //! Half-precision exports (weights in float16 or bfloat16) made float32 before the step graph
 //! is built: the float32 master copies of the weights are what trains, and the precision pass
-//! then puts the half type back where autocast computes in it (`precision.rs`).
+//! then puts the half type back where autocast computes in it (`autocast.rs`).
 //!
 //! Every float16/bfloat16 initializer becomes float32 (the values widened exactly), every
 //! Constant / ConstantOfShape value likewise, every Cast to the half type casts to float32,
@@ -15,7 +15,55 @@ use crate::onnx::proto::type_proto;
 use crate::onnx::{GraphProto, NodeProto, TensorProto, ValueInfoProto, FLOAT};
 use ntl_ops::Builder;
 
-use super::precision::{BFLOAT16, FLOAT16};
+use crate::passes::grad;
+
+use super::frozen_half::{self, WidenedSet};
+use super::{Precision, BFLOAT16, FLOAT16};
+
+/// Half-precision exports: refused without --precision (`precision` None); otherwise the
+/// trained weights get float32 master copies (`to_float32`) and the frozen ones (by `trains`)
+/// stay half, read through widening Casts (`frozen_half.rs`), so the rest of the step sees a
+/// float32 model.
+pub fn widen_half_export(
+    graph: &mut GraphProto,
+    precision: Option<Precision>,
+    b: &mut Builder,
+    trains: &dyn Fn(&str) -> bool,
+) -> Result<WidenedSet, Error> {
+    let loss = graph.output[0].name().to_string();
+    let half_inits: Vec<String> = graph
+        .initializer
+        .iter()
+        .filter(|t| is_half(t.data_type()))
+        .map(|t| t.name().to_string())
+        .collect();
+    if half_inits.is_empty() {
+        return Ok(Default::default());
+    }
+    let reaching = grad::reaching_loss(&graph.node, &loss, &half_inits);
+    let Some((ty, example)) = weight_type(graph, &reaching) else {
+        return Ok(Default::default());
+    };
+    if precision.is_none() {
+        return Err(Error::Usage(format!(
+            "the weights are {} (e.g. '{example}'): add --precision fp16 or --precision bf16 (mixed precision) or --precision fp32; step trains float32 master copies either way",
+            type_name(ty)
+        )));
+    }
+    // frozen weights (more than one value: scalars are exporter constants) stay half
+    let half: std::collections::HashSet<&str> = half_inits.iter().map(String::as_str).collect();
+    let kept: Vec<(String, i32)> = graph
+        .initializer
+        .iter()
+        .filter(|t| half.contains(t.name()))
+        .filter(|t| t.dims.iter().product::<i64>() > 1 && !trains(t.name()))
+        .map(|t| (t.name().to_string(), t.data_type()))
+        .collect();
+    let widened = frozen_half::keep_half(graph, &kept, b);
+    let keep: std::collections::HashSet<String> = kept.into_iter().map(|(n, _)| n).collect();
+    to_float32(graph, b, &keep)?;
+    Ok(widened)
+}
 
 fn is_half(t: i32) -> bool {
     t == FLOAT16 || t == BFLOAT16
@@ -23,7 +71,7 @@ fn is_half(t: i32) -> bool {
 
 /// The half type of the export's trainable weights: the float16/bfloat16 initializers among
 /// `candidates` (initializer names on the loss path, in the order the caller found them).
-pub fn weight_type(graph: &GraphProto, candidates: &[String]) -> Option<(i32, String)> {
+fn weight_type(graph: &GraphProto, candidates: &[String]) -> Option<(i32, String)> {
     let types: HashMap<&str, i32> = graph
         .initializer
         .iter()
@@ -37,7 +85,7 @@ pub fn weight_type(graph: &GraphProto, candidates: &[String]) -> Option<(i32, St
     })
 }
 
-pub fn type_name(t: i32) -> &'static str {
+fn type_name(t: i32) -> &'static str {
     if t == BFLOAT16 {
         "bfloat16"
     } else {
@@ -47,7 +95,7 @@ pub fn type_name(t: i32) -> &'static str {
 
 /// Rewrites `graph` to float32 throughout (see the module doc), except the initializers
 /// named in `keep` (frozen weights kept in their type: `frozen_half.rs`).
-pub fn to_float32(
+fn to_float32(
     graph: &mut GraphProto,
     b: &mut Builder,
     keep: &std::collections::HashSet<String>,

@@ -32,40 +32,7 @@ use crate::onnx::{attr, GraphProto, NodeProto, TensorProto, FLOAT};
 use ntl_ops::schema::{schemas, Schema};
 use ntl_ops::Builder;
 
-pub const FLOAT16: i32 = DataType::Float16 as i32;
-pub const BFLOAT16: i32 = DataType::Bfloat16 as i32;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Precision {
-    Fp32,
-    Fp16,
-    Bf16,
-}
-
-impl Precision {
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::Fp32 => "fp32",
-            Precision::Fp16 => "fp16",
-            Precision::Bf16 => "bf16",
-        }
-    }
-
-    /// The element type of the half-precision computation (None: all float32).
-    pub fn half_type(self) -> Option<i32> {
-        match self {
-            Precision::Fp32 => None,
-            Precision::Fp16 => Some(FLOAT16),
-            Precision::Bf16 => Some(BFLOAT16),
-        }
-    }
-
-    /// fp16 needs dynamic loss scaling (its range ends at 65504 and its normals at 6e-5);
-    /// bf16 has float32's range and trains without it, as with torch.
-    pub fn scales_loss(self) -> bool {
-        self == Precision::Fp16
-    }
-}
+use super::FLOAT16;
 
 /// Autocast's lower-precision list, as ONNX ops.
 pub const HALF_OPS: &[&str] = &["MatMul", "Gemm", "Einsum", "Conv", "ConvTranspose"];
