@@ -31,7 +31,9 @@
 # start within which every benchmark must end, default 400: later parts get what is left and are
 # killed with their workers when it runs out), BENCH_THREADS (CPU threads of torch / onnxruntime, 8),
 # BENCH_ATTENTION_BLOCK (passed as --attention-block N when set), BENCH_PARTS (which of A P B C A2 to
-# run, default all; P: scripts/gpu/profile_step.py on A's chunked step graph).
+# run, default all; P: scripts/gpu/profile_step.py on A's chunked step graph; PB: its --kernels on B's),
+# BENCH_A_CONFIGS / BENCH_B_CONFIGS (the configurations of parts A and B), BENCH_EXTRA_CONFIGS (",NAME"
+# appended to B's) with BENCH_STEP_CONFIG (one --step-config NAME=ARGS).
 # $OUT ends with summary.md, bench-attention.log and all.tgz (every table, JSON and log): the device
 # tool brings back at most 8 files.
 set -uo pipefail
@@ -44,6 +46,9 @@ work="${BENCH_WORK:-/tmp/bench-attention}"
 deadline=$((t_start + ${BENCH_DEADLINE_S:-400}))
 threads="${BENCH_THREADS:-8}"
 parts_to_run=" ${BENCH_PARTS:-A P B C A2} "
+extra_configs="${BENCH_EXTRA_CONFIGS:-}"   # e.g. ",chunked4k": more configurations of part B
+extra_args=()
+[[ -n "${BENCH_STEP_CONFIG:-}" ]] && extra_args+=(--step-config "$BENCH_STEP_CONFIG")
 mkdir -p "$out" "$work"
 log="$out/bench-attention.log"
 say() { echo "bench-attention: $*" | tee -a "$log"; }
@@ -160,7 +165,7 @@ bench() {
 }
 
 if [[ "$parts_to_run" == *" A "* ]]; then
-  bench bf16-b4-t512 --batch 4 --seq 512 --precision bf16 --configs chunked,eager,torch-sdpa \
+  bench bf16-b4-t512 --batch 4 --seq 512 --precision bf16 --configs "${BENCH_A_CONFIGS:-chunked,eager,torch-sdpa}" \
     --baseline-config torch-sdpa --rounds 1 --workdir "$work/b4-t512"
 fi
 if [[ "$parts_to_run" == *" P "* ]] && [[ -f "$work/b4-t512/model.chunked.step.onnx" ]]; then
@@ -173,8 +178,14 @@ fi
 if [[ "$parts_to_run" == *" B "* ]]; then
   # chunked-rc is compared with torch-sdpa-ckpt (the baseline's checkpointing variant)
   bench bf16-b1-t4096 --batch 1 --seq 4096 --precision bf16 \
-    --configs chunked,eager,torch-sdpa,chunked-rc,torch-sdpa-ckpt --baseline-config torch-sdpa --rounds 1 \
-    --workdir "$work/b1-t4096"
+    --configs "${BENCH_B_CONFIGS:-chunked,eager,torch-sdpa,chunked-rc,torch-sdpa-ckpt}$extra_configs" \
+    "${extra_args[@]}" --baseline-config torch-sdpa --rounds 1 --workdir "$work/b1-t4096"
+  if [[ "$parts_to_run" == *" PB "* ]] && [[ -f "$work/b1-t4096/model.chunked.step.onnx" ]]; then
+    say "kernel profile B: start at $(elapsed) s"
+    timeout -k 5 90 python3 scripts/gpu/profile_step.py "$work/b1-t4096/model.chunked.step.onnx" --batch 1 \
+      --seq 4096 --device cuda --steps 2 --kernels --top 25 2>&1 | tee "$out/kernels-bf16-b1-t4096.md"
+    say "kernel profile B: exit ${PIPESTATUS[0]} after $(elapsed) s"
+  fi
 fi
 if [[ "$parts_to_run" == *" C "* ]]; then
   bench fp32-b4-t512 --batch 4 --seq 512 --configs chunked,torch --baseline-config torch --rounds 1 \

@@ -9,6 +9,10 @@ warm-up and is left out. onnxruntime's node times on the CUDA provider are host-
 kernel launches unless the build traces the GPU (CUPTI): read them as "which op types dominate and
 how many launches", and the wall time per step beside them; the gap between the two is time the
 host spends outside nodes (copies, arena, Python).
+
+--kernels (CUDA): the GPU's own kernel times instead, recorded by torch.profiler (CUPTI sees every
+kernel the process launches, onnxruntime's included), by kernel name: what the GPU spends its time
+on, against the wall time per step (the rest is the GPU waiting for the host).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ def main() -> None:
     p.add_argument("--tf32", choices=("on", "off"), default="off")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--json", help="write the table here too")
+    p.add_argument("--kernels", action="store_true", help="GPU kernel times by name (torch.profiler)")
     args = p.parse_args()
 
     if args.device == "cuda":
@@ -48,7 +53,7 @@ def main() -> None:
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    so.enable_profiling = True
+    so.enable_profiling = not args.kernels
     so.profile_file_prefix = str(Path(args.graph).with_suffix("")) + ".profile"
     providers = ["CPUExecutionProvider"]
     if args.device == "cuda":
@@ -59,7 +64,8 @@ def main() -> None:
     ids = rng.integers(0, vocab, size=(args.batch, args.seq)).astype(np.int64)
     batch = dict(zip(runner.data_inputs, (ids, ids.copy())))
     runner.step(batch)
-    t0 = time.perf_counter()
+    if args.kernels:
+        return kernel_profile(runner, batch, args)
     walls = []
     for _ in range(args.steps):
         t = time.perf_counter()
@@ -96,6 +102,42 @@ def main() -> None:
             "ops": {op: {"nodes_per_step": n / args.steps, "us_per_step": dur / args.steps,
                          "providers": dict(prov)} for op, (n, dur, prov) in rows}}, indent=1))
     Path(profile).unlink(missing_ok=True)
+
+
+def kernel_profile(runner, batch, args) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    walls = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            runner.step(batch)
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t)
+    events = [e for e in prof.key_averages()]
+
+    def gpu_us(e) -> float:
+        return float(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0))
+
+    events = [e for e in events if gpu_us(e) > 0]
+    total = sum(gpu_us(e) for e in events)
+    wall = float(np.median(walls))
+    print(f"# {args.graph}: B {args.batch}, T {args.seq}, GPU kernels (torch.profiler/CUPTI): "
+          f"{total / 1e6 / args.steps:.4f} s/step busy of {wall:.4f} s/step wall, "
+          f"{sum(e.count for e in events) / args.steps:.0f} kernels/step")
+    print("| kernel | launches/step | ms/step | share |")
+    print("|---|---:|---:|---:|")
+    rows = sorted(events, key=lambda e: -gpu_us(e))
+    for e in rows[: args.top]:
+        name = e.key if len(e.key) <= 90 else e.key[:87] + "..."
+        print(f"| `{name}` | {e.count / args.steps:.0f} | {gpu_us(e) / 1e3 / args.steps:.2f} | "
+              f"{gpu_us(e) / max(total, 1):.1%} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "graph": args.graph, "batch": args.batch, "seq": args.seq, "wall_s": walls,
+            "kernels": {e.key: {"launches_per_step": e.count / args.steps, "us_per_step": gpu_us(e) / args.steps}
+                        for e in rows}}, indent=1))
 
 
 def runner_vocab(graph: str) -> int:
