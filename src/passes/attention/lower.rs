@@ -83,7 +83,11 @@ fn drop_unread_casts(graph: &mut GraphProto, widened: &std::collections::HashMap
     let outer: Vec<String> = graph
         .node
         .iter()
-        .flat_map(|n| crate::graph::patch::outer_references(n).into_iter().map(str::to_string))
+        .flat_map(|n| {
+            crate::graph::patch::outer_references(n)
+                .into_iter()
+                .map(str::to_string)
+        })
         .collect();
     read.extend(outer.iter().map(String::as_str));
     let unread: std::collections::HashSet<String> = widened
@@ -101,10 +105,8 @@ fn drop_unread_casts(graph: &mut GraphProto, widened: &std::collections::HashMap
 struct Blocks {
     /// `[1]`: Tq.
     rows: String,
-    /// `[S, 1]`: each block's first row (the scan input).
-    starts: String,
-    /// `[C]`: 0..C.
-    offsets: String,
+    /// `[S, C]`: the row numbers of each block, 0..S·C.
+    ids: String,
     /// `[1]`: Tq − 1.
     last: String,
 }
@@ -124,17 +126,53 @@ fn blocks(b: &mut Builder, a: &Attn) -> Blocks {
     let zero = b.const_i64("attention/zero", &[], &[0]);
     let step1 = b.const_i64("attention/step", &[], &[1]);
     let total = b.squeeze(&total, &[0], "attention/padded_rows_s");
-    let cs = b.squeeze(&c, &[0], "attention/block_rows_s");
-    let starts = b.node("Range", &[&zero, &total, &cs], "attention/starts", vec![]);
-    // [S, 1]: each iteration reads a [1] vector (tract's Scan takes no scalar slices)
-    let starts = b.unsqueeze(&starts, &[1], "attention/starts_col");
-    let offsets = b.node("Range", &[&zero, &cs, &step1], "attention/offsets", vec![]);
+    let ids = b.node(
+        "Range",
+        &[&zero, &total, &step1],
+        "attention/row_ids",
+        vec![],
+    );
+    let shape = b.concat(&[&s, &c], 0, "attention/blocks_shape");
+    let ids = b.node("Reshape", &[&ids, &shape], "attention/block_ids", vec![]);
     let last = b.binary("Sub", &rows, &one, "attention/last_row");
-    Blocks {
-        rows,
-        starts,
-        offsets,
-        last,
+    Blocks { rows, ids, last }
+}
+
+/// The scan's inputs: per clamp (a tensor's last row), the `[S, C]` row numbers clamped to it,
+/// and the name each block reads them by. The bodies then do no index arithmetic: a runtime
+/// places nothing of them on the host, so no block waits for a copy.
+#[derive(Default)]
+struct RowInputs {
+    /// (outer `[S, C]` tensor, body input), in the order they were asked for.
+    inputs: Vec<(String, String)>,
+    /// clamp (outer `[1]` tensor) → body input.
+    by_clamp: Vec<(String, String)>,
+}
+
+impl RowInputs {
+    /// The body's `[C]` row numbers of this block, clamped to `last`.
+    fn clamped(&mut self, b: &mut Builder, bl: &Blocks, last: &str) -> String {
+        if let Some((_, body)) = self.by_clamp.iter().find(|(l, _)| l == last) {
+            return body.clone();
+        }
+        let outer = b.binary("Min", &bl.ids, last, "attention/block_rows_clamped");
+        // computed from shapes; tract types such values as dims unless cast
+        let outer = b.cast(&outer, INT64, "attention/block_rows_in");
+        let body = b.fresh("attention/rows_in");
+        self.inputs.push((outer, body.clone()));
+        self.by_clamp.push((last.to_string(), body.clone()));
+        body
+    }
+
+    fn outer(&self) -> Vec<&str> {
+        self.inputs.iter().map(|(o, _)| o.as_str()).collect()
+    }
+
+    fn body(&self) -> Vec<(&str, i32, usize)> {
+        self.inputs
+            .iter()
+            .map(|(_, n)| (n.as_str(), INT64, 1))
+            .collect()
     }
 }
 
@@ -146,8 +184,8 @@ struct Outer {
     v: String,
     /// The scale multiplies the query (a scalar), not each block's scores.
     scale_folded: bool,
-    /// `[1]` per row-carrying tensor (name → last row), for clamping.
-    last_rows: std::collections::HashMap<String, String>,
+    /// `[1]` per row-carrying tensor (name, last row), for clamping.
+    last_rows: Vec<(String, String)>,
 }
 
 fn outer(b: &mut Builder, a: &Attn, half: Option<i32>) -> Outer {
@@ -155,15 +193,15 @@ fn outer(b: &mut Builder, a: &Attn, half: Option<i32>) -> Outer {
         Some(h) => b.cast(x, h, "attention/half"),
         None => x.to_string(),
     };
-    let mut last_rows = std::collections::HashMap::new();
+    let mut last_rows: Vec<(String, String)> = Vec::new();
     let mut row_tensor = |b: &mut Builder, x: &str, rank: usize| {
-        if rank >= 2 && !last_rows.contains_key(x) {
+        if rank >= 2 && !last_rows.iter().any(|(t, _)| t == x) {
             let shape = b.node("Shape", &[x], "attention/mask_shape", vec![]);
             let r = rank as i64;
             let n = b.slice(&shape, r - 2, r - 1, 0, "attention/mask_rows");
             let one = b.const_i64("attention/one", &[1], &[1]);
             let last = b.binary("Sub", &n, &one, "attention/mask_last");
-            last_rows.insert(x.to_string(), last);
+            last_rows.push((x.to_string(), last));
         }
     };
     if !a.scale.is_empty() {
@@ -202,33 +240,47 @@ fn scale_op(a: &Attn) -> &'static str {
     }
 }
 
-/// Inside a body: the block's row indices (clamped to Tq − 1) from its first row `start`.
-fn row_indices(b: &mut Builder, bl: &Blocks, start: &str) -> (String, String) {
-    let idx = b.binary("Add", &bl.offsets, start, "attention/row_ids");
-    let clamped = b.binary("Min", &idx, &bl.last, "attention/rows_in");
-    (idx, clamped)
-}
-
 /// `x`'s rows of the block (along axis rank − 2), or `x` itself where it has no rows.
-fn rows_of(b: &mut Builder, o: &Outer, x: &str, rank: usize, idx: &str) -> String {
-    match o.last_rows.get(x) {
-        Some(last) => {
-            let at = b.binary("Min", idx, last, "attention/mask_rows_in");
-            b.gather(x, &at, rank as i64 - 2, "attention/mask_block")
-        }
+fn rows_of(b: &mut Builder, rows: &BodyRows, x: &str, rank: usize) -> String {
+    match rows.masks.iter().find(|(t, _)| t == x) {
+        Some((_, at)) => b.gather(x, at, rank as i64 - 2, "attention/mask_block"),
         None => x.to_string(),
     }
 }
 
+/// The row numbers a body reads: the query's, and each row-carrying mask's.
+struct BodyRows {
+    q: String,
+    masks: Vec<(String, String)>,
+}
+
+/// Asks `inputs` for the query's rows and each mask's (in the outer graph, before the body).
+fn body_rows(b: &mut Builder, bl: &Blocks, o: &Outer, inputs: &mut RowInputs) -> BodyRows {
+    let q = inputs.clamped(b, bl, &bl.last);
+    let masks = o
+        .last_rows
+        .iter()
+        .map(|(x, last)| (x.clone(), inputs.clamped(b, bl, last)))
+        .collect();
+    BodyRows { q, masks }
+}
+
 /// The block's probabilities (float32) from its query rows `q_b`: the scores `q_b·kt`, scaled
 /// and masked as the export did, through the softmax.
-fn probabilities(b: &mut Builder, a: &Attn, o: &Outer, q_b: &str, idx: &str, half: bool) -> String {
+fn probabilities(
+    b: &mut Builder,
+    a: &Attn,
+    o: &Outer,
+    rows: &BodyRows,
+    q_b: &str,
+    half: bool,
+) -> String {
     let mut s = b.binary("MatMul", q_b, &o.kt, "attention/scores");
     if half {
         s = b.cast(&s, FLOAT, "attention/scores_f");
     }
     if !a.scale.is_empty() && !o.scale_folded {
-        let sc = rows_of(b, o, &a.scale, a.scale_rank, idx);
+        let sc = rows_of(b, rows, &a.scale, a.scale_rank);
         s = b.binary(scale_op(a), &s, &sc, "attention/scaled");
     }
     for t in &a.terms {
@@ -236,7 +288,7 @@ fn probabilities(b: &mut Builder, a: &Attn, o: &Outer, q_b: &str, idx: &str, hal
             .inputs
             .iter()
             .zip(&t.ranks)
-            .map(|(x, &r)| rows_of(b, o, x, r, idx))
+            .map(|(x, &r)| rows_of(b, rows, x, r))
             .collect();
         s = match t.kind {
             TermKind::Add => b.binary("Add", &s, &x[0], "attention/masked"),
@@ -298,12 +350,15 @@ fn body(
     }
 }
 
-fn scan(b: &mut Builder, inputs: &[&str], outputs: &[&str], body: GraphProto) {
+fn scan(b: &mut Builder, inputs: &[&str], scanned: usize, outputs: &[&str], body: GraphProto) {
     b.node_to(
         "Scan",
         inputs,
         outputs,
-        vec![graph_attr("body", body), int_attr("num_scan_inputs", 1)],
+        vec![
+            graph_attr("body", body),
+            int_attr("num_scan_inputs", scanned as i64),
+        ],
     );
 }
 
@@ -311,12 +366,12 @@ fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let a = Attn::of(node);
     let bl = blocks(b, &a);
     let o = outer(b, &a, half);
+    let mut inputs = RowInputs::default();
+    let rows = body_rows(b, &bl, &o, &mut inputs);
     let outer_nodes = std::mem::take(&mut b.nodes);
 
-    let start = b.fresh("attention/start");
-    let (_, q_rows) = row_indices(b, &bl, &start);
-    let q_b = b.gather(&o.q, &q_rows, a.q_rank as i64 - 2, "attention/q_block");
-    let p = probabilities(b, &a, &o, &q_b, &q_rows, half.is_some());
+    let q_b = b.gather(&o.q, &rows.q, a.q_rank as i64 - 2, "attention/q_block");
+    let p = probabilities(b, &a, &o, &rows, &q_b, half.is_some());
     let p = match half {
         Some(h) => b.cast(&p, h, "attention/probs_h"),
         None => p,
@@ -326,15 +381,10 @@ fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
         o_b = b.cast(&o_b, FLOAT, "attention/out_block_f");
     }
     let r = a.rank;
-    let g = body(
-        b,
-        &[(&start, INT64, 1)],
-        &[(&o_b, FLOAT, r)],
-        "attention_forward",
-    );
+    let g = body(b, &inputs.body(), &[(&o_b, FLOAT, r)], "attention_forward");
     b.nodes = outer_nodes;
     let o_stack = b.fresh("attention/out_blocks");
-    scan(b, &[&bl.starts], &[&o_stack], g);
+    scan(b, &inputs.outer(), inputs.inputs.len(), &[&o_stack], g);
     unblock(b, &o_stack, r, &bl.rows, &node.output[0]);
 }
 
@@ -372,6 +422,19 @@ fn accumulator(b: &mut Builder, batch: &str, x: &str, rank: usize) -> String {
     b.node("Expand", &[&zero, &target], "attention/acc", vec![])
 }
 
+/// `g` (`[.., T, n]`) with a row of zeros after its last: row T reads zeros.
+fn zero_row_after(b: &mut Builder, g: &str, rank: usize) -> String {
+    let r = rank as i64;
+    let shape = b.node("Shape", &[g], "attention/g_shape", vec![]);
+    let head = b.slice(&shape, 0, r - 2, 0, "attention/g_batch");
+    let tail = b.slice(&shape, r - 1, r, 0, "attention/g_width");
+    let one = b.const_i64("attention/one_row", &[1], &[1]);
+    let row_shape = b.concat(&[&head, &one, &tail], 0, "attention/zero_row_shape");
+    let zero = b.scalar_f32("attention/zero_row_value", 0.0);
+    let row = b.node("Expand", &[&zero, &row_shape], "attention/zero_row", vec![]);
+    b.concat(&[g, &row], r - 2, "attention/g_padded")
+}
+
 fn swap_last_two(b: &mut Builder, x: &str, rank: usize, hint: &str) -> String {
     let mut perm: Vec<i64> = (0..rank as i64).collect();
     perm.swap(rank - 2, rank - 1);
@@ -389,20 +452,19 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let batch = batch_shape(b, &a);
     let dkt0 = accumulator(b, &batch, &a.kt, a.kt_rank);
     let dv0 = accumulator(b, &batch, &a.v, a.v_rank);
+    let mut inputs = RowInputs::default();
+    let rows = body_rows(b, &bl, &o, &mut inputs);
+    // rows past Tq carry no gradient: they read a row of zeros after the last
+    let g_padded = zero_row_after(b, g_out, r);
+    let g_rows = inputs.clamped(b, &bl, &bl.rows);
     let outer_nodes = std::mem::take(&mut b.nodes);
 
     let dkt_in = b.fresh("attention/dkt_in");
     let dv_in = b.fresh("attention/dv_in");
-    let start = b.fresh("attention/start");
-    let (idx, q_rows) = row_indices(b, &bl, &start);
-    let q_b = b.gather(&o.q, &q_rows, a.q_rank as i64 - 2, "attention/q_block");
-    let p = probabilities(b, &a, &o, &q_b, &q_rows, half.is_some());
-    // rows past Tq carry no gradient
-    let inside = b.binary("Less", &idx, &bl.rows, "attention/inside");
-    let inside = b.unsqueeze(&inside, &[1], "attention/inside_col");
-    let g_rows = b.gather(g_out, &q_rows, r as i64 - 2, "attention/g_rows");
+    let q_b = b.gather(&o.q, &rows.q, a.q_rank as i64 - 2, "attention/q_block");
+    let p = probabilities(b, &a, &o, &rows, &q_b, half.is_some());
     let zero = b.scalar_f32("attention/zero_f", 0.0);
-    let g_b = b.where_(&inside, &g_rows, &zero, "attention/g_block");
+    let g_b = b.gather(&g_padded, &g_rows, r as i64 - 2, "attention/g_block");
     let to_compute = |b: &mut Builder, x: &str| match half {
         Some(h) => b.cast(x, h, "attention/h"),
         None => x.to_string(),
@@ -428,7 +490,7 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     for t in a.terms.iter().rev() {
         let cond = match t.kind {
             TermKind::Add | TermKind::Sub => continue,
-            _ => rows_of(b, &o, &t.inputs[0], t.ranks[0], &q_rows),
+            _ => rows_of(b, &rows, &t.inputs[0], t.ranks[0]),
         };
         ds = match t.kind {
             TermKind::Keep => b.where_(&cond, &ds, &zero, "attention/ds_kept"),
@@ -436,7 +498,7 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
         };
     }
     if !a.scale.is_empty() && !o.scale_folded {
-        let sc = rows_of(b, &o, &a.scale, a.scale_rank, &q_rows);
+        let sc = rows_of(b, &rows, &a.scale, a.scale_rank);
         ds = b.binary(scale_op(&a), &ds, &sc, "attention/ds_scaled");
     }
     let ds_c = to_compute(b, &ds);
@@ -446,16 +508,26 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let dkt_b = b.binary("MatMul", &qt, &ds_c, "attention/dkt_block");
     let dkt_b = to_float(b, dkt_b);
     let dkt_out = b.binary("Add", &dkt_in, &dkt_b, "attention/dkt_acc");
+    let mut body_inputs = vec![(dkt_in.as_str(), FLOAT, r), (dv_in.as_str(), FLOAT, r)];
+    body_inputs.extend(inputs.body());
     let g = body(
         b,
-        &[(&dkt_in, FLOAT, r), (&dv_in, FLOAT, r), (&start, INT64, 1)],
+        &body_inputs,
         &[(&dkt_out, FLOAT, r), (&dv_out, FLOAT, r), (&dq_b, FLOAT, r)],
         "attention_backward",
     );
     b.nodes = outer_nodes;
     let dq_stack = b.fresh("attention/dq_blocks");
     let (g_q, g_kt, g_v) = (&node.output[0], &node.output[1], &node.output[2]);
-    scan(b, &[&dkt0, &dv0, &bl.starts], &[g_kt, g_v, &dq_stack], g);
+    let mut scan_inputs = vec![dkt0.as_str(), dv0.as_str()];
+    scan_inputs.extend(inputs.outer());
+    scan(
+        b,
+        &scan_inputs,
+        inputs.inputs.len(),
+        &[g_kt, g_v, &dq_stack],
+        g,
+    );
     if o.scale_folded {
         let dq = b.fresh("attention/dq_unscaled");
         unblock(b, &dq_stack, r, &bl.rows, &dq);
