@@ -34,6 +34,26 @@ ORT_TYPES = {
 }
 
 
+def with_tf32(providers: list, tf32: bool | None) -> list:
+    """``providers`` with the CUDA provider's ``use_tf32`` stated. onnxruntime's default is TF32
+    (``use_tf32=1``) where torch's float32 matmuls are strict float32: the trainers take torch's
+    default unless told (``tf32=True``) or unless the caller's CUDA options already say."""
+    out = []
+    for p in providers:
+        name, opts = (p, {}) if isinstance(p, str) else (p[0], dict(p[1]))
+        if name == "CUDAExecutionProvider":
+            given = opts.get("use_tf32")
+            if given is not None and tf32 is not None and str(given) != str(int(tf32)):
+                raise ValueError(f"tf32={tf32} contradicts use_tf32={given!r} in the CUDA provider's "
+                                 f"options; give one of them")
+            if given is None:
+                opts["use_tf32"] = "1" if tf32 else "0"
+            out.append((name, opts))
+        else:
+            out.append(p)
+    return out
+
+
 def read_metadata(path: Path) -> dict:
     """The graph's ``ntl_step`` metadata (ValueError naming what is wrong)."""
     raw = _onnx_wire.read_metadata(path).get(METADATA_KEY)

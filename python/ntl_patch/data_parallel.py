@@ -70,10 +70,12 @@ class DataParallel:
     and updates the optimizer moments of its shard of the parameters only; the gradients are
     all-reduced) or "gradients" (stage 2: each shard's gradient reduced to its owner only); in
     both, a rank keeps only its own shard's reduced gradient; see ``_sharding``.
+    tf32: as StepRunner's (default strict float32 on CUDA, as torch).
     """
 
     def __init__(self, grad_graph, update_graph=None, *, accumulation_steps: int = 1,
-                 providers=None, session_options=None, group=None, shard: str = "none"):
+                 providers=None, session_options=None, group=None, shard: str = "none",
+                 tf32: bool | None = None):
         try:
             import torch
             import torch.distributed as dist
@@ -94,6 +96,7 @@ class DataParallel:
                 raise FileNotFoundError(f"{p}: no such file (write it with `ntl-patch step MODEL --split`)")
 
         providers, self.device, self.device_id = self._placement(providers)
+        providers = _state.with_tf32(providers, tf32)
         self.torch_device = torch.device(self.device if self.device == "cpu" else f"cuda:{self.device_id}")
         self.group = group
         if self.device != "cpu":

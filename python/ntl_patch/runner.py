@@ -63,7 +63,9 @@ class StepRunner:
     ``onnxruntime.InferenceSession`` (default: CUDA, ROCm, MIGraphX or DirectML when this
     onnxruntime build has it, else CPU). device / device_id: where the state lives (default: the
     first provider's memory, e.g. ``"cuda"``; override for providers not listed in
-    ``_PROVIDER_DEVICE``). Without session_options, ORT logs errors only, its memory pattern
+    ``_PROVIDER_DEVICE``). tf32: float32 matrix products on CUDA in TF32 (True) or strict float32
+    (False); default: strict, as torch's default, unless the CUDA provider's options give
+    ``use_tf32`` (onnxruntime's own default is TF32). Without session_options, ORT logs errors only, its memory pattern
     is off (with it, the second step plans a second full-size block that stays: peak RSS
     1.3-1.7x higher) and the CPU arena grows by what is asked for, not to the next power of two
     (0.92x instead of 1.03x torch eager's peak on the Qwen2-0.5B shape; bench/README.md).
@@ -76,7 +78,7 @@ class StepRunner:
     """
 
     def __init__(self, path, providers=None, session_options=None, *, device: str | None = None,
-                 device_id: int | None = None):
+                 device_id: int | None = None, tf32: bool | None = None):
         self.path = Path(os.fspath(path))
         meta = _state.read_metadata(self.path)
         self.metadata: dict = meta
@@ -90,9 +92,9 @@ class StepRunner:
         state_inputs = [i for i, _ in self.state_names]
         self._in_place: set[str] = set(meta.get("in_place", [])) & set(state_inputs)
 
+        providers = list(providers) if providers is not None else _default_providers()
         self.session = _state.session_without(
-            self.path, state_inputs, session_options,
-            list(providers) if providers is not None else _default_providers())
+            self.path, state_inputs, session_options, _state.with_tf32(providers, tf32))
         # ntl/lr keeps its initializer: an "overridable initializer" to ORT
         inputs = {i.name: i for i in (*self.session.get_inputs(),
                                       *self.session.get_overridable_initializers())}

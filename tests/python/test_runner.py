@@ -736,3 +736,19 @@ def test_runtime_only_env_real_graph_with_external_data(tmp_path):
             if "k.bias" in k:  # its exact gradient is 0 (softmax ignores a shift of the keys):
                 continue  # AdamW makes each runtime's rounding noise an lr-sized step
             np.testing.assert_allclose(state[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+def test_tf32_is_stated_for_the_cuda_provider():
+    """StepRunner / DataParallel's `tf32`: strict float32 unless asked (torch's default; onnxruntime's
+    CUDA provider defaults to TF32), the caller's own `use_tf32` kept, a contradiction refused, other
+    providers untouched. (Checked to fail: with `with_tf32` returning the providers as they are.)"""
+    from ntl_patch._state import with_tf32
+
+    cuda = "CUDAExecutionProvider"
+    assert with_tf32([cuda, "CPUExecutionProvider"], None) == [(cuda, {"use_tf32": "0"}), "CPUExecutionProvider"]
+    assert with_tf32([(cuda, {"device_id": 1})], True) == [(cuda, {"device_id": 1, "use_tf32": "1"})]
+    assert with_tf32([(cuda, {"use_tf32": "1"})], None) == [(cuda, {"use_tf32": "1"})]
+    assert with_tf32([(cuda, {"use_tf32": 0})], False) == [(cuda, {"use_tf32": 0})]
+    assert with_tf32(["CPUExecutionProvider"], True) == ["CPUExecutionProvider"]
+    with pytest.raises(ValueError, match="contradicts use_tf32"):
+        with_tf32([(cuda, {"use_tf32": "1"})], False)
