@@ -1,9 +1,10 @@
 //! The attention's two internal nodes expanded into standard ONNX: a `Scan` over blocks of `C`
 //! query rows (`C = min(block, Tq)`, `S = ⌈Tq / C⌉` blocks, both read at run time). The scan
-//! input is each block's first row; the body gathers its rows of the query (and of the masks
-//! and scale where they have rows) from the outer graph, clamped to the last row, so the last
-//! block may run past `Tq`: its extra rows are computed and dropped (forward), or read as zero
-//! gradients (backward). Per block only `[.., C, Tk]` scores exist.
+//! inputs are each block's row numbers, clamped to the last row (`[S, C]`, one per tensor with
+//! rows: the query, masks and scale with rows of their own); the body gathers those rows from the
+//! outer graph, so the last block may run past `Tq`: its extra rows repeat the last and are
+//! dropped (forward), or read a row of zeros as their gradient (backward). Per block only
+//! `[.., C, Tk]` scores exist.
 //!
 //! Forward: `p = softmax(s)`, `o = p·v`. Backward: the same `p` again, `dv += pᵀ·do`,
 //! `dp = do·vᵀ`, `ds = p ∘ (dp − Σ p ∘ dp)` (through the masks' `Where`s and the scale),
