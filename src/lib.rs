@@ -3,7 +3,8 @@
 //!
 //! The stages, lowest first; a module imports only its own stage and the ones below it
 //! (`tests/layers.rs` checks this):
-//! [`error`]/[`text`] → [`io`] → [`graph`] → [`ce`] → [`vocab`] → [`passes`] → [`tools`];
+//! [`error`]/[`text`] → [`io`] → [`graph`] → [`ce`] → [`vocab`] → [`passes`] → [`jobs`] →
+//! [`tools`];
 //! the op library `ntl_ops` (the `ops/` crate) is below them all, the command line
 //! (`src/cli/`) above.
 
@@ -19,6 +20,8 @@ pub mod ce;
 pub mod vocab;
 
 pub mod passes;
+
+pub mod jobs;
 
 pub mod tools;
 

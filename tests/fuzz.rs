@@ -20,11 +20,11 @@ use std::time::Duration;
 
 use common::*;
 use ntl_ops::options::{Combine, LossKind, LossOptions, NtilOptions};
+use ntl_patch::jobs::patch::{run_patch, PatchRequest};
 use ntl_patch::onnx::proto::attribute_proto::AttributeType;
 use ntl_patch::onnx::proto::tensor_shape_proto::dimension;
 use ntl_patch::onnx::proto::type_proto;
 use ntl_patch::onnx::{AttributeProto, GraphProto, ModelProto, NodeProto, ValueInfoProto};
-use ntl_patch::passes::pipeline::{run_patch, PatchRequest};
 use ntl_patch::Error;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestRunner};
@@ -777,7 +777,7 @@ fn artifacts_never_panics_and_leaves_nothing_on_error() {
         edits.iter().for_each(|e| apply_graph(&mut m, e));
         let root = tempfile::tempdir().unwrap();
         let dir = artifacts_folder_with(root.path(), &m);
-        let req = ntl_patch::passes::artifacts::ArtifactsRequest {
+        let req = ntl_patch::jobs::artifacts::ArtifactsRequest {
             dir: dir.clone(),
             output: None,
             tokenizer: None,
@@ -798,7 +798,7 @@ fn artifacts_never_panics_and_leaves_nothing_on_error() {
             },
         };
         let result =
-            in_thread(move || ntl_patch::passes::artifacts::run_artifacts(&req).map(|_| ()))?;
+            in_thread(move || ntl_patch::jobs::artifacts::run_artifacts(&req).map(|_| ()))?;
         bump(&executed);
         let mut left: Vec<String> = std::fs::read_dir(root.path())
             .unwrap()

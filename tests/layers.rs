@@ -6,8 +6,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// The stages of `src/`, lowest first. `text` and `error` are the base every stage uses.
-const STAGES: [&str; 9] = [
-    "text", "error", "io", "graph", "ce", "vocab", "passes", "tools", "cli",
+const STAGES: [&str; 10] = [
+    "text", "error", "io", "graph", "ce", "vocab", "passes", "jobs", "tools", "cli",
 ];
 
 fn stage_rank(stage: &str) -> usize {
@@ -59,20 +59,38 @@ fn code(text: &str) -> String {
 /// Module paths a file names: `crate::a::b` → [a, b]; `super::x` → the parent's path + x.
 fn imports(me: &[String], text: &str) -> BTreeSet<Vec<String>> {
     let mut out = BTreeSet::new();
+    // the lowercase segments of a path, up to the first one the path does not continue after
+    // (`a::b; use crate::c` is [a, b])
     let ident = |s: &str| -> Vec<String> {
-        s.split("::")
-            .map(|p| {
-                p.chars()
-                    .take_while(|c| c.is_alphanumeric() || *c == '_')
-                    .collect::<String>()
-            })
-            .take_while(|p| !p.is_empty() && p.chars().next().unwrap().is_lowercase())
-            .collect()
+        let mut path = Vec::new();
+        for p in s.split("::") {
+            let id: String = p
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            if id.is_empty() || !id.chars().next().unwrap().is_lowercase() {
+                break;
+            }
+            let whole = id.len() == p.len();
+            path.push(id);
+            if !whole {
+                break;
+            }
+        }
+        path
     };
     for (i, _) in text.match_indices("crate::") {
-        let path = ident(&text[i + "crate::".len()..]);
-        if !path.is_empty() {
-            out.insert(path);
+        let rest = &text[i + "crate::".len()..];
+        // `crate::{a::b, c}`: each path of the group
+        let paths = match rest.strip_prefix('{') {
+            Some(group) => top_level_items(group),
+            None => vec![rest],
+        };
+        for p in paths {
+            let path = ident(p.trim_start());
+            if !path.is_empty() {
+                out.insert(path);
+            }
         }
     }
     for (i, _) in text.match_indices("super::") {
@@ -84,6 +102,29 @@ fn imports(me: &[String], text: &str) -> BTreeSet<Vec<String>> {
         }
     }
     out
+}
+
+/// The comma-separated items of a `{…}` group (its text after the `{`), up to its `}`.
+fn top_level_items(group: &str) -> Vec<&str> {
+    let mut items = Vec::new();
+    let (mut depth, mut start) = (0usize, 0usize);
+    for (i, c) in group.char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' if depth == 0 => {
+                items.push(&group[start..i]);
+                return items;
+            }
+            '}' => depth -= 1,
+            ',' if depth == 0 => {
+                items.push(&group[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    items.push(&group[start..]);
+    items
 }
 
 struct Module {
@@ -119,6 +160,38 @@ fn no_stage_imports_a_higher_one() {
         }
     }
     assert!(wrong.is_empty(), "arrows back up:\n{}", wrong.join("\n"));
+}
+
+/// The modules of `passes` that name `crate::io` (files) or `crate::jobs` (what calls them).
+fn passes_reaching_files(mods: &[Module]) -> Vec<String> {
+    let mut wrong = Vec::new();
+    for m in mods.iter().filter(|m| m.path[0] == "passes") {
+        for imp in &m.imports {
+            if imp[0] == "io" || imp[0] == "jobs" {
+                wrong.push(format!("{} imports {}", m.path.join("::"), imp.join("::")));
+            }
+        }
+    }
+    wrong
+}
+
+#[test]
+fn no_pass_reads_or_writes_files() {
+    // a pass is graph → graph: loading, saving, output paths and temporary files are the
+    // jobs' (src/jobs/), which call the passes
+    let mut wrong = passes_reaching_files(&modules());
+    let mut files = Vec::new();
+    rust_files(Path::new("src/passes"), &mut files);
+    for f in files {
+        if code(&std::fs::read_to_string(&f).unwrap()).contains("std::fs") {
+            wrong.push(format!("{} names std::fs", f.display()));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "passes touching files (move it into src/jobs/):\n{}",
+        wrong.join("\n")
+    );
 }
 
 /// The module (file) an import path lands in: its longest prefix that is a module.
@@ -215,4 +288,21 @@ fn the_detector_sees_an_arrow_back_up_and_a_circle() {
     assert!(imps.contains(&vec!["passes".to_string(), "rewrite".to_string()]));
     assert!(imps.contains(&vec!["graph".to_string(), "ranks".to_string()]));
     assert!(stage_rank("passes") > stage_rank("graph"));
+    // and a pass naming io or a job is caught, by a path or a `use` of the stage
+    let me = vec!["passes".to_string(), "step".to_string()];
+    let m = Module {
+        imports: imports(
+            &me,
+            "use crate::io::model_io::load_model; use crate::jobs;\nuse crate::{graph::GraphIndex, io::{temp, fsio}};",
+        ),
+        path: me,
+    };
+    assert_eq!(
+        passes_reaching_files(&[m]),
+        [
+            "passes::step imports io",
+            "passes::step imports io::model_io::load_model",
+            "passes::step imports jobs",
+        ]
+    );
 }

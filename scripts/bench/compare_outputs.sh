@@ -9,7 +9,9 @@
 #   scripts/bench/compare_outputs.sh BASE_BIN NEW_BIN [WORK_DIR]
 #
 # EXTRA_MODELS=DIR adds DIR/*.onnx (e.g. half-precision exports, which no fixture is:
-# scripts/bench/half_variants.py makes them).
+# scripts/bench/half_variants.py makes them). JOB_INPUTS=DIR (scripts/bench/job_inputs.py makes
+# it) adds the file-handling paths: artifacts folders, models with external data (step's
+# sparse state file, patch copying external data), lora-model, and the default output paths.
 #
 # Prints one line per difference and a count; exits 1 if any.
 set -uo pipefail
@@ -40,6 +42,8 @@ compare() {
     for a in "$@"; do args+=("${a//OUT/$WORK/out}"); done
     rm -rf "$WORK/out"
     mkdir -p "$WORK/out"
+    # SEED=DIR: OUT starts as a copy of DIR (inputs whose outputs go beside them)
+    [ -n "${SEED:-}" ] && cp -r "$SEED"/. "$WORK/out"
     (cd "$WORK" && "$bin" "${args[@]}" > "$dir/stdout" 2> "$dir/stderr"; echo $? > "$dir/rc")
     cp -r "$WORK/out" "$dir/files"
   done
@@ -79,5 +83,47 @@ for model in "${models[@]}"; do
   compare "$m inspect" inspect "$model"
   compare "$m inspect --json" inspect --json "$model"
 done
+if [ -n "${JOB_INPUTS:-}" ]; then
+  for art in "$JOB_INPUTS"/art/*/; do
+    n="$(basename "$art")"
+    a="art/$n"
+    seed="$WORK/seed-art-$n"
+    rm -rf "$seed" && mkdir -p "$seed" && cp -r "$art" "$seed/art"
+    for loss in wasserstein mse ntil; do
+      compare "$a artifacts --loss $loss" artifacts "$art" --loss "$loss" -o OUT/art-ntl
+    done
+    SEED="$seed" compare "$a artifacts (default output)" artifacts OUT/art --json
+    SEED="$seed" compare "$a artifacts (output exists)" artifacts OUT/art -o OUT/art
+  done
+  for model in "$JOB_INPUTS"/ext/*.onnx; do
+    m="ext/$(basename "$model")"
+    d="$(dirname "$model")"
+    n="$(basename "$model" .onnx)"
+    seed="$WORK/seed-$n"
+    rm -rf "$seed" && mkdir -p "$seed" && cp "$model" "$d/$n.data" "$TOK" "$seed/"
+    compare "$m patch -o elsewhere" "$model" --tokenizer "$TOK" -o OUT/patched.onnx
+    compare "$m patch --copy-external-data" "$model" --tokenizer "$TOK" --copy-external-data -o OUT/patched.onnx
+    SEED="$seed" compare "$m patch (default output)" OUT/"$n.onnx" --json
+    compare "$m step" step "$model" --tokenizer "$TOK" -o OUT/step.onnx
+    SEED="$seed" compare "$m step beside" step OUT/"$n.onnx" -o OUT/step.onnx
+    SEED="$seed" compare "$m step (default outputs)" step OUT/"$n.onnx" --json
+    SEED="$seed" compare "$m step --split (default outputs)" step OUT/"$n.onnx" --split
+    SEED="$seed" compare "$m step --split -o X.grad.onnx" step OUT/"$n.onnx" --split -o OUT/x.grad.onnx
+    SEED="$seed" compare "$m step --split --precision fp16" step OUT/"$n.onnx" --split --precision fp16 -o OUT/s.onnx
+    SEED="$seed" compare "$m step --lora-r 2" step OUT/"$n.onnx" --lora-r 2 -o OUT/step.onnx
+  done
+  for model in "${models[@]}"; do
+    m="$(basename "$model" .onnx)"
+    seed="$WORK/seed-lora-$m"
+    rm -rf "$seed" && mkdir -p "$seed" && cp "$model" "$TOK" "$seed/"
+    # the step graph lora-model reads, made once by the base binary
+    "$BASE" step "$model" --tokenizer "$TOK" --lora-r 2 -o "$seed/$m.step.onnx" > /dev/null 2>&1
+    SEED="$seed" compare "$m lora-model" lora-model OUT/"$m.onnx" --step OUT/"$m.step.onnx" -o OUT/lora.onnx
+    SEED="$seed" compare "$m lora-model --json (default output)" lora-model OUT/"$m.onnx" --step OUT/"$m.step.onnx" --json
+    SEED="$seed" compare "$m lora-model of the step graph" lora-model OUT/"$m.step.onnx" --step OUT/"$m.step.onnx"
+    SEED="$seed" compare "$m step, default outputs" step OUT/"$m.onnx"
+    SEED="$seed" compare "$m step again (already a step graph)" step OUT/"$m.step.onnx"
+  done
+fi
 echo "$runs runs compared ($succeeded exited 0 with the base binary), $differences different"
 [ "$differences" = 0 ]

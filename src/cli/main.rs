@@ -11,16 +11,17 @@ use ntl_ops::options::{
     Combine, Dist2Options, LossKind, LossOptions, NtilOptions, SmmdKernel, SmmdOptions, SmmdTerms,
 };
 use ntl_patch::io::model_io::ExternalDataAction;
-use ntl_patch::passes::artifacts::{run_artifacts, ArtifactsRequest};
+use ntl_patch::jobs::artifacts::{run_artifacts, ArtifactsRequest};
+use ntl_patch::jobs::patch::{run_patch, PatchRequest};
+use ntl_patch::jobs::step::{run_step, StepRequest};
 use ntl_patch::passes::attention::{AttentionOptions, Mode as AttentionMode};
 use ntl_patch::passes::fused_head::{FusedHeadOptions, Mode as FusedHeadMode};
 use ntl_patch::passes::lora::LoraOptions;
-use ntl_patch::passes::pipeline::{run_patch, PatchRequest};
 use ntl_patch::passes::recompute::{
     Hints as RecomputeHints, Mode as RecomputeMode, RecomputeOptions,
 };
 use ntl_patch::passes::step::precision::loss_scale::LossScaleOptions;
-use ntl_patch::passes::step::{run_step, OptimizerKind, OptimizerOptions, Precision, StepRequest};
+use ntl_patch::passes::step::{OptimizerKind, OptimizerOptions, Precision, StepOptions};
 use ntl_patch::text::escape;
 use ntl_patch::tools::validate::{self, Runtime, ValidateRequest};
 use ntl_patch::vocab::number_table::NumberSet;
@@ -757,8 +758,8 @@ fn precision_options(
 }
 
 fn run_lora_model_cli(args: LoraModelArgs) -> Result<String, ntl_patch::Error> {
-    use ntl_patch::passes::lora::serving;
-    let s = serving::run(&serving::ServingRequest {
+    use ntl_patch::jobs::lora_model;
+    let s = lora_model::run_lora_model(&lora_model::ServingRequest {
         model: args.model,
         step: args.step,
         output: args.output,
@@ -835,47 +836,49 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
             copy_external_data: args.copy_external_data,
             loss: loss_options(&args.loss)?,
         },
-        optimizer: OptimizerOptions {
-            kind,
-            lr: args.lr,
-            beta1: args.beta1,
-            beta2: args.beta2,
-            eps: args.eps,
-            weight_decay: args.weight_decay.unwrap_or(match kind {
-                OptimizerKind::AdamW => 0.01,
-                OptimizerKind::Sgd => 0.0,
-            }),
-            momentum: args.momentum,
-            max_grad_norm: args.max_grad_norm,
-        },
-        freeze: args.freeze,
-        lora,
-        train: args.train,
-        split: args.split,
-        precision,
-        loss_scale,
-        fused_head: FusedHeadOptions {
-            mode: match args.fused_head {
-                FusedHeadArg::Auto => FusedHeadMode::Auto,
-                FusedHeadArg::On => FusedHeadMode::On,
-                FusedHeadArg::Off => FusedHeadMode::Off,
+        options: StepOptions {
+            optimizer: OptimizerOptions {
+                kind,
+                lr: args.lr,
+                beta1: args.beta1,
+                beta2: args.beta2,
+                eps: args.eps,
+                weight_decay: args.weight_decay.unwrap_or(match kind {
+                    OptimizerKind::AdamW => 0.01,
+                    OptimizerKind::Sgd => 0.0,
+                }),
+                momentum: args.momentum,
+                max_grad_norm: args.max_grad_norm,
             },
-            chunk_tokens: args.head_chunk_tokens,
-        },
-        recompute: RecomputeOptions {
-            mode: recompute_mode,
-            hints: RecomputeHints {
-                batch: args.batch,
-                seq: args.seq,
+            freeze: args.freeze,
+            lora,
+            train: args.train,
+            split: args.split,
+            precision,
+            loss_scale,
+            fused_head: FusedHeadOptions {
+                mode: match args.fused_head {
+                    FusedHeadArg::Auto => FusedHeadMode::Auto,
+                    FusedHeadArg::On => FusedHeadMode::On,
+                    FusedHeadArg::Off => FusedHeadMode::Off,
+                },
+                chunk_tokens: args.head_chunk_tokens,
             },
-        },
-        attention: AttentionOptions {
-            mode: match args.attention {
-                AttentionArg::Auto => AttentionMode::Auto,
-                AttentionArg::Chunked => AttentionMode::Chunked,
-                AttentionArg::Eager => AttentionMode::Eager,
+            recompute: RecomputeOptions {
+                mode: recompute_mode,
+                hints: RecomputeHints {
+                    batch: args.batch,
+                    seq: args.seq,
+                },
             },
-            block: args.attention_block,
+            attention: AttentionOptions {
+                mode: match args.attention {
+                    AttentionArg::Auto => AttentionMode::Auto,
+                    AttentionArg::Chunked => AttentionMode::Chunked,
+                    AttentionArg::Eager => AttentionMode::Eager,
+                },
+                block: args.attention_block,
+            },
         },
     };
     let s = run_step(&req)?;
@@ -894,8 +897,8 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
             "loss": req.patch.loss.kind.name(),
             "weight": req.patch.loss.weight,
             "number_tokens": s.patch.number_tokens,
-            "optimizer": req.optimizer.to_json(),
-            "precision": req.precision().name(),
+            "optimizer": req.options.optimizer.to_json(),
+            "precision": req.options.precision().name(),
             "parameters": s.parameters,
             "parameter_elements": s.parameter_elements,
             "frozen": s.frozen,
@@ -937,7 +940,7 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
             Some(n) if n > 0 => format!("; attention blockwise in {n} layers"),
             _ => String::new(),
         };
-        let lora = match (&s.lora, &req.lora) {
+        let lora = match (&s.lora, &req.options.lora) {
             (Some(meta), Some(o)) => format!(
                 "; LoRA r={} alpha={} on {} layers ({})",
                 o.r,

@@ -16,14 +16,3 @@ pub const MAX_GENERATED_ELEMENTS: u64 = 1 << 28;
 
 /// `validate --batch`/`--seq` at most.
 pub const MAX_BATCH_OR_SEQ: u64 = 1 << 20;
-
-/// A logits width (`what` names where it comes from, `fix` how to mend it), checked to be
-/// between 1 and [`MAX_VOCAB`].
-pub fn check_width(width: i64, what: &str, fix: &str) -> Result<usize, crate::Error> {
-    if width < 1 || width as u64 > MAX_VOCAB {
-        return Err(crate::Error::Usage(format!(
-            "{what} ({width}) is not a plausible vocabulary size (1 to {MAX_VOCAB}); {fix}"
-        )));
-    }
-    Ok(width as usize)
-}

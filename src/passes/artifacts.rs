@@ -6,9 +6,7 @@
 //! engine as the step graph's (`crate::passes::grad`); the number loss's gradient is added into
 //! the gradient ORT's `SoftmaxCrossEntropyLossGrad` produced for the scores — sparsely, with
 //! ScatterElements, so no second dense `[N, V]` tensor is built. `eval_model.onnx` gets the forward nodes; the
-//! optimizer model and the checkpoint are copied unchanged.
-
-use std::path::{Path, PathBuf};
+//! optimizer model and the checkpoint are copied unchanged by the job (`crate::jobs::artifacts`).
 
 use ntl_ops::names::{CE_OUTPUT, NUMBER_OUTPUT, PREFIX};
 use ntl_ops::options::{Combine, LossOptions};
@@ -21,36 +19,25 @@ use crate::graph::patch::{apply, Patch, METADATA_KEY};
 use crate::graph::ranks::Ranks;
 use crate::graph::shapes::Shapes;
 use crate::graph::GraphIndex;
-use crate::io::model_io::{
-    check_external_data, load_model_file, model_dir, plan_external_data, save_model_from,
-    ModelSource,
-};
 use crate::onnx::{default_opset, int_attr, string_attr, ModelProto};
 use crate::passes::grad;
-use crate::passes::pipeline::{
-    check_opset, logits_width, number_tokens, refuse_patched, select_site,
-};
+use crate::passes::pipeline::{logits_width, number_tokens, select_site};
 use crate::passes::rewrite::{
     added_outputs, build_forward, build_patch, metadata, Forward, CLAIMED,
 };
 use crate::vocab::number_table::Vocab;
 
-pub const TRAINING: &str = "training_model.onnx";
-pub const EVAL: &str = "eval_model.onnx";
-pub const OPTIMIZER: &str = "optimizer_model.onnx";
-pub const CHECKPOINT: &str = "checkpoint";
-
-pub struct ArtifactsRequest {
-    pub dir: PathBuf,
-    pub output: Option<PathBuf>,
-    pub tokenizer: Option<PathBuf>,
+/// What the artifacts patch reads besides the graphs: the request's options, without its paths.
+pub struct ArtifactsOptions<'a> {
+    /// `--ce-node`: the cross-entropy to patch, by node name or loss output name.
+    pub ce_node: Option<&'a str>,
+    /// `--vocab-size`: the logits width where the graph leaves it symbolic.
     pub vocab_size: Option<usize>,
-    pub ce_node: Option<String>,
-    pub loss: LossOptions,
+    pub loss: &'a LossOptions,
 }
 
-pub struct ArtifactsSummary {
-    pub output: PathBuf,
+/// What [`patch_artifacts`] did, for the summary.
+pub struct ArtifactsPatched {
     pub number_tokens: usize,
     pub sparse_updates: usize,
     pub dense_updates: usize,
@@ -58,93 +45,40 @@ pub struct ArtifactsSummary {
     pub warnings: Vec<String>,
 }
 
-/// `./artifacts` → `./artifacts-ntl`.
-pub fn default_output(dir: &Path) -> PathBuf {
-    let name = dir
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "artifacts".into());
-    dir.with_file_name(format!("{name}-ntl"))
-}
-
-pub fn run_artifacts(req: &ArtifactsRequest) -> Result<ArtifactsSummary, Error> {
-    req.loss.check().map_err(Error::Usage)?;
-    // Opened inside the folder without following symlinks out of it; read from these
-    // descriptors only, so a swapped path cannot bring an outside file into the output.
-    let mut opened = Vec::new();
-    for f in [TRAINING, EVAL, OPTIMIZER, CHECKPOINT] {
-        let file = crate::io::fsio::open_beneath(&req.dir, Path::new(f)).map_err(|source| {
-            if source.kind() == std::io::ErrorKind::NotFound {
-                Error::MissingArtifact {
-                    dir: req.dir.clone(),
-                    file: f.into(),
-                }
-            } else {
-                Error::Read {
-                    path: req.dir.join(f),
-                    source,
-                }
-            }
-        })?;
-        opened.push(file);
-    }
-    let [training_file, eval_file, optimizer, checkpoint]: [std::fs::File; 4] =
-        opened.try_into().expect("four files");
-    let output = req
-        .output
-        .clone()
-        .unwrap_or_else(|| default_output(&req.dir));
-    if output.symlink_metadata().is_ok() {
-        return Err(Error::OutputExists(output));
-    }
-    let tokenizer = req
-        .tokenizer
-        .clone()
-        .unwrap_or_else(|| req.dir.join("tokenizer.json"));
-    if !tokenizer.exists() {
-        return Err(Error::TokenizerMissing(tokenizer));
-    }
-    let vocab = Vocab::from_file(&tokenizer)?;
-
-    let (mut training, training_source) = load_artifact(training_file, &req.dir.join(TRAINING))?;
-    let (mut eval, eval_source) = load_artifact(eval_file, &req.dir.join(EVAL))?;
-
+/// Patches the training graph (forward and backward of the number loss) and the eval graph
+/// (its forward), both checked on load.
+pub fn patch_artifacts(
+    training: &mut ModelProto,
+    eval: &mut ModelProto,
+    req: &ArtifactsOptions,
+    vocab: &Vocab,
+) -> Result<ArtifactsPatched, Error> {
     let (train_patch, tokens_len, grad, warnings) = {
-        let target = Target::locate(&training, req, &vocab)?;
+        let target = Target::locate(training, req, vocab)?;
         let warnings: Vec<String> = target.left_out.clone().into_iter().collect();
         let (patch, grad) = training_patch(
             &target.index,
             target.opset,
             &target.site,
             &target.tokens,
-            &req.loss,
+            req.loss,
         )?;
         (patch, target.tokens.table.len(), grad, warnings)
     };
     let eval_patch = {
-        let target = Target::locate(&eval, req, &vocab)?;
+        let target = Target::locate(eval, req, vocab)?;
         build_patch(
             &target.index,
             target.opset,
             &target.site,
             &[],
             &target.tokens,
-            &req.loss,
+            req.loss,
         )?
     };
-    apply(&mut training, train_patch)?;
-    apply(&mut eval, eval_patch)?;
-    write_folder(
-        &req.dir,
-        &output,
-        [
-            (TRAINING, &training, &training_source),
-            (EVAL, &eval, &eval_source),
-        ],
-        [(OPTIMIZER, optimizer), (CHECKPOINT, checkpoint)],
-    )?;
-    Ok(ArtifactsSummary {
-        output,
+    apply(training, train_patch)?;
+    apply(eval, eval_patch)?;
+    Ok(ArtifactsPatched {
         number_tokens: tokens_len,
         sparse_updates: grad.0,
         dense_updates: grad.1,
@@ -163,9 +97,9 @@ struct Target<'m> {
 }
 
 impl<'m> Target<'m> {
-    fn locate(model: &'m ModelProto, req: &ArtifactsRequest, vocab: &Vocab) -> Result<Self, Error> {
+    fn locate(model: &'m ModelProto, req: &ArtifactsOptions, vocab: &Vocab) -> Result<Self, Error> {
         let index = GraphIndex::new(model.graph.as_ref().expect("checked on load"));
-        let site = select_site(&index, req.ce_node.as_deref()).map_err(|e| match e {
+        let site = select_site(&index, req.ce_node).map_err(|e| match e {
             // artifacts mode never rewrites a cross-entropy spelled out of primitive ops
             Error::NoCrossEntropy { .. } if crate::ce::forms::found(&index) => Error::Usage(
                 "the training graph's cross-entropy is written out of primitive ops, which artifacts mode cannot patch (ONNX Runtime already differentiated them); patch the forward graph (`ntl-patch MODEL`) and generate the artifacts from it, or use `ntl-patch step`".into(),
@@ -184,7 +118,7 @@ impl<'m> Target<'m> {
         let total_type = index
             .elem_type(&site.logits)
             .unwrap_or(ntl_ops::onnx::FLOAT);
-        let (tokens, left_out) = number_tokens(vocab, &req.loss, width, total_type)?;
+        let (tokens, left_out) = number_tokens(vocab, req.loss, width, total_type)?;
         let opset = default_opset(model).ok_or(Error::NoOpset)?;
         Ok(Target {
             index,
@@ -194,46 +128,6 @@ impl<'m> Target<'m> {
             opset,
         })
     }
-}
-
-/// Loads one artifact graph read-only and checks it can be patched.
-fn load_artifact(file: std::fs::File, path: &Path) -> Result<(ModelProto, ModelSource), Error> {
-    let (model, source) = load_model_file(file, path)?;
-    refuse_patched(&model, path)?;
-    check_opset(&model)?;
-    crate::graph::patch::check_consistency(&model).map_err(Error::MalformedGraph)?;
-    crate::graph::structure::check_model(&model)?;
-    check_external_data(&model, &model_dir(path))?;
-    Ok((model, source))
-}
-
-/// Writes the four artifacts into a temporary folder beside `output`, then renames it. The
-/// graphs' external data files (large models) are copied along, as the folder is new.
-fn write_folder(
-    src: &Path,
-    output: &Path,
-    graphs: [(&str, &ModelProto, &ModelSource); 2],
-    copies: [(&str, std::fs::File); 2],
-) -> Result<(), Error> {
-    let write_err = |source| Error::Write {
-        path: output.to_path_buf(),
-        source,
-    };
-    let parent = crate::io::model_io::model_dir(output);
-    let tmp = crate::io::temp::TempDir::new_in(&parent).map_err(write_err)?;
-    for (name, model, source) in graphs {
-        let out = tmp.path().join(name);
-        let external = plan_external_data(model, &src.join(name), &out, true)?;
-        let mut model = model.clone();
-        external.apply(&mut model);
-        save_model_from(&model, &out, Some(source), Some(&external))?;
-    }
-    for (name, mut file) in copies {
-        let mut dest = std::fs::File::create(tmp.path().join(name)).map_err(write_err)?;
-        std::io::copy(&mut file, &mut dest).map_err(write_err)?;
-        dest.sync_all().map_err(write_err)?;
-    }
-    tmp.persist(output).map_err(write_err)
 }
 
 /// The training-graph patch: forward nodes in place of the loss node, and the number loss's

@@ -1,6 +1,7 @@
-//! The passes that turn a model into another: the number-loss patch ([`rewrite`], driven by
-//! [`pipeline`]), whole-model differentiation ([`grad`]), the training step ([`step`]) and
-//! ONNX Runtime Training artifacts ([`artifacts`]).
+//! The passes that turn a model into another, in memory: the number-loss patch ([`rewrite`],
+//! driven by [`pipeline`]), whole-model differentiation ([`grad`]), the training step
+//! ([`step`]) and ONNX Runtime Training artifacts ([`artifacts`]). No pass reads or writes a
+//! file: the jobs (`crate::jobs`) load, call them and save.
 
 pub mod artifacts;
 pub mod attention;

@@ -1,15 +1,13 @@
-//! The main job, end to end: load → find the cross-entropy → number table → patch → save.
+//! The number-loss patch of a model in memory (find the cross-entropy → number table → patch),
+//! and the checks that refuse a model it cannot patch. The patch job (`crate::jobs::patch`)
+//! loads, calls these and saves.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use crate::ce::site::{describe_sites, find_ce_sites, nested_ce_nodes, CeSite};
 use crate::error::Error;
 use crate::graph::patch::{apply, METADATA_KEY};
 use crate::graph::GraphIndex;
-use crate::io::model_io::{
-    check_external_data, load_model_source, model_dir, plan_external_data, same_file,
-    save_model_from, ExternalDataAction, ExternalDataPlan, ModelSource,
-};
 use crate::onnx::{default_opset, ModelProto};
 use crate::passes::rewrite::build_patch;
 use crate::vocab::number_table::{NumberSet, Vocab};
@@ -18,96 +16,41 @@ use ntl_ops::names::PREFIX;
 use ntl_ops::numbers::NumberTokens;
 use ntl_ops::options::{LossKind, LossOptions};
 
-pub struct PatchRequest {
-    pub model: PathBuf,
-    pub output: Option<PathBuf>,
-    pub tokenizer: Option<PathBuf>,
+/// What the patch reads besides the graph: the request's options, without its paths.
+pub struct PatchOptions<'a> {
+    /// `--ce-node`: the cross-entropy to patch, by node name or loss output name.
+    pub ce_node: Option<&'a str>,
+    /// `--vocab-size`: the logits width where the graph leaves it symbolic.
     pub vocab_size: Option<usize>,
-    pub ce_node: Option<String>,
-    pub loss: LossOptions,
+    pub loss: &'a LossOptions,
     /// Add a cross-entropy to a logits-only graph (`--add-loss`); it is also added, with a
     /// notice, when the graph has no cross-entropy and one logits-like output.
     pub add_loss: bool,
-    /// With an added loss: the causal shift of Hugging Face causal LMs (`--no-shift` turns it off).
+    /// With an added loss: the causal shift of Hugging Face causal LMs.
     pub shift: bool,
-    /// Copy external data files next to an output in another folder, even where the output
-    /// folder already holds them.
-    pub copy_external_data: bool,
 }
 
-pub struct PatchSummary {
-    pub output: PathBuf,
+/// What [`patch_graph`] did, for the summary.
+pub struct GraphPatched {
     pub ce_node: String,
     pub pattern: &'static str,
     pub logits_width: usize,
     pub number_tokens: usize,
-    pub tokenizer: PathBuf,
-    /// What became of the model's external data files.
-    pub external_data: ExternalDataAction,
     /// One-line notices for stderr (e.g. a loss added to a logits-only graph).
     pub notices: Vec<String>,
     /// One-line warnings for stderr (number tokens left out for their size).
     pub warnings: Vec<String>,
 }
 
-/// `model.onnx` → `model.ntl.onnx` beside it.
-pub fn default_output(model: &Path) -> PathBuf {
-    let stem = model
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "model".into());
-    model_dir(model).join(format!("{stem}.ntl.onnx"))
-}
-
-/// `tokenizer.json` beside the model.
-pub fn default_tokenizer(model: &Path) -> PathBuf {
-    model_dir(model).join("tokenizer.json")
-}
-
-pub fn run_patch(req: &PatchRequest) -> Result<PatchSummary, Error> {
-    req.loss.check().map_err(Error::Usage)?;
-    let output = req
-        .output
-        .clone()
-        .unwrap_or_else(|| default_output(&req.model));
-    let patched = patch_model(req, &output)?;
-    save_model_from(
-        &patched.model,
-        &output,
-        Some(&patched.source),
-        Some(&patched.external),
-    )?;
-    Ok(patched.summary)
-}
-
-/// A patched model in memory, with what saving it needs.
-pub struct Patched {
-    pub model: ModelProto,
-    /// The input file: initializer payloads are copied from it on save.
-    pub source: ModelSource,
-    pub external: ExternalDataPlan,
-    pub summary: PatchSummary,
-}
-
-/// Loads, checks and patches `req.model` for writing to `output` (not written here).
-pub fn patch_model(req: &PatchRequest, output: &Path) -> Result<Patched, Error> {
-    if same_file(&req.model, output) {
-        return Err(Error::OutputIsInput(output.to_path_buf()));
-    }
-    crate::io::fsio::check_output_path(output).map_err(|source| Error::Write {
-        path: output.to_path_buf(),
-        source,
-    })?;
-    let (mut model, source) = load_model_source(&req.model)?;
-    refuse_patched(&model, &req.model)?;
-    refuse_training_graph(&model)?;
-    check_opset(&model)?;
-    crate::graph::patch::check_consistency(&model).map_err(Error::MalformedGraph)?;
-    crate::graph::structure::check_model(&model)?;
-    check_external_data(&model, &model_dir(&req.model))?;
-    let external = plan_external_data(&model, &req.model, output, req.copy_external_data)?;
-
-    let opset = default_opset(&model).expect("checked above");
+/// The number-loss patch of a checked model, in memory: cross-entropy forms rewritten, a loss
+/// added where asked, the site chosen, the loss built and applied. The vocabulary is asked of
+/// `vocab` once the logits width is known, so the graph's own errors come first.
+pub fn patch_graph(
+    model: &mut ModelProto,
+    opts: &PatchOptions,
+    vocab: impl FnOnce() -> Result<Vocab, Error>,
+) -> Result<GraphPatched, Error> {
+    let opset = default_opset(model).expect("checked above");
     let mut notices = Vec::new();
     // one index of the graph for every question below (indexing a graph of a million nodes
     // takes a while); rebuilt only when the graph changed: a form rewritten, a loss added
@@ -116,69 +59,52 @@ pub fn patch_model(req: &PatchRequest, output: &Path) -> Result<Patched, Error> 
     let index = match crate::ce::forms::plan(&index, opset) {
         Some(rewrite) => {
             drop(index);
-            rewrite.apply(&mut model)?;
+            rewrite.apply(model)?;
             GraphIndex::new(model.graph.as_ref().expect("checked on load"))
         }
         None => index,
     };
-    if req.add_loss && !find_ce_sites(&index).is_empty() {
+    if opts.add_loss && !find_ce_sites(&index).is_empty() {
         return Err(Error::Usage(
             "--add-loss is for logits-only graphs and this one already has a cross-entropy; drop --add-loss".into(),
         ));
     }
-    let index = if wants_added_loss(req, &index) {
+    let index = if wants_added_loss(opts, &index) {
         drop(index);
-        notices.push(crate::ce::add_loss::add_loss(&mut model, req.shift)?);
+        notices.push(crate::ce::add_loss::add_loss(model, opts.shift)?);
         GraphIndex::new(model.graph.as_ref().expect("checked on load"))
     } else {
         index
     };
-    let site = select_site(&index, req.ce_node.as_deref())?;
-    let width = logits_width(&index, &site, req.vocab_size)?;
-    let tokenizer = req
-        .tokenizer
-        .clone()
-        .unwrap_or_else(|| default_tokenizer(&req.model));
-    if !tokenizer.exists() {
-        return Err(Error::TokenizerMissing(tokenizer));
-    }
-    let vocab = Vocab::from_file(&tokenizer)?;
+    let site = select_site(&index, opts.ce_node)?;
+    let width = logits_width(&index, &site, opts.vocab_size)?;
+    let vocab = vocab()?;
     let total_type = index
         .elem_type(&site.logits)
         .unwrap_or(ntl_ops::onnx::FLOAT);
-    let (tokens, left_out) = number_tokens(&vocab, &req.loss, width, total_type)?;
+    let (tokens, left_out) = number_tokens(&vocab, opts.loss, width, total_type)?;
     let warnings: Vec<String> = left_out.into_iter().collect();
 
     let others: Vec<CeSite> = find_ce_sites(&index)
         .into_iter()
         .filter(|s| s.node_index != site.node_index)
         .collect();
-    let patch = build_patch(&index, opset, &site, &others, &tokens, &req.loss)?;
-    apply(&mut model, patch)?;
-    external.apply(&mut model);
-    let summary = PatchSummary {
-        output: output.to_path_buf(),
+    let patch = build_patch(&index, opset, &site, &others, &tokens, opts.loss)?;
+    apply(model, patch)?;
+    Ok(GraphPatched {
         ce_node: site_label(&site),
         pattern: site.pattern.describe(),
         logits_width: width,
         number_tokens: tokens.table.len(),
-        tokenizer,
-        external_data: external.action,
         notices,
         warnings,
-    };
-    Ok(Patched {
-        model,
-        source,
-        external,
-        summary,
     })
 }
 
 /// `--add-loss`, or a graph without any cross-entropy whose outputs include exactly one
 /// logits-like tensor.
-fn wants_added_loss(req: &PatchRequest, index: &GraphIndex) -> bool {
-    req.add_loss
+fn wants_added_loss(opts: &PatchOptions, index: &GraphIndex) -> bool {
+    opts.add_loss
         || find_ce_sites(index).is_empty()
             && nested_ce_nodes(index).is_empty()
             && crate::ce::add_loss::logits_output(index.graph).is_ok()
@@ -398,7 +324,7 @@ pub fn logits_width(
     });
     let found = found
         .map(|f| {
-            crate::io::limits::check_width(
+            crate::vocab::check_width(
                 f,
                 "the logits width the graph declares",
                 "re-export the model with its real vocabulary size",
@@ -407,7 +333,7 @@ pub fn logits_width(
         .transpose()?;
     let given = given
         .map(|g| {
-            crate::io::limits::check_width(
+            crate::vocab::check_width(
                 i64::try_from(g).unwrap_or(i64::MAX),
                 "--vocab-size",
                 "pass the logits width of the model",

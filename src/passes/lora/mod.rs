@@ -9,7 +9,6 @@
 //! The step graph's metadata (`lora`) records each layer for the runners' PEFT files.
 
 mod linear;
-pub mod serving;
 
 use std::collections::{BTreeMap, BTreeSet};
 

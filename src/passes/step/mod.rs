@@ -9,17 +9,16 @@ mod in_place;
 pub mod optimizer;
 mod parameters;
 pub mod precision;
-mod zero_state;
+pub mod zero_state;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use crate::error::Error;
 use crate::graph::elem_types::ElemTypes;
 use crate::graph::ranks::Ranks;
 use crate::graph::shapes::Shapes;
 use crate::graph::GraphIndex;
-use crate::io::model_io::{load_model, model_dir, save_model_from};
 use crate::onnx::{
     default_opset, proto, GraphProto, ModelProto, StringStringEntryProto, TensorProto, TypeProto,
     ValueInfoProto, FLOAT, INT64,
@@ -28,7 +27,6 @@ use crate::passes::attention::{self, AttentionOptions};
 use crate::passes::fused_head::{self, FusedHeadOptions, FusedView, Outcome};
 use crate::passes::grad::{self, Ctx};
 use crate::passes::lora::{self, Adapted, LoraOptions};
-use crate::passes::pipeline::{patch_model, PatchRequest, PatchSummary};
 use crate::passes::recompute::{self, RecomputeOptions, StepFacts};
 use ntl_ops::names::{CE_OUTPUT, NUMBER_OUTPUT, PREFIX};
 use ntl_ops::Builder;
@@ -58,8 +56,8 @@ pub fn step_metadata(model: &ModelProto) -> Option<serde_json::Result<serde_json
 pub const LR_INPUT: &str = "ntl/lr";
 pub const STEP_INPUT: &str = "ntl/state/step";
 
-pub struct StepRequest {
-    pub patch: PatchRequest,
+/// What the step graph is built with: the request's options, without its paths.
+pub struct StepOptions {
     pub optimizer: OptimizerOptions,
     /// Initializer-name prefixes not to train.
     pub freeze: Vec<String>,
@@ -80,61 +78,22 @@ pub struct StepRequest {
     pub attention: AttentionOptions,
 }
 
-impl StepRequest {
+impl StepOptions {
     pub fn precision(&self) -> Precision {
         self.precision.unwrap_or(Precision::Fp32)
     }
-}
 
-pub struct StepSummary {
-    pub outputs: Vec<PathBuf>,
-    pub patch: PatchSummary,
-    pub parameters: Vec<String>,
-    pub parameter_elements: u64,
-    pub frozen: Vec<String>,
-    pub buffers: Vec<String>,
-    /// Things the user may want to know that change nothing (`--freeze` of a constant).
-    pub notes: Vec<String>,
-    pub warnings: Vec<String>,
-    /// Positions per chunk where the LM head is fused.
-    pub fused_head_chunk_tokens: Option<i64>,
-    /// LoRA: the options and the adapted layers (the metadata's `lora`).
-    pub lora: Option<serde_json::Value>,
-    /// `--recompute`: what was chosen and why (the metadata's `recompute`).
-    pub recompute: serde_json::Value,
-    /// `--attention`: what was replaced and what was left (the metadata's `attention`).
-    pub attention: serde_json::Value,
-}
-
-/// `model.onnx` → `model.step.onnx` (or `model.grad.onnx` + `model.update.onnx`).
-pub fn default_outputs(model: &Path, split: bool) -> Vec<PathBuf> {
-    let stem = model
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "model".into());
-    let dir = model_dir(model);
-    if split {
-        vec![
-            dir.join(format!("{stem}.grad.onnx")),
-            dir.join(format!("{stem}.update.onnx")),
-        ]
-    } else {
-        vec![dir.join(format!("{stem}.step.onnx"))]
+    /// The options' own checks, before any file is read.
+    pub fn check(&self) -> Result<(), Error> {
+        check_options(&self.optimizer)?;
+        if let Some(o) = &self.lora {
+            o.check()?;
+        } else if !self.train.is_empty() {
+            return Err(Error::Usage("--train adds base weights to what LoRA trains; without --lora-r every weight trains already (use --freeze to leave some out)".into()));
+        }
+        self.loss_scale.check().map_err(Error::Usage)?;
+        self.attention.check()
     }
-}
-
-/// The outputs of `--split -o OUT`: `OUT` is the gradient graph, the update graph goes beside
-/// it as `<OUT stem>.update.onnx`.
-fn split_outputs(out: &Path) -> Vec<PathBuf> {
-    let stem = out
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "model".into());
-    let stem = stem.strip_suffix(".grad").unwrap_or(&stem).to_string();
-    vec![
-        out.to_path_buf(),
-        model_dir(out).join(format!("{stem}.update.onnx")),
-    ]
 }
 
 #[allow(clippy::neg_cmp_op_on_partial_ord)] // NaN must fail the checks too
@@ -167,102 +126,23 @@ fn check_options(o: &OptimizerOptions) -> Result<(), Error> {
     Ok(())
 }
 
-pub fn run_step(req: &StepRequest) -> Result<StepSummary, Error> {
-    check_options(&req.optimizer)?;
-    if let Some(o) = &req.lora {
-        o.check()?;
-    } else if !req.train.is_empty() {
-        return Err(Error::Usage("--train adds base weights to what LoRA trains; without --lora-r every weight trains already (use --freeze to leave some out)".into()));
-    }
-    req.loss_scale.check().map_err(Error::Usage)?;
-    req.attention.check()?;
-    let outputs = match &req.patch.output {
-        Some(out) if req.split => split_outputs(out),
-        Some(out) => vec![out.clone()],
-        None => default_outputs(&req.patch.model, req.split),
-    };
-    if outputs.len() == 2 && outputs[0] == outputs[1] {
-        return Err(Error::Usage("the gradient and update graphs would share a path; name the gradient graph OUT.grad.onnx with -o".into()));
-    }
-    let input = load_model(&req.patch.model)?;
-    if input
-        .metadata_props
-        .iter()
-        .any(|p| p.key() == STEP_METADATA_KEY)
-    {
-        return Err(Error::AlreadyStepGraph {
-            path: req.patch.model.clone(),
-        });
-    }
-    drop(input);
-    let mut patched = patch_model(&req.patch, &outputs[0])?;
-    for out in &outputs[1..] {
-        if crate::io::model_io::same_file(&req.patch.model, out) {
-            return Err(Error::OutputIsInput(out.clone()));
-        }
-        crate::io::fsio::check_output_path(out).map_err(|source| Error::Write {
-            path: out.clone(),
-            source,
-        })?;
-    }
-    let built = build(&mut patched.model, req, &outputs)?;
-    let summary = StepSummary {
-        outputs: outputs.clone(),
-        patch: patched.summary,
-        parameters: built.parameters,
-        parameter_elements: built.parameter_elements,
-        frozen: built.frozen,
-        buffers: built.buffers,
-        notes: built.notes,
-        warnings: built.warnings,
-        fused_head_chunk_tokens: built.fused_head_chunk_tokens,
-        lora: built.lora,
-        recompute: built.recompute,
-        attention: built.attention,
-    };
-    // Everything but the main graph first, removed again if a later write fails: an error
-    // leaves no output at all.
-    let mut written: Vec<PathBuf> = Vec::new();
-    let result = (|| {
-        let holder = outputs.last().expect("one output at least");
-        if let Some(path) = built.zeros.write(&crate::io::model_io::model_dir(holder))? {
-            written.push(path);
-        }
-        if let Some(update) = &built.update {
-            save_model_from(update, &outputs[1], None, None)?;
-            written.push(outputs[1].clone());
-        }
-        save_model_from(
-            &patched.model,
-            &outputs[0],
-            Some(&patched.source),
-            Some(&patched.external),
-        )
-    })();
-    if let Err(e) = result {
-        for path in written {
-            let _ = std::fs::remove_file(path);
-        }
-        return Err(e);
-    }
-    Ok(summary)
-}
-
-struct Built {
-    parameters: Vec<String>,
-    parameter_elements: u64,
-    frozen: Vec<String>,
-    buffers: Vec<String>,
-    notes: Vec<String>,
-    warnings: Vec<String>,
+/// The step graph's build: what the summary reports, the update graph of `--split`, and the
+/// optimizer state's zeros the job writes beside the graph.
+pub struct Built {
+    pub parameters: Vec<String>,
+    pub parameter_elements: u64,
+    pub frozen: Vec<String>,
+    pub buffers: Vec<String>,
+    pub notes: Vec<String>,
+    pub warnings: Vec<String>,
     /// The update graph of `--split`.
-    update: Option<ModelProto>,
+    pub update: Option<ModelProto>,
     /// Where the optimizer state's zeros went (the step graph, or the update graph).
-    zeros: ZeroState,
-    fused_head_chunk_tokens: Option<i64>,
-    lora: Option<serde_json::Value>,
-    recompute: serde_json::Value,
-    attention: serde_json::Value,
+    pub zeros: ZeroState,
+    pub fused_head_chunk_tokens: Option<i64>,
+    pub lora: Option<serde_json::Value>,
+    pub recompute: serde_json::Value,
+    pub attention: serde_json::Value,
 }
 
 /// One stage of the step graph: it reads what earlier stages left in the context and leaves
@@ -294,7 +174,11 @@ const STAGES: &[Stage] = &[
 
 /// Turns the patched forward model into the step graph (or the gradient graph, returning the
 /// update graph as a separate model).
-fn build(model: &mut ModelProto, req: &StepRequest, outputs: &[PathBuf]) -> Result<Built, Error> {
+pub fn build(
+    model: &mut ModelProto,
+    req: &StepOptions,
+    outputs: &[PathBuf],
+) -> Result<Built, Error> {
     let mut ctx = StepCtx::new(model, req, outputs);
     for stage in STAGES {
         stage(&mut ctx)?;
@@ -321,7 +205,7 @@ struct OptimizerState {
 /// What the stages share: the request, the model being turned into the step graph, and what
 /// each stage left for the later ones.
 struct StepCtx<'a> {
-    req: &'a StepRequest,
+    req: &'a StepOptions,
     outputs: &'a [PathBuf],
     model: &'a mut ModelProto,
     opset: i64,
@@ -361,7 +245,7 @@ struct StepCtx<'a> {
 }
 
 impl<'a> StepCtx<'a> {
-    fn new(model: &'a mut ModelProto, req: &'a StepRequest, outputs: &'a [PathBuf]) -> Self {
+    fn new(model: &'a mut ModelProto, req: &'a StepOptions, outputs: &'a [PathBuf]) -> Self {
         StepCtx {
             req,
             outputs,
@@ -435,7 +319,7 @@ fn builder(b: &mut Option<Builder>) -> &mut Builder {
 
 /// Which weights train, by `--freeze`, `--train` and LoRA (`adapters`, where it adapted).
 fn train_rule<'r>(
-    req: &'r StepRequest,
+    req: &'r StepOptions,
     adapted: Option<&Adapted>,
     adapters: &'r BTreeSet<String>,
 ) -> Rule<'r> {
@@ -920,7 +804,7 @@ fn set_nodes(graph: &mut GraphProto, mixed: Option<precision::Mixed>, b: &mut Bu
 /// The optimizer update, behind fp16's loss scaling where there is one.
 fn emit_optimizer(
     ctx: &mut Ctx,
-    req: &StepRequest,
+    req: &StepOptions,
     updates: &[ParamUpdate],
     step: (&str, &str),
     lr: &str,
@@ -1004,7 +888,7 @@ fn add_state_initializers(
     graph: &mut GraphProto,
     state: &[(String, String, Vec<i64>, i32)],
     zeros: &mut ZeroState,
-    req: &StepRequest,
+    req: &StepOptions,
 ) -> Result<(), Error> {
     let params: BTreeSet<String> = graph
         .initializer
@@ -1029,7 +913,7 @@ fn initial_state(
     dims: &[i64],
     elem_type: i32,
     zeros: &mut ZeroState,
-    req: &StepRequest,
+    req: &StepOptions,
 ) -> Result<TensorProto, Error> {
     if name == SCALE_STATE {
         return Ok(crate::onnx::f32_tensor(
@@ -1049,7 +933,7 @@ fn initial_state(
 #[allow(clippy::too_many_arguments)]
 fn update_model(
     model: &ModelProto,
-    req: &StepRequest,
+    req: &StepOptions,
     updates: &[ParamUpdate],
     grad_names: &[String],
     state: &[(String, String, Vec<i64>, i32)],

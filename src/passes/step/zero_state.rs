@@ -1,9 +1,10 @@
 //! The optimizer state's initial zeros. Inline for ordinary models; for models whose weights
 //! live in external data (the > 2 GB case), the zeros go to one sparse file beside the graph
 //! (`<graph file>.state.bin`), so the graph stays under protobuf's 2 GB limit and no buffer
-//! of the model's size is ever built: the file is created with its length set, all holes.
+//! of the model's size is ever built: the job (`crate::jobs::step`) creates the file with its
+//! length set, all holes.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use crate::error::Error;
 use crate::onnx::proto::tensor_proto::DataLocation;
@@ -74,28 +75,18 @@ impl ZeroState {
         Ok(t)
     }
 
-    /// Creates the state file in `dir` (if any zeros went to one): a temporary file of the
-    /// full length, renamed into place. Returns its path.
-    pub fn write(&self, dir: &Path) -> Result<Option<PathBuf>, Error> {
-        let Some(location) = &self.location else {
-            return Ok(None);
-        };
-        let path = dir.join(location);
-        let err = |source| Error::Write {
-            path: path.clone(),
-            source,
-        };
-        // registered: removed on error and on SIGINT/SIGTERM/SIGHUP (crate::io::temp)
-        let tmp = crate::io::temp::TempFile::new_in(dir).map_err(err)?;
-        tmp.as_file().set_len(self.len).map_err(err)?;
-        tmp.as_file().sync_all().map_err(err)?;
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::PermissionsExt;
-            let mode = std::fs::Permissions::from_mode(0o644);
-            tmp.as_file().set_permissions(mode).map_err(err)?;
-        }
-        tmp.persist(&path).map_err(err)?;
-        Ok(Some(path))
+    /// The state file the zeros went to, if any, for the job to create beside the graph.
+    pub fn sparse_file(&self) -> Option<SparseFile> {
+        self.location.as_ref().map(|name| SparseFile {
+            name: name.clone(),
+            len: self.len,
+        })
     }
+}
+
+/// A file of zeros to create: its name (in the folder of the graph that reads it) and its
+/// length; all holes.
+pub struct SparseFile {
+    pub name: String,
+    pub len: u64,
 }

@@ -36,8 +36,8 @@ use std::path::{Path, PathBuf};
 use crate::error::Error;
 use crate::graph::GraphIndex;
 use crate::io::model_io::{load_model, model_dir};
+use crate::jobs::patch::default_tokenizer;
 use crate::onnx::ModelProto;
-use crate::passes::pipeline::default_tokenizer;
 use crate::vocab::number_table::{NumberTable, Vocab};
 use ntl_ops::names::{CE_OUTPUT, NUMBER_OUTPUT, PREFIX};
 

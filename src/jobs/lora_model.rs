@@ -9,13 +9,13 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use super::{insert, LoraOptions};
 use crate::error::Error;
 use crate::io::model_io::{
     check_external_data, load_model, load_model_source, model_dir, plan_external_data, same_file,
     save_model_from,
 };
-use crate::passes::step::step_metadata;
+use crate::passes::lora::{insert, LoraOptions};
+use crate::passes::step::{step_metadata, tensor_info};
 
 pub struct ServingRequest {
     pub model: PathBuf,
@@ -83,7 +83,7 @@ fn step_options(step: &Path) -> Result<(LoraOptions, Vec<String>), Error> {
     Ok((o, names))
 }
 
-pub fn run(req: &ServingRequest) -> Result<ServingSummary, Error> {
+pub fn run_lora_model(req: &ServingRequest) -> Result<ServingSummary, Error> {
     let output = req
         .output
         .clone()
@@ -129,7 +129,7 @@ pub fn run(req: &ServingRequest) -> Result<ServingSummary, Error> {
             .iter()
             .find(|t| t.name() == name)
             .expect("insert adds A and B as initializers");
-        let info = crate::passes::step::tensor_info(name, t.data_type(), &t.dims);
+        let info = tensor_info(name, t.data_type(), &t.dims);
         graph.input.push(info);
     }
     external.apply(&mut model);
