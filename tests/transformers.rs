@@ -15,12 +15,17 @@ const MODELS: [&str; 4] = ["gpt2_ts", "llama_ts", "gpt2_dynamo", "llama_dynamo"]
 
 /// `ntl-patch step` of a fixture into `dir/<name>.step.onnx`.
 fn step_graph(dir: &std::path::Path, name: &str) -> std::path::PathBuf {
-    let out = dir.join(format!("{name}.step.onnx"));
+    step_graph_with(dir, name, &[])
+}
+
+fn step_graph_with(dir: &std::path::Path, name: &str, extra: &[&str]) -> std::path::PathBuf {
+    let out = dir.join(format!("{name}{}.step.onnx", extra.join("")));
     bin()
         .arg("step")
         .arg(model(name))
         .arg("--tokenizer")
         .arg(tokenizer())
+        .args(extra)
         .arg("-o")
         .arg(&out)
         .assert()
@@ -71,13 +76,20 @@ fn transformers_step_graphs_train_in_tract_like_onnxruntime() {
 /// The Hugging Face step graphs run whole on the GPU kernel tables of onnxruntime-gpu 1.31.1
 /// (CUDA) and onnxruntime-rocm 1.22.2 and are taken whole by the onnxruntime-migraphx 1.27.1
 /// model: their label shift's integer `Pad` runs on float64, `CastLike` becomes `Cast`, and the
-/// Slice/ReduceMean gradients need no `Size`/`Range` (docs/GPU.md, "Step graphs").
+/// Slice/ReduceMean gradients need no `Size`/`Range` (docs/GPU.md, "Step graphs"). MIGraphX
+/// takes no `Scan`: for it the attention stays as exported (`--attention eager`), as the docs say;
+/// the default blockwise attention's `Scan`s and bodies run whole on CUDA and ROCm.
 #[test]
 fn transformers_step_graphs_have_no_gpu_fallback() {
     let dir = tempfile::tempdir().unwrap();
     for name in MODELS {
-        let out = step_graph(dir.path(), name);
-        for target in ["cuda", "rocm", "migraphx"] {
+        let blockwise = step_graph(dir.path(), name);
+        let eager = step_graph_with(dir.path(), name, &["--attention", "eager"]);
+        for (target, out) in [
+            ("cuda", &blockwise),
+            ("rocm", &blockwise),
+            ("migraphx", &eager),
+        ] {
             let o = bin()
                 .arg("inspect")
                 .arg(&out)

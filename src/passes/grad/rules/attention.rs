@@ -19,13 +19,7 @@ pub fn attention(
     gy: &[Option<String>],
     wants: &[bool],
 ) -> Result<Grads, Error> {
-    if node.domain() != DOMAIN {
-        return Err(Error::Inconsistent(format!(
-            "node '{}' of domain '{}' is named like ntl-patch's blockwise attention",
-            node.name(),
-            node.domain()
-        )));
-    }
+    super::internal(node, DOMAIN, "blockwise attention")?;
     let g = g0(node, gy)?.to_string();
     let a = Attn::of(node);
     // the gradients in the scores' broadcast batch shape, then summed down to each input's

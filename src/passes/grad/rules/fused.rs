@@ -18,13 +18,7 @@ pub fn fused_head(
     gy: &[Option<String>],
     wants: &[bool],
 ) -> Result<Grads, Error> {
-    if node.domain() != DOMAIN {
-        return Err(Error::Inconsistent(format!(
-            "node '{}' of domain '{}' is named like ntl-patch's fused head",
-            node.name(),
-            node.domain()
-        )));
-    }
+    super::internal(node, DOMAIN, "fused head")?;
     let head = Head::of(node);
     // the forward's lse, then one upstream gradient per output (zeros where none arrived)
     let mut grads = vec![node.output[0].clone()];

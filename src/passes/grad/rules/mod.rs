@@ -38,6 +38,19 @@ fn g0<'a>(node: &NodeProto, gy: &'a [Option<String>]) -> Result<&'a str, Error> 
     })
 }
 
+/// An internal node's rule (the fused head's, blockwise attention's): a node of another domain
+/// that only shares its op type is an inconsistency, not ntl-patch's node.
+fn internal(node: &NodeProto, domain: &str, what: &str) -> Result<(), Error> {
+    if node.domain() == domain {
+        return Ok(());
+    }
+    Err(Error::Inconsistent(format!(
+        "node '{}' of domain '{}' is named like ntl-patch's {what}",
+        node.name(),
+        node.domain()
+    )))
+}
+
 /// Records that `out` has the rank of `like` and returns it as the input's gradient.
 fn like(ctx: &mut Ctx, out: String, like: &str) -> Result<Grads, Error> {
     if let Some(r) = ctx.ranks.get(like) {
