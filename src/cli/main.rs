@@ -936,8 +936,12 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
             Some(why) => format!("{recompute}; recompute {why}"),
             None => recompute,
         };
-        let attention = match s.attention["replaced"].as_u64() {
-            Some(n) if n > 0 => format!("; attention blockwise in {n} layers"),
+        let attention = match (
+            s.attention["replaced"].as_u64(),
+            s.attention["reason"].as_str(),
+        ) {
+            (Some(n), _) if n > 0 => format!("; attention blockwise in {n} layers"),
+            (_, Some(why)) => format!("; {why}"),
             _ => String::new(),
         };
         let lora = match (&s.lora, &req.options.lora) {

@@ -791,3 +791,14 @@ def test_validate_trains_the_blockwise_graph(model, runtime, build):
     r = run_patch(["validate", path, "--tokenizer", TOKENIZER, "--runtime", runtime])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "passed" in r.stdout, r.stdout
+
+
+def test_fp16_keeps_the_exported_attention_unless_asked(build):
+    """Under --precision fp16, `auto` leaves the attention as exported and says why (dynamic loss
+    scaling skips where half products overflow; test_precision checks the skips equal torch
+    GradScaler's step for step, which the exported attention's order gives); `chunked` still
+    makes it blockwise. (Checked to fail: without the fp16 rule, auto replaced 2.)"""
+    _, auto = build("llama_ts", "--precision", "fp16", split=False)
+    assert auto["attention"]["replaced"] == 0 and "fp16" in auto["attention"]["reason"], auto["attention"]
+    _, chunked_s = build("llama_ts", *chunked(3), "--precision", "fp16", split=False)
+    assert chunked_s["attention"]["replaced"] == LAYERS and chunked_s["attention"]["reason"] is None

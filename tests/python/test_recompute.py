@@ -123,18 +123,29 @@ def _stored_activations(path: Path, out: Path, python: str) -> dict:
     return {level: _stored(onnx.load(f"{out}.{level}.onnx").graph, floats) for level in LEVELS}
 
 
+def _reads(n) -> list:
+    """A node's inputs and what its subgraphs (Scan / Loop / If bodies) read from outside."""
+    names = list(n.input)
+    for a in n.attribute:
+        for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+            for m in sub.node:
+                names.extend(_reads(m))
+    return names
+
+
 def _stored(g, floats: set) -> set:
     producer = {o: i for i, n in enumerate(g.node) for o in n.output}
+    reads = [_reads(n) for n in g.node]
     forward, needed = set(), {o.name for o in g.output[:3]}
     for i in range(len(g.node) - 1, -1, -1):
         if any(o in needed for o in g.node[i].output):
             forward.add(i)
-            needed.update(g.node[i].input)
+            needed.update(reads[i])
     data = {"input_ids", "labels"}
-    for n in g.node:
-        if data.intersection(n.input):
+    for n, r in zip(g.node, reads):
+        if data.intersection(r):
             data.update(n.output)
-    return {x for i, n in enumerate(g.node) if i not in forward for x in n.input
+    return {x for i, r in enumerate(reads) if i not in forward for x in r
             if producer.get(x) in forward and x in data and x in floats}
 
 

@@ -326,6 +326,7 @@ impl Finder<'_, '_> {
                 scale_rank,
                 rank,
                 block: 0,
+                declared_here: false,
             },
         })
     }

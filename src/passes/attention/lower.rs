@@ -36,6 +36,14 @@ pub fn lower(model: &mut ModelProto, half: Option<i32>) {
         GraphIndex::new(graph).taken_names(PREFIX, &[]),
     );
     let widened = half.map(|_| widening_casts(graph)).unwrap_or_default();
+    let undeclared: std::collections::HashSet<String> = graph
+        .node
+        .iter()
+        .filter(|n| (n.domain(), n.op_type()) == (DOMAIN, FORWARD))
+        .filter(|n| Attn::of(n).declared_here)
+        .map(|n| n.output[0].clone())
+        .collect();
+    graph.value_info.retain(|v| !undeclared.contains(v.name()));
     let old = std::mem::take(&mut graph.node);
     for mut node in old {
         if super::node::is_attention(&node) {
@@ -141,38 +149,48 @@ fn blocks(b: &mut Builder, a: &Attn) -> Blocks {
 
 /// The scan's inputs: per clamp (a tensor's last row), the `[S, C]` row numbers clamped to it,
 /// and the name each block reads them by. The bodies then do no index arithmetic: a runtime
-/// places nothing of them on the host, so no block waits for a copy.
+/// places nothing of them on the host, so no block waits for a copy. They travel as float32
+/// (exact below 2^24 rows) and each body casts them back: tract types integers computed from
+/// shapes as dims, which a scan input cannot be.
 #[derive(Default)]
 struct RowInputs {
-    /// (outer `[S, C]` tensor, body input), in the order they were asked for.
-    inputs: Vec<(String, String)>,
-    /// clamp (outer `[1]` tensor) → body input.
+    /// (outer `[S, C]` float tensor, body input, the body's int64 cast of it), in the order
+    /// they were asked for.
+    inputs: Vec<(String, String, String)>,
+    /// clamp (outer `[1]` tensor) → the body's int64 rows.
     by_clamp: Vec<(String, String)>,
 }
 
 impl RowInputs {
     /// The body's `[C]` row numbers of this block, clamped to `last`.
     fn clamped(&mut self, b: &mut Builder, bl: &Blocks, last: &str) -> String {
-        if let Some((_, body)) = self.by_clamp.iter().find(|(l, _)| l == last) {
-            return body.clone();
+        if let Some((_, rows)) = self.by_clamp.iter().find(|(l, _)| l == last) {
+            return rows.clone();
         }
         let outer = b.binary("Min", &bl.ids, last, "attention/block_rows_clamped");
-        // computed from shapes; tract types such values as dims unless cast
-        let outer = b.cast(&outer, INT64, "attention/block_rows_in");
-        let body = b.fresh("attention/rows_in");
-        self.inputs.push((outer, body.clone()));
-        self.by_clamp.push((last.to_string(), body.clone()));
-        body
+        let outer = b.cast(&outer, FLOAT, "attention/block_rows_in");
+        let body = b.fresh("attention/rows_in_f");
+        let rows = b.fresh("attention/rows_in");
+        self.inputs.push((outer, body, rows.clone()));
+        self.by_clamp.push((last.to_string(), rows.clone()));
+        rows
+    }
+
+    /// The body's first nodes: each input cast back to int64.
+    fn cast_in_body(&self, b: &mut Builder) {
+        for (_, body, rows) in &self.inputs {
+            b.node_to("Cast", &[body], &[rows], vec![int_attr("to", INT64 as i64)]);
+        }
     }
 
     fn outer(&self) -> Vec<&str> {
-        self.inputs.iter().map(|(o, _)| o.as_str()).collect()
+        self.inputs.iter().map(|(o, _, _)| o.as_str()).collect()
     }
 
     fn body(&self) -> Vec<(&str, i32, usize)> {
         self.inputs
             .iter()
-            .map(|(_, n)| (n.as_str(), INT64, 1))
+            .map(|(_, n, _)| (n.as_str(), FLOAT, 1))
             .collect()
     }
 }
@@ -371,6 +389,7 @@ fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let rows = body_rows(b, &bl, &o, &mut inputs);
     let outer_nodes = std::mem::take(&mut b.nodes);
 
+    inputs.cast_in_body(b);
     let q_b = b.gather(&o.q, &rows.q, a.q_rank as i64 - 2, "attention/q_block");
     let p = probabilities(b, &a, &o, &rows, &q_b, half.is_some());
     let p = match half {
@@ -459,6 +478,7 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let g_padded = zero_row_after(b, g_out, r);
     let g_rows = inputs.clamped(b, &bl, &bl.rows);
     let outer_nodes = std::mem::take(&mut b.nodes);
+    inputs.cast_in_body(b);
 
     let dkt_in = b.fresh("attention/dkt_in");
     let dv_in = b.fresh("attention/dv_in");

@@ -73,9 +73,19 @@ pub struct Outcome {
     pub replaced: usize,
     /// Attention-like softmaxes left as exported: (node, why).
     pub left: Vec<(String, String)>,
+    /// Why `auto` left every attention as exported without looking (a step option).
+    pub reason: Option<String>,
 }
 
 impl Outcome {
+    /// Nothing replaced, for `reason`.
+    pub fn kept(reason: &str) -> Outcome {
+        Outcome {
+            reason: Some(reason.to_string()),
+            ..Outcome::default()
+        }
+    }
+
     pub fn to_json(&self, opts: &AttentionOptions) -> serde_json::Value {
         let left: Vec<serde_json::Value> = self
             .left
@@ -87,6 +97,7 @@ impl Outcome {
             "block": opts.block(),
             "replaced": self.replaced,
             "left": left,
+            "reason": self.reason,
         })
     }
 }
@@ -132,11 +143,14 @@ pub fn replace(
         attn.block = opts.block();
         let out = graph.node[site.value_product].output[0].clone();
         let name = b.fresh(node::FORWARD);
-        // the product's proven shape, declared: the backward then knows what was broadcast
+        // the product's proven shape, declared while the step is built: the backward then knows
+        // what was broadcast (`lower` takes the declaration away again)
         if index.declared_shape(&out).is_none() {
+            attn.declared_here = true;
+            let elem = types.get(&out).unwrap_or(FLOAT);
             infos.push(tensor_info(
                 &out,
-                FLOAT,
+                elem,
                 &proven_dims(&shapes, &out, attn.rank),
             ));
         }
@@ -152,6 +166,7 @@ pub fn replace(
     let outcome = Outcome {
         replaced: sites.len(),
         left: left.into_iter().map(|l| (l.softmax, l.why)).collect(),
+        reason: None,
     };
     drop(index);
     if outcome.replaced > 0 {

@@ -83,6 +83,9 @@ pub struct Attn {
     pub rank: usize,
     /// Query rows per block.
     pub block: i64,
+    /// The output's shape was declared by the pass, for the backward only: its symbols are the
+    /// graph inputs' names, which a runtime given concrete shapes cannot unify (tract).
+    pub declared_here: bool,
 }
 
 impl Attn {
@@ -122,6 +125,7 @@ impl Attn {
                 ],
             ),
             int_attr("block", self.block),
+            int_attr("declared_here", self.declared_here as i64),
         ]
     }
 
@@ -161,6 +165,7 @@ impl Attn {
             scale_rank: rank(3),
             rank: rank(4),
             block: attr_i(node, "block").unwrap_or(1024),
+            declared_here: attr_i(node, "declared_here") == Some(1),
         }
     }
 

@@ -408,6 +408,10 @@ fn canonicalize(ctx: &mut StepCtx) -> Result<(), Error> {
 /// Attention replaced by one internal node on the widened, canonical forward, before
 /// differentiation: the node has a blockwise gradient of its own.
 fn replace_attention(ctx: &mut StepCtx) -> Result<(), Error> {
+    if ctx.req.attention.mode == attention::Mode::Auto && ctx.req.precision().scales_loss() {
+        ctx.attended = attention::Outcome::kept(FP16_KEEPS_ATTENTION);
+        return Ok(());
+    }
     let graph = graph(ctx.model);
     let weights: Vec<String> = graph
         .initializer
@@ -430,6 +434,9 @@ fn replace_attention(ctx: &mut StepCtx) -> Result<(), Error> {
     graph_mut(ctx.model).initializer.append(&mut b.initializers);
     Ok(())
 }
+
+/// Why `--attention auto` leaves fp16 step graphs' attention as exported.
+const FP16_KEEPS_ATTENTION: &str = "under --precision fp16 the attention stays as exported: dynamic loss scaling skips the steps whose half products overflow, and the exported attention overflows where torch's autocast does (the blockwise one sums in other blocks and order); --attention chunked makes it blockwise";
 
 /// Ranks, proven shapes and element types of the finished forward, for differentiation and
 /// the optimizer.
