@@ -366,6 +366,19 @@ impl<'g> GraphIndex<'g> {
         crate::onnx::attr(node, "value")?.t.as_ref()
     }
 
+    /// Whether `tensor` (empty: absent) is a constant of one value, zero (0.0, false).
+    pub fn is_zero_constant(&self, tensor: &str) -> bool {
+        !tensor.is_empty() && self.constant_tensor(tensor).is_some_and(one_zero)
+    }
+
+    /// Whether a `Dropout` passes its input through: not in training mode (no `training_mode`
+    /// input, or a constant false) or a constant ratio of 0, as exporters write it for models
+    /// without dropout.
+    pub fn dropout_passes_through(&self, node: &NodeProto) -> bool {
+        let input = |i: usize| node.input.get(i).map_or("", String::as_str);
+        input(2).is_empty() || self.is_zero_constant(input(2)) || self.is_zero_constant(input(1))
+    }
+
     /// The values of a small constant int64 tensor (an initializer or a Constant node), such as
     /// a Reshape target. Larger tensors are not read: weights are never touched.
     pub fn constant_i64(&self, tensor: &str) -> Option<Vec<i64>> {
@@ -462,6 +475,18 @@ impl ranks::Lookup for GraphIndex<'_> {
     fn constant_i64(&self, tensor: &str) -> Option<Vec<i64>> {
         GraphIndex::constant_i64(self, tensor)
     }
+}
+
+/// A constant of one value, zero (0.0, false).
+fn one_zero(t: &crate::onnx::TensorProto) -> bool {
+    if t.dims.iter().product::<i64>() != 1 {
+        return false;
+    }
+    t.float_data.iter().all(|&v| v == 0.0)
+        && t.int32_data.iter().all(|&v| v == 0)
+        && t.int64_data.iter().all(|&v| v == 0)
+        && t.double_data.iter().all(|&v| v == 0.0)
+        && t.raw_data().iter().all(|&b| b == 0)
 }
 
 pub fn normalize_axis(axis: i64, rank: usize) -> Option<usize> {

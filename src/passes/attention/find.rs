@@ -342,29 +342,18 @@ impl Finder<'_, '_> {
         let isnan = *readers.iter().find(|&&c| graph[c].op_type() == "IsNaN")?;
         let fill = *readers.iter().find(|&&c| graph[c].op_type() == "Where")?;
         let w = &graph[fill];
-        let zero = self
-            .index
-            .constant_tensor(&w.input[1])
-            .is_some_and(crate::passes::recompute::all_zero);
+        let zero = self.index.is_zero_constant(&w.input[1]);
         let shape = w.input[0] == graph[isnan].output[0] && w.input[2] == p && zero;
         (shape && self.single_reader(&graph[isnan].output[0])).then_some((isnan, fill))
     }
 
     /// A `Dropout` that passes its input through: not in training mode, its mask unread.
     fn inference_dropout(&self, node: &NodeProto) -> Result<(), String> {
-        let constant_zero = |i: usize| {
-            node.input
-                .get(i)
-                .filter(|x| !x.is_empty())
-                .and_then(|x| self.index.constant_tensor(x))
-                .is_some_and(crate::passes::recompute::all_zero)
-        };
-        let training_off = node.input.get(2).is_none_or(|x| x.is_empty()) || constant_zero(2);
         let mask_unread = node
             .output
             .get(1)
             .is_none_or(|m| m.is_empty() || self.index.consumers(m).is_empty());
-        if (training_off || constant_zero(1)) && mask_unread {
+        if self.index.dropout_passes_through(node) && mask_unread {
             Ok(())
         } else {
             Err(format!(

@@ -19,9 +19,9 @@ use ntl_ops::Builder;
 
 use super::node::{Attn, TermKind, BACKWARD, DOMAIN, FORWARD};
 use crate::graph::GraphIndex;
-use crate::onnx::{default_opset, graph_attr, int_attr, GraphProto, ModelProto, NodeProto};
+use crate::onnx::{default_opset, int_attr, GraphProto, ModelProto, NodeProto};
 use crate::onnx::{FLOAT, INT64};
-use crate::passes::fused_head::node::tensor_info;
+use crate::passes::fused_head::lower::{body, scan, Typed};
 
 /// Replaces every internal attention node of the model's graph by its `Scan`.
 pub fn lower(model: &mut ModelProto, half: Option<i32>) {
@@ -183,15 +183,12 @@ impl RowInputs {
         }
     }
 
-    fn outer(&self) -> Vec<&str> {
-        self.inputs.iter().map(|(o, _, _)| o.as_str()).collect()
+    fn outer(&self) -> Vec<String> {
+        self.inputs.iter().map(|(o, _, _)| o.clone()).collect()
     }
 
-    fn body(&self) -> Vec<(&str, i32, usize)> {
-        self.inputs
-            .iter()
-            .map(|(_, n, _)| (n.as_str(), FLOAT, 1))
-            .collect()
+    fn body(&self) -> Vec<Typed> {
+        self.inputs.iter().map(|(_, n, _)| typed(n, 1)).collect()
     }
 }
 
@@ -348,37 +345,9 @@ fn unblock(b: &mut Builder, stacked: &str, rank: usize, rows: &str, out: &str) {
     b.node_to("Slice", &[&merged, &zero, rows, &axis], &[out], vec![]);
 }
 
-fn unknown(rank: usize) -> Vec<Option<i64>> {
-    vec![None; rank]
-}
-
-/// A `Scan` body of the nodes `b` holds (the caller set the outer graph's nodes aside).
-fn body(
-    b: &mut Builder,
-    inputs: &[(&str, i32, usize)],
-    outputs: &[(&str, i32, usize)],
-    name: &str,
-) -> GraphProto {
-    let value = |&(n, t, r): &(&str, i32, usize)| tensor_info(n, t, &unknown(r));
-    GraphProto {
-        name: Some(name.into()),
-        node: std::mem::take(&mut b.nodes),
-        input: inputs.iter().map(value).collect(),
-        output: outputs.iter().map(value).collect(),
-        ..Default::default()
-    }
-}
-
-fn scan(b: &mut Builder, inputs: &[&str], scanned: usize, outputs: &[&str], body: GraphProto) {
-    b.node_to(
-        "Scan",
-        inputs,
-        outputs,
-        vec![
-            graph_attr("body", body),
-            int_attr("num_scan_inputs", scanned as i64),
-        ],
-    );
+/// A float32 body input or output of rank `rank`, its dims not known statically.
+fn typed(name: &str, rank: usize) -> Typed {
+    (name.to_string(), FLOAT, vec![None; rank])
 }
 
 fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
@@ -401,10 +370,10 @@ fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
         o_b = b.cast(&o_b, FLOAT, "attention/out_block_f");
     }
     let r = a.rank;
-    let g = body(b, &inputs.body(), &[(&o_b, FLOAT, r)], "attention_forward");
+    let g = body(b, &inputs.body(), &[typed(&o_b, r)], "attention_forward");
     b.nodes = outer_nodes;
     let o_stack = b.fresh("attention/out_blocks");
-    scan(b, &inputs.outer(), inputs.inputs.len(), &[&o_stack], g);
+    scan(b, &[], &inputs.outer(), &[&o_stack], g);
     unblock(b, &o_stack, r, &bl.rows, &node.output[0]);
 }
 
@@ -529,26 +498,14 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let dkt_b = b.binary("MatMul", &qt, &ds_c, "attention/dkt_block");
     let dkt_b = to_float(b, dkt_b);
     let dkt_out = b.binary("Add", &dkt_in, &dkt_b, "attention/dkt_acc");
-    let mut body_inputs = vec![(dkt_in.as_str(), FLOAT, r), (dv_in.as_str(), FLOAT, r)];
+    let mut body_inputs = vec![typed(&dkt_in, r), typed(&dv_in, r)];
     body_inputs.extend(inputs.body());
-    let g = body(
-        b,
-        &body_inputs,
-        &[(&dkt_out, FLOAT, r), (&dv_out, FLOAT, r), (&dq_b, FLOAT, r)],
-        "attention_backward",
-    );
+    let body_outputs = [typed(&dkt_out, r), typed(&dv_out, r), typed(&dq_b, r)];
+    let g = body(b, &body_inputs, &body_outputs, "attention_backward");
     b.nodes = outer_nodes;
     let dq_stack = b.fresh("attention/dq_blocks");
     let (g_q, g_kt, g_v) = (&node.output[0], &node.output[1], &node.output[2]);
-    let mut scan_inputs = vec![dkt0.as_str(), dv0.as_str()];
-    scan_inputs.extend(inputs.outer());
-    scan(
-        b,
-        &scan_inputs,
-        inputs.inputs.len(),
-        &[g_kt, g_v, &dq_stack],
-        g,
-    );
+    scan(b, &[dkt0, dv0], &inputs.outer(), &[g_kt, g_v, &dq_stack], g);
     if o.scale_folded {
         let dq = b.fresh("attention/dq_unscaled");
         unblock(b, &dq_stack, r, &bl.rows, &dq);

@@ -476,7 +476,14 @@ impl Projection {
 }
 
 /// The `Scan` node: `state` initial values, then the scan inputs.
-fn scan(b: &mut Builder, state: &[String], inputs: &[String], outputs: &[&str], body: GraphProto) {
+/// `Scan(state…, inputs…) -> outputs` over `body` (also the blockwise attention's, `passes/attention`).
+pub(crate) fn scan(
+    b: &mut Builder,
+    state: &[String],
+    inputs: &[String],
+    outputs: &[&str],
+    body: GraphProto,
+) {
     let all: Vec<&str> = state.iter().chain(inputs).map(String::as_str).collect();
     b.node_to(
         "Scan",
@@ -582,7 +589,7 @@ fn from_chunks(b: &mut Builder, stacked: &str, ch: &Chunks, out: &str) {
 
 /// A Scan body of the nodes `b` holds (the caller set the outer graph's nodes aside), with
 /// typed inputs and outputs.
-fn body(b: &mut Builder, inputs: &[Typed], outputs: &[Typed], name: &str) -> GraphProto {
+pub(crate) fn body(b: &mut Builder, inputs: &[Typed], outputs: &[Typed], name: &str) -> GraphProto {
     let value = |(n, t, d): &Typed| super::node::tensor_info(n, *t, d);
     GraphProto {
         name: Some(name.into()),
@@ -594,7 +601,7 @@ fn body(b: &mut Builder, inputs: &[Typed], outputs: &[Typed], name: &str) -> Gra
 }
 
 /// A body input or output: name, element type, dims (None: not known statically).
-type Typed = (String, i32, Vec<Option<i64>>);
+pub(crate) type Typed = (String, i32, Vec<Option<i64>>);
 
 /// The chunk's logits `z = h·W (+ b)` `[C, V]` (float32; computed in the half type under
 /// `--precision`), and its labels with the ignore index as 0.

@@ -380,16 +380,8 @@ impl<'g> View<'g> {
 /// write it for models without dropout), and without subgraphs (their inner names would be
 /// defined twice).
 fn clonable(n: &NodeProto, index: &GraphIndex) -> bool {
-    let constant_zero = |i: usize| {
-        n.input
-            .get(i)
-            .filter(|x| !x.is_empty())
-            .and_then(|x| index.constant_tensor(x))
-            .is_some_and(all_zero)
-    };
     if n.op_type() == "Dropout" {
-        let training_off = n.input.get(2).is_none_or(|x| x.is_empty()) || constant_zero(2);
-        return training_off || constant_zero(1);
+        return index.dropout_passes_through(n);
     }
     const RANDOM: &[&str] = &[
         "RandomNormal",
@@ -409,18 +401,6 @@ fn clonable(n: &NodeProto, index: &GraphIndex) -> bool {
 /// masks are read as they are: a runtime must still see a shape's value.
 fn is_float(t: Option<i32>) -> bool {
     matches!(t, Some(FLOAT | DOUBLE | FLOAT16 | BFLOAT16))
-}
-
-/// A constant whose values are all zero (0.0, false): read only where it is one value.
-pub(crate) fn all_zero(t: &crate::onnx::TensorProto) -> bool {
-    if t.dims.iter().product::<i64>() != 1 {
-        return false;
-    }
-    t.float_data.iter().all(|&v| v == 0.0)
-        && t.int32_data.iter().all(|&v| v == 0)
-        && t.int64_data.iter().all(|&v| v == 0)
-        && t.double_data.iter().all(|&v| v == 0.0)
-        && t.raw_data().iter().all(|&b| b == 0)
 }
 
 /// Names read inside any node's subgraphs (outer-scope reads keep their tensors as they are).
