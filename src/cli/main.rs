@@ -17,6 +17,7 @@ use ntl_patch::jobs::step::{run_step, StepRequest};
 use ntl_patch::passes::attention::{AttentionOptions, Mode as AttentionMode};
 use ntl_patch::passes::fused_head::{FusedHeadOptions, Mode as FusedHeadMode};
 use ntl_patch::passes::lora::LoraOptions;
+use ntl_patch::passes::quantize_base::{QuantizeOptions, Scheme};
 use ntl_patch::passes::recompute::{
     Hints as RecomputeHints, Mode as RecomputeMode, RecomputeOptions,
 };
@@ -138,6 +139,20 @@ struct StepArgs {
     /// With LoRA: also train the base weights whose names start with PREFIX (repeatable).
     #[arg(long, value_name = "PREFIX")]
     train: Vec<String>,
+    /// QLoRA: store the frozen linear weights quantised (nf4: bitsandbytes' NF4, dequantised
+    /// in the graph per reading node); the adapters and optimizer stay float32.
+    #[arg(long, value_enum)]
+    quantize_base: Option<QuantizeArg>,
+    /// QLoRA: values per quantisation block (bitsandbytes' blocksize) [default: 64].
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    quant_block: Option<i64>,
+    /// QLoRA: the modules to quantise, comma-separated [default: every linear layer but the
+    /// LM head, as bitsandbytes' load_in_4bit].
+    #[arg(long, value_name = "NAMES")]
+    quantize_targets: Option<String>,
+    /// QLoRA: quantise the block scales too (bitsandbytes' compress_statistics).
+    #[arg(long)]
+    double_quant: bool,
     /// Compute the forward and backward in float16 or bfloat16 where torch's autocast does
     /// (float32 master weights and optimizer; fp16 with dynamic loss scaling) [default: fp32].
     #[arg(long, value_enum)]
@@ -226,6 +241,16 @@ struct LoraModelArgs {
 enum LoraInitArg {
     /// A as nn.Linear's default (Kaiming-uniform, a = sqrt(5)), B zeros.
     Peft,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum QuantizeArg {
+    /// bitsandbytes' 4-bit NormalFloat (quantize_4bit, quant_type="nf4").
+    Nf4,
+    /// Symmetric int4 blocks through DequantizeLinear-21 (not built yet).
+    Int4,
+    /// Symmetric int8 blocks through DequantizeLinear-21 (not built yet).
+    Int8,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -778,6 +803,31 @@ fn run_lora_model_cli(args: LoraModelArgs) -> Result<String, ntl_patch::Error> {
     })
 }
 
+/// `--quantize-base` and its options; those options without it are refused.
+fn quantize_options(args: &StepArgs) -> Result<Option<QuantizeOptions>, ntl_patch::Error> {
+    let Some(scheme) = args.quantize_base else {
+        if args.quant_block.is_some() || args.quantize_targets.is_some() || args.double_quant {
+            return Err(ntl_patch::Error::Usage(
+                "--quant-block, --quantize-targets and --double-quant set up --quantize-base; add --quantize-base nf4 or drop them".into(),
+            ));
+        }
+        return Ok(None);
+    };
+    Ok(Some(QuantizeOptions {
+        scheme: match scheme {
+            QuantizeArg::Nf4 => Scheme::Nf4,
+            QuantizeArg::Int4 => Scheme::Int4,
+            QuantizeArg::Int8 => Scheme::Int8,
+        },
+        block: args.quant_block.unwrap_or(64),
+        targets: args
+            .quantize_targets
+            .as_ref()
+            .map(|t| t.split(',').map(|s| s.trim().to_string()).collect()),
+        double_quant: args.double_quant,
+    }))
+}
+
 /// `--lora-*` into LoRA options; LoRA's other flags without `--lora-r` are refused.
 fn lora_options(args: &StepArgs) -> Result<Option<LoraOptions>, ntl_patch::Error> {
     let Some(r) = args.lora_r else {
@@ -809,6 +859,7 @@ fn lora_options(args: &StepArgs) -> Result<Option<LoraOptions>, ntl_patch::Error
 
 fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
     let lora = lora_options(&args)?;
+    let quantize = quantize_options(&args)?;
     let kind = match args.optimizer {
         OptimizerArg::Adamw => OptimizerKind::AdamW,
         OptimizerArg::Sgd => OptimizerKind::Sgd,
@@ -853,6 +904,7 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
             freeze: args.freeze,
             lora,
             train: args.train,
+            quantize,
             split: args.split,
             precision,
             loss_scale,

@@ -10,6 +10,7 @@ pub mod grad;
 pub mod lora;
 pub mod loss_inputs;
 pub mod pipeline;
+pub mod quantize_base;
 pub mod recompute;
 pub mod rewrite;
 pub mod step;

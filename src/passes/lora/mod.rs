@@ -8,7 +8,7 @@
 //! initializers (`ntl/lora/<module>.lora_A.weight`); the base weights stay as they are.
 //! The step graph's metadata (`lora`) records each layer for the runners' PEFT files.
 
-mod linear;
+pub mod linear;
 
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -27,6 +27,7 @@ use crate::passes::attention::{self, AttentionOptions};
 use crate::passes::fused_head::{self, FusedHeadOptions, FusedView, Outcome};
 use crate::passes::grad::{self, Ctx};
 use crate::passes::lora::{self, Adapted, LoraOptions};
+use crate::passes::quantize_base::{self, per_use, QuantizeOptions, QuantizedBase};
 use crate::passes::recompute::{self, RecomputeOptions, StepFacts};
 use ntl_ops::names::{CE_OUTPUT, NUMBER_OUTPUT, PREFIX};
 use ntl_ops::Builder;
@@ -72,6 +73,8 @@ pub struct StepOptions {
     pub lora: Option<LoraOptions>,
     /// With LoRA: initializer-name prefixes of base weights to train too.
     pub train: Vec<String>,
+    /// `--quantize-base` (QLoRA): the frozen linear weights stored quantised.
+    pub quantize: Option<QuantizeOptions>,
     /// `--recompute`: the backward recomputes each layer's forward.
     pub recompute: RecomputeOptions,
     /// `--attention`: attention over blocks of query rows, never storing the scores.
@@ -90,6 +93,12 @@ impl StepOptions {
             o.check()?;
         } else if !self.train.is_empty() {
             return Err(Error::Usage("--train adds base weights to what LoRA trains; without --lora-r every weight trains already (use --freeze to leave some out)".into()));
+        }
+        if let Some(q) = &self.quantize {
+            if self.lora.is_none() {
+                return Err(Error::Usage("--quantize-base stores the frozen base of a LoRA step graph (QLoRA); add --lora-r R".into()));
+            }
+            q.check()?;
         }
         self.loss_scale.check().map_err(Error::Usage)?;
         self.attention.check()
@@ -152,6 +161,7 @@ type Stage = fn(&mut StepCtx) -> Result<(), Error>;
 /// The step graph's stages, in the order they run; each one's doc says why it sits there.
 const STAGES: &[Stage] = &[
     insert_lora,
+    quantize_base,
     fuse_head,
     open_builder,
     widen_half_export,
@@ -168,6 +178,7 @@ const STAGES: &[Stage] = &[
     lower_fused_head,
     recompute_layers,
     lower_attention,
+    dequantize_per_use,
     cast_frozen_half,
     mark_in_place,
 ];
@@ -212,6 +223,8 @@ struct StepCtx<'a> {
     precision: Precision,
     warnings: Vec<String>,
     adapted: Option<Adapted>,
+    /// QLoRA's quantised base weights.
+    quantized: Option<QuantizedBase>,
     /// LoRA's adapter initializers (empty without LoRA).
     adapters: BTreeSet<String>,
     fused: Option<FusedView>,
@@ -254,6 +267,7 @@ impl<'a> StepCtx<'a> {
             precision: req.precision(),
             warnings: Vec::new(),
             adapted: None,
+            quantized: None,
             adapters: BTreeSet::new(),
             fused: None,
             b: None,
@@ -360,6 +374,17 @@ fn insert_lora(ctx: &mut StepCtx) -> Result<(), Error> {
     }
     ctx.adapters = adapted.parameters();
     ctx.adapted = Some(adapted);
+    Ok(())
+}
+
+/// QLoRA's base quantised right after LoRA (which finds the linear layers by their float
+/// weights) and before anything analyses the graph: later stages see each weight as the
+/// float32 output of a dequantisation chain, which nothing trains.
+fn quantize_base(ctx: &mut StepCtx) -> Result<(), Error> {
+    let Some(options) = &ctx.req.quantize else {
+        return Ok(());
+    };
+    ctx.quantized = Some(quantize_base::quantize(ctx.model, options)?);
     Ok(())
 }
 
@@ -615,6 +640,9 @@ fn describe(ctx: &mut StepCtx) -> Result<(), Error> {
     if let Some(l) = &ctx.lora_json {
         meta["lora"] = l.clone();
     }
+    if let Some(q) = &ctx.quantized {
+        meta["quantize_base"] = q.to_json();
+    }
     ctx.meta = meta;
     Ok(())
 }
@@ -763,6 +791,26 @@ fn lower_attention(ctx: &mut StepCtx) -> Result<(), Error> {
     attention::lower::lower(ctx.model, ctx.precision.half_type());
     ctx.attention_json = ctx.attended.to_json(&ctx.req.attention);
     ctx.meta["attention"] = ctx.attention_json.clone();
+    Ok(())
+}
+
+/// QLoRA's dequantisation copied per reading node, after every stage that adds readers
+/// (recomputed copies, lowered Scans); the codes and scales are declared inputs.
+fn dequantize_per_use(ctx: &mut StepCtx) -> Result<(), Error> {
+    let Some(q) = &ctx.quantized else {
+        return Ok(());
+    };
+    let graph = graph_mut(ctx.model);
+    let taken = GraphIndex::new(graph).taken_names(PREFIX, &[]);
+    per_use::dequantize_per_use(graph, q, ctx.opset, taken);
+    let declared: BTreeSet<String> = graph.input.iter().map(|i| i.name().to_string()).collect();
+    let infos: Vec<ValueInfoProto> = q
+        .stored()
+        .iter()
+        .filter(|(n, _, _)| !declared.contains(n))
+        .map(|(n, t, d)| tensor_info(n, *t, d))
+        .collect();
+    graph.input.extend(infos);
     Ok(())
 }
 

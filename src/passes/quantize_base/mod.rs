@@ -1,0 +1,455 @@
+//! QLoRA's frozen base (`ntl-patch step --lora-r R --quantize-base nf4`): the frozen weights
+//! of the linear layers stored as bitsandbytes' NF4 codes and block scales, and dequantised in
+//! the graph by standard ops.
+//!
+//! `quantize` runs right after LoRA: each chosen weight `W` (float32) is quantised in torch's
+//! `[out, in]` order (`nf4.rs`, bit-equal to bitsandbytes 0.50's `quantize_4bit`), its
+//! initializer replaced by `ntl/qlora/<W>.codes` (uint8, two codes a byte) and
+//! `ntl/qlora/<W>.absmax` (float32 `[blocks, 1]`), and one shared chain of nodes at the top of
+//! the graph gives back the float32 tensor named `W`:
+//!
+//! `Cast(codes → int32) → Gather([256, 2] byte → code-pair table) → Reshape [blocks, block]
+//!  → Mul absmax → Reshape [out, in] (→ Transpose where the export stores [in, out])`
+//!
+//! so every later stage sees the float32 graph it expects and nothing there trains. `per_use`
+//! then (last, on the finished step graph) gives each reading node a copy of the chain of its
+//! own, so no float copy of `W` lives from the forward to the backward.
+
+mod nf4;
+pub mod per_use;
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+
+use crate::error::Error;
+use crate::graph::patch::METADATA_KEY;
+use crate::graph::GraphIndex;
+use crate::onnx::{
+    default_opset, int_attr, ints_attr, proto::tensor_proto::DataType, ModelProto,
+    NodeProto, TensorProto, FLOAT, INT32,
+};
+use crate::passes::lora::linear::{linear_layers, Layout, Linear};
+use ntl_ops::names::PREFIX;
+use ntl_ops::Builder;
+
+pub const UINT8: i32 = DataType::Uint8 as i32;
+
+/// `--quantize-base`: how the frozen weights are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scheme {
+    /// bitsandbytes' 4-bit NormalFloat.
+    Nf4,
+    /// Symmetric int4 through DequantizeLinear-21 (not built yet).
+    Int4,
+    /// Symmetric int8 through DequantizeLinear-21 (not built yet).
+    Int8,
+}
+
+impl Scheme {
+    pub fn name(self) -> &'static str {
+        match self {
+            Scheme::Nf4 => "nf4",
+            Scheme::Int4 => "int4",
+            Scheme::Int8 => "int8",
+        }
+    }
+}
+
+/// What the user chose.
+#[derive(Debug, Clone)]
+pub struct QuantizeOptions {
+    pub scheme: Scheme,
+    /// Values per block (bitsandbytes' `blocksize`).
+    pub block: i64,
+    /// `--quantize-targets`: module names (LoRA's matching); None: every linear layer but the
+    /// LM head, as bitsandbytes' `load_in_4bit`.
+    pub targets: Option<Vec<String>>,
+    /// `--double-quant` (bitsandbytes' `compress_statistics`).
+    pub double_quant: bool,
+}
+
+/// The largest block accepted (bitsandbytes' largest).
+const MAX_BLOCK: i64 = 4096;
+
+impl QuantizeOptions {
+    pub fn check(&self) -> Result<(), Error> {
+        let bad = |m: &str| Err(Error::Usage(m.to_string()));
+        if self.block < 16 || self.block > MAX_BLOCK || self.block.count_ones() != 1 {
+            return bad("--quant-block must be a power of two from 16 to 4096 (bitsandbytes' default: 64)");
+        }
+        if self.scheme != Scheme::Nf4 {
+            return Err(Error::Usage(format!(
+                "--quantize-base {} is not built yet (DequantizeLinear-21); use --quantize-base nf4",
+                self.scheme.name()
+            )));
+        }
+        if self.double_quant {
+            return bad("--double-quant is not built yet; drop it (the absmax stay float32, 4 bytes per block)");
+        }
+        if let Some(t) = &self.targets {
+            if t.is_empty() || t.iter().any(|s| s.trim().is_empty()) {
+                return bad("--quantize-targets must name modules, comma-separated (e.g. --quantize-targets q_proj,v_proj,lm_head)");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One quantised weight.
+#[derive(Debug, Clone)]
+pub struct QuantizedWeight {
+    /// The weight's name in the export: the chain's output.
+    pub weight: String,
+    pub module: Option<String>,
+    pub codes: String,
+    pub absmax: String,
+    pub out_features: i64,
+    pub in_features: i64,
+    pub layout: Layout,
+    /// Every tensor the shared chain computes, the weight last.
+    pub chain: Vec<String>,
+}
+
+/// What `quantize` did.
+#[derive(Debug, Clone)]
+pub struct QuantizedBase {
+    pub options: QuantizeOptions,
+    pub weights: Vec<QuantizedWeight>,
+    /// The code-pair table the chains gather from.
+    pub table: String,
+    /// float32 bytes of the quantised weights, and of their codes and scales.
+    pub bytes_before: u64,
+    pub bytes_after: u64,
+}
+
+impl QuantizedBase {
+    /// Initializers the runtimes must not fold (declared graph inputs with defaults): the
+    /// codes and scales, as (name, element type, dims).
+    pub fn stored(&self) -> Vec<(String, i32, Vec<i64>)> {
+        let block = self.options.block;
+        self.weights
+            .iter()
+            .flat_map(|w| {
+                let n = w.out_features * w.in_features;
+                [
+                    (w.codes.clone(), UINT8, vec![n / 2]),
+                    (w.absmax.clone(), FLOAT, vec![n / block, 1]),
+                ]
+            })
+            .collect()
+    }
+
+    /// The step graph's `quantize_base` metadata.
+    pub fn to_json(&self) -> serde_json::Value {
+        let layers: Vec<serde_json::Value> = self
+            .weights
+            .iter()
+            .map(|w| {
+                serde_json::json!({
+                    "weight": w.weight,
+                    "module": w.module,
+                    "codes": w.codes,
+                    "absmax": w.absmax,
+                    "shape": [w.out_features, w.in_features],
+                    "weight_layout": w.layout.name(),
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "quant_type": self.options.scheme.name(),
+            "blocksize": self.options.block,
+            "double_quant": self.options.double_quant,
+            "code": nf4::NF4.to_vec(),
+            "bytes_before": self.bytes_before,
+            "bytes_after": self.bytes_after,
+            "layers": layers,
+        })
+    }
+}
+
+/// The linear layers that produce the logits (the LM head): found walking back from the flat
+/// logits the patch recorded through layout ops, casts and additions.
+fn head_weights(index: &GraphIndex, model: &ModelProto, layers: &[Linear]) -> BTreeSet<String> {
+    let flat = model
+        .metadata_props
+        .iter()
+        .find(|p| p.key() == METADATA_KEY)
+        .and_then(|p| serde_json::from_str::<serde_json::Value>(p.value()).ok())
+        .and_then(|v| v["flat_logits"].as_str().map(str::to_string));
+    let mut heads = BTreeSet::new();
+    let Some(flat) = flat else {
+        return heads;
+    };
+    const THROUGH: &[&str] = &[
+        "Reshape",
+        "Transpose",
+        "Identity",
+        "Squeeze",
+        "Unsqueeze",
+        "Flatten",
+        "Cast",
+        "Add",
+    ];
+    let mut seen = HashSet::new();
+    let mut todo = vec![flat];
+    while let Some(t) = todo.pop() {
+        if !seen.insert(t.clone()) || seen.len() > 256 {
+            continue;
+        }
+        let Some((i, n)) = index.producer(&t) else {
+            continue;
+        };
+        if let Some(l) = layers.iter().find(|l| l.node == i) {
+            heads.insert(l.weight.clone());
+        } else if THROUGH.contains(&n.op_type()) && n.domain().is_empty() {
+            todo.extend(n.input.iter().filter(|x| !x.is_empty()).cloned());
+        }
+    }
+    heads
+}
+
+/// A 2-D float32 initializer's values, in torch's `[out, in]` order.
+fn weight_values(t: &TensorProto, layer: &Linear) -> Result<Vec<f32>, Error> {
+    let name = t.name();
+    if t.data_type() != FLOAT {
+        return Err(Error::Usage(format!(
+            "--quantize-base: the weight '{name}' is not float32; quantising float16/bfloat16 exports is not built yet (export in float32)"
+        )));
+    }
+    if !t.external_data.is_empty() {
+        return Err(Error::Usage(format!(
+            "--quantize-base: the weight '{name}' is stored as external data, which is not quantised yet; export the model with its weights inside the .onnx file"
+        )));
+    }
+    let stored: Vec<f32> = match t.raw_data.as_deref().filter(|r| !r.is_empty()) {
+        Some(raw) => raw
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        None => t.float_data.clone(),
+    };
+    let (rows, cols) = (t.dims[0] as usize, t.dims[1] as usize);
+    if stored.len() != rows * cols {
+        return Err(Error::Usage(format!(
+            "--quantize-base: the weight '{name}' holds {} values for dims {:?}",
+            stored.len(),
+            t.dims
+        )));
+    }
+    if let Some(k) = stored.iter().position(|v| !v.is_finite()) {
+        return Err(Error::Usage(format!(
+            "--quantize-base: the weight '{name}' holds {} at flat index {k}; NF4 needs finite weights (fix the checkpoint)",
+            stored[k]
+        )));
+    }
+    Ok(match layer.layout {
+        Layout::OutIn => stored,
+        // [in, out] stored: torch's [out, in] is its transpose
+        Layout::InOut => {
+            let mut v = vec![0f32; stored.len()];
+            for i in 0..rows {
+                for o in 0..cols {
+                    v[o * rows + i] = stored[i * cols + o];
+                }
+            }
+            v
+        }
+    })
+}
+
+/// The layers `options` choose among `layers` (LoRA's adapters excluded).
+fn choose(
+    index: &GraphIndex,
+    model: &ModelProto,
+    layers: Vec<Linear>,
+    o: &QuantizeOptions,
+) -> Result<Vec<Linear>, Error> {
+    let gathered: HashSet<&str> = index
+        .graph
+        .node
+        .iter()
+        .filter(|n| n.op_type() == "Gather" && n.domain().is_empty())
+        .filter_map(|n| n.input.first().map(String::as_str))
+        .collect();
+    let layers: Vec<Linear> = layers
+        .into_iter()
+        .filter(|l| !l.weight.starts_with(&format!("{PREFIX}/")))
+        .collect();
+    let chosen: Vec<Linear> = match &o.targets {
+        Some(targets) => {
+            for t in targets {
+                if !layers.iter().any(|l| l.matches(t.trim())) {
+                    return Err(Error::Usage(format!(
+                        "--quantize-targets '{}' matches no linear layer (module paths ending in '.{}'); name linear layers such as {}",
+                        t.trim(),
+                        t.trim(),
+                        examples(&layers)
+                    )));
+                }
+            }
+            layers
+                .into_iter()
+                .filter(|l| targets.iter().any(|t| l.matches(t.trim())))
+                .collect()
+        }
+        None => {
+            let heads = head_weights(index, model, &layers);
+            layers
+                .into_iter()
+                .filter(|l| !heads.contains(&l.weight))
+                .collect()
+        }
+    };
+    // an embedding's table (a tied head) stays float: the embedding gathers rows of it
+    if let Some(l) = chosen.iter().find(|l| gathered.contains(l.weight.as_str())) {
+        return Err(Error::Usage(format!(
+            "--quantize-targets: '{}' is also an embedding's table (a tied LM head), which is not quantised; leave it out of --quantize-targets",
+            l.key()
+        )));
+    }
+    if chosen.is_empty() {
+        return Err(Error::Usage(
+            "--quantize-base found no linear layer to quantise besides the LM head; name layers with --quantize-targets".into(),
+        ));
+    }
+    Ok(chosen)
+}
+
+fn examples(layers: &[Linear]) -> String {
+    let names: BTreeSet<&str> = layers.iter().map(|l| l.key()).collect();
+    let list: Vec<String> = names.iter().take(4).map(|n| format!("'{n}'")).collect();
+    if list.is_empty() {
+        "none found".into()
+    } else {
+        list.join(", ")
+    }
+}
+
+/// Quantises the chosen frozen weights of `model` (see the module doc). Runs after LoRA.
+pub fn quantize(model: &mut ModelProto, o: &QuantizeOptions) -> Result<QuantizedBase, Error> {
+    o.check()?;
+    let opset = default_opset(model).expect("checked by the patch step");
+    let graph = model.graph.as_ref().expect("loaded models have a graph");
+    let index = GraphIndex::new(graph);
+    let chosen = choose(&index, model, linear_layers(&index), o)?;
+    let mut b = Builder::new(PREFIX, opset, index.taken_names(PREFIX, &[]));
+    drop(index);
+
+    let by_name: BTreeMap<&str, &TensorProto> =
+        graph.initializer.iter().map(|t| (t.name(), t)).collect();
+    let block = o.block as usize;
+    let table = b.const_f32("qlora/nf4_pairs", &[256, 2], &nf4::pair_table());
+    let mut weights: Vec<QuantizedWeight> = Vec::new();
+    let mut done: BTreeSet<String> = BTreeSet::new();
+    let (mut before, mut after) = (0u64, 0u64);
+    for layer in &chosen {
+        if !done.insert(layer.weight.clone()) {
+            continue;
+        }
+        let t = by_name[layer.weight.as_str()];
+        let values = weight_values(t, layer)?;
+        if values.len() % block != 0 {
+            return Err(Error::Usage(format!(
+                "--quant-block {block} does not divide the {} values of '{}' ({} x {}); use a block size that divides every quantised weight (e.g. --quant-block 16)",
+                values.len(),
+                layer.key(),
+                layer.out_features,
+                layer.in_features
+            )));
+        }
+        let q = nf4::quantize(&values, block);
+        let codes = claim(&mut b, format!("{PREFIX}/qlora/{}.codes", layer.weight))?;
+        let absmax = claim(&mut b, format!("{PREFIX}/qlora/{}.absmax", layer.weight))?;
+        let blocks = q.absmax.len() as i64;
+        before += values.len() as u64 * 4;
+        after += q.codes.len() as u64 + q.absmax.len() as u64 * 4;
+        b.initializers.push(TensorProto {
+            name: Some(codes.clone()),
+            dims: vec![q.codes.len() as i64],
+            data_type: Some(UINT8),
+            raw_data: Some(q.codes.into()),
+            ..Default::default()
+        });
+        b.initializers.push(crate::onnx::f32_tensor(&absmax, &[blocks, 1], &q.absmax));
+        let start = b.nodes.len();
+        let chain = emit_chain(&mut b, layer, &codes, &absmax, &table, blocks, o.block);
+        debug_assert!(b.nodes.len() > start);
+        weights.push(QuantizedWeight {
+            weight: layer.weight.clone(),
+            module: layer.module.as_ref().map(|(m, _)| m.clone()),
+            codes,
+            absmax,
+            out_features: layer.out_features,
+            in_features: layer.in_features,
+            layout: layer.layout,
+            chain,
+        });
+    }
+    let graph = model.graph.as_mut().expect("graph");
+    graph.initializer.retain(|t| !done.contains(t.name()));
+    graph.input.retain(|i| !done.contains(i.name()));
+    graph.initializer.append(&mut b.initializers);
+    let mut nodes = std::mem::take(&mut b.nodes);
+    nodes.append(&mut graph.node);
+    graph.node = nodes;
+    Ok(QuantizedBase {
+        options: o.clone(),
+        weights,
+        table,
+        bytes_before: before,
+        bytes_after: after,
+    })
+}
+
+/// The shared dequantisation chain of one weight, ending in the weight's own name; returns
+/// every tensor it computes, the weight last.
+fn emit_chain(
+    b: &mut Builder,
+    layer: &Linear,
+    codes: &str,
+    absmax: &str,
+    table: &str,
+    blocks: i64,
+    block: i64,
+) -> Vec<String> {
+    let idx = b.node("Cast", &[codes], "qlora/idx", vec![int_attr("to", INT32 as i64)]);
+    let pairs = b.node("Gather", &[table, &idx], "qlora/pairs", vec![int_attr("axis", 0)]);
+    let block_dims = b.const_i64("qlora/block_dims", &[2], &[blocks, block]);
+    let in_blocks = b.binary("Reshape", &pairs, &block_dims, "qlora/blocks");
+    let scaled = b.binary("Mul", &in_blocks, absmax, "qlora/scaled");
+    let out_in = b.const_i64(
+        "qlora/out_in",
+        &[2],
+        &[layer.out_features, layer.in_features],
+    );
+    let mut chain = vec![idx, pairs, in_blocks, scaled];
+    match layer.layout {
+        Layout::OutIn => {
+            b.node_to("Reshape", &[&chain[3], &out_in], &[&layer.weight], vec![]);
+        }
+        Layout::InOut => {
+            let w = b.binary("Reshape", &chain[3], &out_in, "qlora/out_in_w");
+            b.node_to(
+                "Transpose",
+                &[&w],
+                &[&layer.weight],
+                vec![ints_attr("perm", &[1, 0])],
+            );
+            chain.push(w);
+        }
+    }
+    chain.push(layer.weight.clone());
+    chain
+}
+
+fn claim(b: &mut Builder, name: String) -> Result<String, Error> {
+    if b.claim(&name) {
+        Ok(name)
+    } else {
+        Err(Error::OutputNameTaken(name))
+    }
+}
+
+/// Whether `node` is one of the shared chains' nodes (its output is one of their tensors).
+pub(crate) fn is_chain_node(node: &NodeProto, chain: &HashSet<&str>) -> bool {
+    node.output.len() == 1 && chain.contains(node.output[0].as_str())
+}

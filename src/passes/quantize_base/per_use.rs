@@ -1,0 +1,212 @@
+//! One dequantisation per reading node, on the finished step graph.
+//!
+//! The shared chains `quantize` put at the top of the graph go; every node that reads a
+//! quantised weight (the forward's linear layer, the backward's product with the weight,
+//! recomputed copies) gets a copy of the chain made just before it, so the float32 weight it
+//! reads is freed after that node. Layout ops and casts that read the weight alone (a
+//! linear layer's `Transpose`, the backward's, autocast's cast to the compute type) join the
+//! copy instead of reading a shared float tensor.
+//!
+//! Each copy starts `CastLike(codes, x)` with one of the reading node's activations `x`
+//! (then `Cast` to int32 for the Gather): onnxruntime's common-subexpression elimination
+//! merges identical nodes of one input back into one — whose float output would then live
+//! from the forward to the backward — and an activation makes each copy's first node
+//! different. The codes and scales are declared graph inputs (by the step), so its constant
+//! folding cannot turn a chain into a float32 initializer either.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+use super::{is_chain_node, QuantizedBase};
+use crate::graph::elem_types::ElemTypes;
+use crate::onnx::{GraphProto, NodeProto, FLOAT, FLOAT16, INT32};
+
+const BFLOAT16: i32 = crate::onnx::proto::tensor_proto::DataType::Bfloat16 as i32;
+use ntl_ops::Builder;
+
+/// Ops that reading the weight alone only move or retype it: they join its chain.
+const JOIN_CHAIN: &[&str] = &[
+    "Transpose",
+    "Reshape",
+    "Identity",
+    "Squeeze",
+    "Unsqueeze",
+    "Flatten",
+    "Cast",
+];
+
+/// See the module doc. `taken`: the graph's names under the prefix.
+pub fn dequantize_per_use(
+    graph: &mut GraphProto,
+    q: &QuantizedBase,
+    opset: i64,
+    taken: HashSet<String>,
+) {
+    if q.weights.is_empty() {
+        return;
+    }
+    let chain_tensors: HashSet<&str> = q
+        .weights
+        .iter()
+        .flat_map(|w| w.chain.iter().map(String::as_str))
+        .collect();
+    let mut producer: HashMap<String, NodeProto> = HashMap::new();
+    let mut rest = Vec::with_capacity(graph.node.len());
+    for n in std::mem::take(&mut graph.node) {
+        if is_chain_node(&n, &chain_tensors) {
+            producer.insert(n.output[0].clone(), n);
+        } else {
+            rest.push(n);
+        }
+    }
+    // each weight's recipe: its chain's nodes in order
+    let mut recipes: HashMap<String, Vec<NodeProto>> = HashMap::new();
+    for w in &q.weights {
+        if let Some(nodes) = w
+            .chain
+            .iter()
+            .map(|t| producer.get(t).cloned())
+            .collect::<Option<Vec<_>>>()
+        {
+            recipes.insert(w.weight.clone(), nodes);
+        }
+    }
+    graph.node = rest;
+    let types = ElemTypes::infer(graph);
+    let inits: HashSet<String> = graph
+        .initializer
+        .iter()
+        .map(|t| t.name().to_string())
+        .collect();
+    let outputs: HashSet<String> = graph.output.iter().map(|o| o.name().to_string()).collect();
+    let mut b = Builder::new(ntl_ops::names::PREFIX, opset, taken);
+    let mut nodes = Vec::with_capacity(graph.node.len());
+    let mut gone: BTreeSet<String> = recipes.keys().cloned().collect();
+    for mut node in std::mem::take(&mut graph.node) {
+        if joins_chain(&node, &recipes, &outputs) {
+            let mut recipe = recipes[&node.input[0]].clone();
+            let out = node.output[0].clone();
+            recipe.push(node);
+            gone.insert(out.clone());
+            recipes.insert(out, recipe);
+            continue;
+        }
+        let wanted: BTreeSet<String> = node
+            .input
+            .iter()
+            .cloned()
+            .chain(subgraph_reads(&node))
+            .filter(|i| recipes.contains_key(i))
+            .collect();
+        if wanted.is_empty() {
+            nodes.push(node);
+            continue;
+        }
+        let like = node
+            .input
+            .iter()
+            .find(|n| {
+                !n.is_empty()
+                    && !recipes.contains_key(*n)
+                    && !inits.contains(*n)
+                    && matches!(types.get(n), Some(FLOAT | FLOAT16 | BFLOAT16))
+            })
+            .cloned();
+        let mut renames = HashMap::new();
+        for t in wanted {
+            let (mut copy, mine) = instantiate(&recipes[&t], like.as_deref(), &mut b);
+            nodes.append(&mut copy);
+            renames.insert(t, mine);
+        }
+        rename_node_inputs(&mut node, &renames);
+        nodes.push(node);
+    }
+    graph.node = nodes;
+    graph.value_info.retain(|v| !gone.contains(v.name()));
+}
+
+/// A layout op or cast whose data input is a chain's tensor (and nothing else it reads).
+fn joins_chain(
+    node: &NodeProto,
+    recipes: &HashMap<String, Vec<NodeProto>>,
+    outputs: &HashSet<String>,
+) -> bool {
+    JOIN_CHAIN.contains(&node.op_type())
+        && node.domain().is_empty()
+        && node.output.len() == 1
+        && !outputs.contains(&node.output[0])
+        && node.input.first().is_some_and(|i| recipes.contains_key(i))
+        && node.input[1..].iter().all(|i| !recipes.contains_key(i))
+}
+
+/// A fresh copy of `recipe` (fresh tensor and node names); its first node, the codes' Cast to
+/// int32, goes through `CastLike(codes, like)` where there is an activation to be like.
+fn instantiate(recipe: &[NodeProto], like: Option<&str>, b: &mut Builder) -> (Vec<NodeProto>, String) {
+    let mut renames: HashMap<String, String> = HashMap::new();
+    let mut out = Vec::with_capacity(recipe.len() + 1);
+    for (k, template) in recipe.iter().enumerate() {
+        let mut n = template.clone();
+        for i in &mut n.input {
+            if let Some(r) = renames.get(i.as_str()) {
+                *i = r.clone();
+            }
+        }
+        for o in &mut n.output {
+            let fresh = b.fresh("qlora/w");
+            renames.insert(o.clone(), fresh.clone());
+            *o = fresh;
+        }
+        n.name = Some(b.fresh(n.op_type()));
+        if k == 0 {
+            if let Some(x) = like {
+                let tmp = b.fresh("qlora/codes_like");
+                out.push(NodeProto {
+                    name: Some(b.fresh("CastLike")),
+                    op_type: Some("CastLike".into()),
+                    input: vec![n.input[0].clone(), x.to_string()],
+                    output: vec![tmp.clone()],
+                    ..Default::default()
+                });
+                n.input[0] = tmp;
+                n.attribute = vec![crate::onnx::int_attr("to", INT32 as i64)];
+            }
+        }
+        out.push(n);
+    }
+    let last = out.last().expect("a chain has nodes").output[0].clone();
+    (out, last)
+}
+
+fn rename_node_inputs(node: &mut NodeProto, renames: &HashMap<String, String>) {
+    for i in &mut node.input {
+        if let Some(w) = renames.get(i.as_str()) {
+            *i = w.clone();
+        }
+    }
+    for a in &mut node.attribute {
+        for g in a.g.iter_mut().chain(a.graphs.iter_mut()) {
+            for n in &mut g.node {
+                rename_node_inputs(n, renames);
+            }
+            for o in &mut g.output {
+                if let Some(w) = renames.get(o.name()) {
+                    o.name = Some(w.clone());
+                }
+            }
+        }
+    }
+}
+
+/// Names a node's subgraphs read (outer-scope references included).
+fn subgraph_reads(node: &NodeProto) -> Vec<String> {
+    let mut out = Vec::new();
+    for a in &node.attribute {
+        for g in a.g.iter().chain(a.graphs.iter()) {
+            for n in &g.node {
+                out.extend(n.input.iter().cloned());
+                out.extend(subgraph_reads(n));
+            }
+            out.extend(g.output.iter().map(|o| o.name().to_string()));
+        }
+    }
+    out
+}

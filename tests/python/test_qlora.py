@@ -1,0 +1,171 @@
+"""QLoRA step graphs (`ntl-patch step --lora-r R --quantize-base nf4`) against bitsandbytes 0.50.2
+and torch + PEFT 0.21.2.
+
+Reference: fixtures/reference/nf4/*.npz, written by fixtures/generate_nf4.py with bitsandbytes'
+`quantize_4bit(W, blocksize=64, quant_type="nf4")` / `dequantize_4bit` on every linear weight
+(torch's [out, in] order). Checked:
+  - the step graph's codes and absmax are bit-equal to bitsandbytes' on the tiny LM and the
+    GPT-2 / Llama fixtures from both exporters; every linear layer but the LM head is quantised
+    and no float copy of a quantised weight is left among the initializers;
+  - 10 AdamW steps of StepRunner equal torch + PEFT (float64) on the model whose quantised
+    weights are bitsandbytes' dequantised NF4 weights: 1e-5 relative in the losses, 1e-4
+    norm-relative in A and B (test_lora.py's harness and tolerances);
+  - onnxruntime's optimised graph (ORT_ENABLE_ALL, the .venv's onnxruntime) holds no float
+    initializer of a quantised weight's shape that the export did not have besides;
+  - bad input: one line, exit 1, nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+import test_lora as tl
+from conftest import MODELS, REPO, TOKENIZER, run_patch
+
+NF4 = REPO / "fixtures" / "reference" / "nf4"
+FIXTURES = ["lm_flat", "gpt2_ts", "gpt2_dynamo", "llama_ts", "llama_dynamo"]
+HEAD = {"tiny": "head", "gpt2": "lm_head", "llama": "lm_head"}
+
+
+def reference(fixture: str) -> dict[str, np.ndarray]:
+    return dict(np.load(NF4 / f"{tl._arch(fixture)}.npz"))
+
+
+def build(fixture: str, out: Path, *extra) -> dict:
+    targets = ["--lora-targets", "q,v,fc1"] if fixture == "lm_flat" else []
+    return tl.build_step(fixture, out, "--lora-r", "4", *targets, "--quantize-base", "nf4", *extra)
+
+
+def initializers(path: Path) -> dict[str, np.ndarray]:
+    m = onnx.load(str(path))
+    return {t.name: onnx.numpy_helper.to_array(t) for t in m.graph.initializer}
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_codes_bit_equal_bitsandbytes(fixture, tmp_path):
+    out = tmp_path / "q.onnx"
+    build(fixture, out)
+    meta = tl._meta(out)["quantize_base"]
+    ref = reference(fixture)
+    inits = initializers(out)
+    assert meta["quant_type"] == "nf4" and meta["blocksize"] == 64
+    modules = {la["module"] for la in meta["layers"]}
+    all_linear = {k.rsplit("/", 1)[0] for k in ref if not k.startswith("adversarial/")}
+    assert modules == all_linear - {HEAD[tl._arch(fixture)]}, "every linear layer but the head"
+    for la in meta["layers"]:
+        m = la["module"]
+        np.testing.assert_array_equal(inits[la["codes"]], ref[f"{m}/codes"], err_msg=m)
+        got = inits[la["absmax"]].reshape(-1)
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got.view(np.uint32), ref[f"{m}/absmax"].view(np.uint32), err_msg=m)
+        assert la["weight"] not in inits, "the float weight is gone"
+    assert meta["bytes_after"] * 6 < meta["bytes_before"]
+
+
+def dequantized_model(fixture: str, original):
+    """test_lora.torch_model with every quantised weight replaced by bitsandbytes' dequantised one."""
+    ref = reference(fixture)
+
+    def model(fx, dtype=torch.float32):
+        m, logits, loss = original(fx, dtype)
+        mods = dict(m.named_modules())
+        for key in ref:
+            name, _, kind = key.rpartition("/")
+            if kind != "dequantized" or name == HEAD[tl._arch(fixture)] or name == "adversarial":
+                continue
+            w = torch.from_numpy(ref[key])
+            mod = mods[name]
+            if tuple(mod.weight.shape) != tuple(w.shape):  # Conv1D stores [in, out]
+                w = w.t()
+            with torch.no_grad():
+                mod.weight.data = w.to(dtype).contiguous()
+        return m, logits, loss
+    return model
+
+
+CASES = {"tiny": "lm_flat", "gpt2_ts": "gpt2_ts", "llama_dynamo": "llama_dynamo",
+         "llama_ts": "llama_ts", "gpt2_dynamo": "gpt2_dynamo"}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_trains_like_peft_on_dequantized_base(case, tmp_path, monkeypatch):
+    fixture = CASES[case]
+    path = tmp_path / "q.onnx"
+    build(fixture, path)
+    meta = tl._meta(path)
+    lora = meta["lora"]
+    initial = tl._onnx_wire.read_initializers(path, meta["parameters"])
+    data = tl.batches(fixture)
+    runner = tl.StepRunner(path, providers=["CPUExecutionProvider"])
+    losses = np.array([runner.step({"input_ids": x, "labels": y})[0] for x, y in data])
+    params = runner.parameters()
+    monkeypatch.setattr(tl, "torch_model", dequantized_model(fixture, tl.torch_model))
+    tl_case = {"lm_flat": "tiny", "gpt2_ts": "gpt2_ts", "gpt2_dynamo": "gpt2_ts",
+               "llama_ts": "llama_ts", "llama_dynamo": "llama_ts"}[fixture]
+    monkeypatch.setitem(tl.CASES, "qlora", (fixture, 4, None, tl.CASES[tl_case][3], False))
+    want_losses, want_params, _ = tl.torch_train("qlora", lora, initial, data, torch.float64)
+    loss_err = float(np.max(np.abs(losses - want_losses) / np.abs(want_losses)))
+    errs = {n: tl.norm_rel(params[n], want_params[n]) for n in params}
+    worst = max(errs, key=errs.get)
+    print(f"{case}: worst loss rel {loss_err:.2e}, worst A/B norm-rel {errs[worst]:.2e} ({worst})")
+    assert loss_err <= tl.LOSS_RTOL, (losses, want_losses)
+    assert errs[worst] <= tl.PARAM_RTOL, f"{worst}: {errs[worst]:.3g}"
+    assert losses[-1] != losses[0]
+
+
+def test_onnxruntime_keeps_no_float_copy(tmp_path):
+    out = tmp_path / "q.onnx"
+    build("llama_dynamo", out)
+    meta = tl._meta(out)["quantize_base"]
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    ort.InferenceSession(str(out), so, providers=["CPUExecutionProvider"])
+    opt = onnx.load(str(tmp_path / "opt.onnx"))
+    shapes = {tuple(la["shape"]) for la in meta["layers"]} | {tuple(la["shape"][::-1]) for la in meta["layers"]}
+    original = {tuple(t.dims) for t in onnx.load(str(MODELS / "llama_dynamo.onnx")).graph.initializer
+                if t.name not in {la["weight"] for la in meta["layers"]}}
+    float_copies = [t.name for t in opt.graph.initializer
+                    if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+                    and tuple(t.dims) in shapes and tuple(t.dims) not in original]
+    assert not float_copies, f"onnxruntime {ort.__version__} folded float copies: {float_copies[:4]}"
+    # one dequantisation per reading node: as many Gathers from the code-pair table as readers
+    gathers = [n for n in opt.graph.node if n.op_type == "Gather" and "nf4_pairs" in n.input[0]]
+    assert len(gathers) > len(meta["layers"]), "per-use dequantisations merged"
+
+
+BAD = [
+    (["--lora-r", "4", "--quantize-base", "fp8"], "invalid value"),
+    (["--lora-r", "4", "--quantize-base", "nf4", "--quant-block", "48"], "--quant-block"),
+    (["--lora-r", "4", "--quantize-base", "nf4", "--quant-block", "8"], "--quant-block"),
+    (["--lora-r", "4", "--quantize-base", "nf4", "--quant-block", "4096"], "does not divide"),
+    (["--quantize-base", "nf4"], "add --lora-r"),
+    (["--lora-r", "4", "--quant-block", "64"], "--quantize-base"),
+    (["--lora-r", "4", "--quantize-base", "nf4", "--quantize-targets", "nope"], "matches no linear layer"),
+    (["--lora-r", "4", "--quantize-base", "int4"], "not built yet"),
+    (["--lora-r", "4", "--quantize-base", "nf4", "--double-quant"], "not built yet"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD)
+def test_bad_input(args, needle, tmp_path):
+    out = tmp_path / "bad.onnx"
+    r = run_patch(["step", MODELS / "llama_dynamo.onnx", "--loss", "wasserstein", "--tokenizer", TOKENIZER,
+                   "-o", out, *args])
+    assert r.returncode != 0 and needle in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_patch_command_refuses_quantize_base(tmp_path):
+    r = run_patch([MODELS / "lm_flat.onnx", "--tokenizer", TOKENIZER, "-o", tmp_path / "p.onnx",
+                   "--quantize-base", "nf4"])
+    assert r.returncode != 0 and "--quantize-base" in r.stderr
+    assert not list(tmp_path.iterdir())
