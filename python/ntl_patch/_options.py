@@ -30,11 +30,12 @@ _OPTIMIZER = {
     "head_chunk_tokens": VALUE, "lora_r": VALUE, "lora_alpha": VALUE, "lora_targets": VALUE,
     "use_rslora": FLAG, "lora_init": VALUE, "lora_dropout": VALUE, "seed": VALUE, "train": MULTI,
     "recompute": VALUE, "batch": VALUE, "seq": VALUE, "attention": VALUE,
-    "attention_block": VALUE,
+    "attention_block": VALUE, "quantize_base": VALUE, "quant_block": VALUE,
+    "quantize_targets": VALUE, "double_quant": FLAG,
 }
 
 # one-value options whose value is a comma-separated list
-COMMA_LISTS = {"lora_targets"}
+COMMA_LISTS = {"lora_targets", "quantize_targets"}
 
 # command -> {python option name: kind}; `out` is the wrappers' name for -o/--output
 OPTIONS: dict[str, dict[str, str]] = {
