@@ -24,8 +24,8 @@ use crate::error::Error;
 use crate::graph::patch::METADATA_KEY;
 use crate::graph::GraphIndex;
 use crate::onnx::{
-    default_opset, int_attr, ints_attr, proto::tensor_proto::DataType, ModelProto,
-    NodeProto, TensorProto, FLOAT, INT32,
+    default_opset, int_attr, ints_attr, proto::tensor_proto::DataType, ModelProto, NodeProto,
+    TensorProto, FLOAT, INT32,
 };
 use crate::passes::lora::linear::{linear_layers, Layout, Linear};
 use ntl_ops::names::PREFIX;
@@ -74,7 +74,9 @@ impl QuantizeOptions {
     pub fn check(&self) -> Result<(), Error> {
         let bad = |m: &str| Err(Error::Usage(m.to_string()));
         if self.block < 16 || self.block > MAX_BLOCK || self.block.count_ones() != 1 {
-            return bad("--quant-block must be a power of two from 16 to 4096 (bitsandbytes' default: 64)");
+            return bad(
+                "--quant-block must be a power of two from 16 to 4096 (bitsandbytes' default: 64)",
+            );
         }
         if self.scheme != Scheme::Nf4 {
             return Err(Error::Usage(format!(
@@ -369,7 +371,8 @@ pub fn quantize(model: &mut ModelProto, o: &QuantizeOptions) -> Result<Quantized
             raw_data: Some(q.codes.into()),
             ..Default::default()
         });
-        b.initializers.push(crate::onnx::f32_tensor(&absmax, &[blocks, 1], &q.absmax));
+        b.initializers
+            .push(crate::onnx::f32_tensor(&absmax, &[blocks, 1], &q.absmax));
         let start = b.nodes.len();
         let chain = emit_chain(&mut b, layer, &codes, &absmax, &table, blocks, o.block);
         debug_assert!(b.nodes.len() > start);
@@ -411,8 +414,18 @@ fn emit_chain(
     blocks: i64,
     block: i64,
 ) -> Vec<String> {
-    let idx = b.node("Cast", &[codes], "qlora/idx", vec![int_attr("to", INT32 as i64)]);
-    let pairs = b.node("Gather", &[table, &idx], "qlora/pairs", vec![int_attr("axis", 0)]);
+    let idx = b.node(
+        "Cast",
+        &[codes],
+        "qlora/idx",
+        vec![int_attr("to", INT32 as i64)],
+    );
+    let pairs = b.node(
+        "Gather",
+        &[table, &idx],
+        "qlora/pairs",
+        vec![int_attr("axis", 0)],
+    );
     let block_dims = b.const_i64("qlora/block_dims", &[2], &[blocks, block]);
     let in_blocks = b.binary("Reshape", &pairs, &block_dims, "qlora/blocks");
     let scaled = b.binary("Mul", &in_blocks, absmax, "qlora/scaled");

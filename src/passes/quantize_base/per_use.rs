@@ -140,7 +140,11 @@ fn joins_chain(
 
 /// A fresh copy of `recipe` (fresh tensor and node names); its first node, the codes' Cast to
 /// int32, goes through `CastLike(codes, like)` where there is an activation to be like.
-fn instantiate(recipe: &[NodeProto], like: Option<&str>, b: &mut Builder) -> (Vec<NodeProto>, String) {
+fn instantiate(
+    recipe: &[NodeProto],
+    like: Option<&str>,
+    b: &mut Builder,
+) -> (Vec<NodeProto>, String) {
     let mut renames: HashMap<String, String> = HashMap::new();
     let mut out = Vec::with_capacity(recipe.len() + 1);
     for (k, template) in recipe.iter().enumerate() {
