@@ -349,7 +349,7 @@ pub fn quantize(model: &mut ModelProto, o: &QuantizeOptions) -> Result<Quantized
         }
         let t = by_name[layer.weight.as_str()];
         let values = weight_values(t, layer)?;
-        if values.len() % block != 0 {
+        if !values.len().is_multiple_of(block) {
             return Err(Error::Usage(format!(
                 "--quant-block {block} does not divide the {} values of '{}' ({} x {}); use a block size that divides every quantised weight (e.g. --quant-block 16)",
                 values.len(),
