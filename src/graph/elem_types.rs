@@ -336,3 +336,49 @@ fn attribute_typed(
         _ => return None,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::onnx::{int_attr, scalar_value_info, FLOAT};
+
+    fn node(op: &str, inputs: &[&str], outputs: &[&str]) -> NodeProto {
+        NodeProto {
+            op_type: Some(op.into()),
+            input: inputs.iter().map(|s| s.to_string()).collect(),
+            output: outputs.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_two_rule_sets_differ_where_the_schemas_say_more() {
+        // TopK's second output is int64 by its schema; the passes' rule types first outputs
+        // only. The Neg is listed before the node that makes its input: the schemas' walk types
+        // it on its second pass, the passes' one-pass walk (nodes in order) not at all. Cast's
+        // type is its attribute's in both.
+        let mut cast = node("Cast", &["x_abs"], &["y"]);
+        cast.attribute.push(int_attr("to", INT32 as i64));
+        let graph = GraphProto {
+            input: vec![scalar_value_info("x", FLOAT), scalar_value_info("k", INT64)],
+            node: vec![
+                node("Neg", &["x_abs"], &["z"]),
+                node("Abs", &["x"], &["x_abs"]),
+                node("TopK", &["x", "k"], &["values", "indices"]),
+                cast,
+            ],
+            ..Default::default()
+        };
+        let opsets: std::collections::HashMap<String, i64> = [("ai.onnx".to_string(), 17)].into();
+        let names = TypeNames::infer(&graph, &opsets, ntl_ops::schema::schemas());
+        assert_eq!(names.get("values"), Some("float"));
+        assert_eq!(names.get("indices"), Some("int64"));
+        assert_eq!(names.get("y"), Some("int32"));
+        assert_eq!(names.get("z"), Some("float"));
+        let types = ElemTypes::infer(&graph);
+        assert_eq!(types.get("values"), Some(FLOAT));
+        assert_eq!(types.get("indices"), None);
+        assert_eq!(types.get("y"), Some(INT32));
+        assert_eq!(types.get("z"), None);
+    }
+}
