@@ -1130,6 +1130,77 @@ fn an_interrupted_artifacts_run_leaves_no_folder() {
     assert!(interrupted >= 1, "no run was interrupted mid-write");
 }
 
+/// Issue 35: a signal late in an artifacts run (the training graph's large external data
+/// written, the eval graph being written) must leave neither the output folder
+/// nor its temporary. It used to leave `art-ntl/` with the files written while the signal
+/// thread was still removing the temporary folder (the rename carried them into place), or
+/// the temporary folder itself (its removal failed on the files created meanwhile).
+#[test]
+fn a_late_interrupted_artifacts_run_with_external_data_leaves_no_folder() {
+    let root = tempfile::tempdir().unwrap();
+    let art = root.path().join("art");
+    std::fs::create_dir_all(&art).unwrap();
+    let big = 768usize << 20;
+    std::fs::write(art.join("training.bin"), vec![1u8; big]).unwrap();
+    let mut training = training_graph(&["scores_grad"]);
+    let mut t = ntl_patch::onnx::f32_tensor("big", &[(big / 4) as i64], &[]);
+    t.data_location = Some(DataLocation::External as i32);
+    t.external_data = external("training.bin", &[("length", &big.to_string())]);
+    training.graph.as_mut().unwrap().initializer.push(t);
+    let dir = artifacts_folder_with(root.path(), &training);
+    let mut interrupted = 0;
+    for round in 0..4 {
+        let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("ntl-patch"))
+            .arg("artifacts")
+            .arg(&dir)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let started = std::time::Instant::now();
+        // wait for the training graph to be complete in the temporary folder (over 90 % of
+        // the bytes written): the rest is the eval graph, two small copies and the rename
+        let tmp_holds = |name: &str| {
+            listing(root.path())
+                .iter()
+                .filter(|n| n.starts_with(".ntl-patch-"))
+                .any(|t| root.path().join(t).join(name).exists())
+        };
+        while !tmp_holds("training_model.onnx")
+            && started.elapsed() < Duration::from_secs(120)
+            && child.try_wait().unwrap().is_none()
+        {}
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let status = child.wait().unwrap();
+        use std::os::unix::process::ExitStatusExt;
+        let out = root.path().join("art-ntl");
+        let complete = [
+            "checkpoint",
+            "eval_model.onnx",
+            "optimizer_model.onnx",
+            "training.bin",
+            "training_model.onnx",
+        ];
+        if out.exists() {
+            // renamed into place before the signal was handled: all of it
+            let left = listing(&out);
+            assert_eq!(left, complete, "round {round}: a partial output folder");
+            assert_eq!(std::fs::metadata(out.join("training.bin")).unwrap().len(), big as u64);
+        }
+        if !status.success() {
+            interrupted += 1;
+        }
+        let names = listing(root.path());
+        assert!(
+            names == ["art"] || names == ["art", "art-ntl"],
+            "round {round}: exit {:?} signal {:?}, left {names:?}",
+            status.code(),
+            status.signal()
+        );
+        let _ = std::fs::remove_dir_all(root.path().join("art-ntl"));
+    }
+    assert!(interrupted >= 1, "no run was interrupted mid-write");
+}
+
 /// External data copied next to an output in another folder is part of the output: an
 /// interrupted run removes the copies it already finished too.
 #[test]

@@ -1,6 +1,7 @@
 //! The layering of `src/` (ARCHITECTURE.md): each stage imports only itself and the stages
 //! below it, and no module of a stage imports a module that imports it back (no circles).
-//! Read from the source text: every `crate::stage::module` path and every `super::module`.
+//! Inside `src/passes/` the same holds for its parts, in the order `PASSES` gives. Read from the
+//! source text: every `crate::stage::module` path and every `super::module`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -162,6 +163,60 @@ fn no_stage_imports_a_higher_one() {
     assert!(wrong.is_empty(), "arrows back up:\n{}", wrong.join("\n"));
 }
 
+/// The folders (and single-file modules) inside `src/passes/`, lowest first: each imports only
+/// itself and the ones before it. The internal nodes of the fused head and of attention sit
+/// below `grad`, whose rules differentiate them; `step` drives them all; `artifacts` is the
+/// other top (ORT's training graph).
+const PASSES: [&str; 10] = [
+    "loss_inputs",
+    "rewrite",
+    "pipeline",
+    "fused_head",
+    "attention",
+    "grad",
+    "lora",
+    "recompute",
+    "step",
+    "artifacts",
+];
+
+fn pass_rank(part: &str) -> usize {
+    PASSES
+        .iter()
+        .position(|s| *s == part)
+        .unwrap_or_else(|| panic!("'{part}' is no part of src/passes/: add it to PASSES in order"))
+}
+
+/// The imports between the parts of `passes` that go up the order of [`PASSES`].
+fn passes_importing_up(mods: &[Module]) -> Vec<String> {
+    let mut wrong = Vec::new();
+    // `passes` itself (its mod.rs) only declares the parts
+    for m in mods
+        .iter()
+        .filter(|m| m.path[0] == "passes" && m.path.len() > 1)
+    {
+        let mine = pass_rank(&m.path[1]);
+        for imp in m.imports.iter().filter(|i| i[0] == "passes" && i.len() > 1) {
+            if pass_rank(&imp[1]) > mine {
+                wrong.push(format!("{} imports {}", m.path.join("::"), imp.join("::")));
+            }
+        }
+    }
+    wrong
+}
+
+#[test]
+fn no_part_of_passes_imports_a_higher_one() {
+    // with every import going down the order (or staying inside a part), the parts of
+    // `passes` cannot import each other in a circle either
+    let wrong = passes_importing_up(&modules());
+    assert!(
+        wrong.is_empty(),
+        "arrows back up inside src/passes/ (move the code down, or reorder PASSES):\n{}",
+        wrong.join("\n")
+    );
+}
+
 /// The modules of `passes` that name `crate::io` (files) or `crate::jobs` (what calls them).
 fn passes_reaching_files(mods: &[Module]) -> Vec<String> {
     let mut wrong = Vec::new();
@@ -297,6 +352,23 @@ fn the_detector_sees_an_arrow_back_up_and_a_circle() {
         ),
         path: me,
     };
+    // and a lower part of passes naming a higher one
+    let me = vec![
+        "passes".to_string(),
+        "grad".to_string(),
+        "rules".to_string(),
+    ];
+    let up = Module {
+        imports: imports(
+            &me,
+            "use crate::passes::step::StepOptions; use crate::passes::fused_head;",
+        ),
+        path: me,
+    };
+    assert_eq!(
+        passes_importing_up(&[up]),
+        ["passes::grad::rules imports passes::step"]
+    );
     assert_eq!(
         passes_reaching_files(&[m]),
         [

@@ -13,7 +13,7 @@ use ntl_ops::options::{
 use ntl_patch::io::model_io::ExternalDataAction;
 use ntl_patch::jobs::artifacts::{run_artifacts, ArtifactsRequest};
 use ntl_patch::jobs::patch::{run_patch, PatchRequest};
-use ntl_patch::jobs::step::{run_step, StepRequest};
+use ntl_patch::jobs::step::{run_step, StepRequest, StepSummary};
 use ntl_patch::passes::attention::{AttentionOptions, Mode as AttentionMode};
 use ntl_patch::passes::fused_head::{FusedHeadOptions, Mode as FusedHeadMode};
 use ntl_patch::passes::lora::LoraOptions;
@@ -858,6 +858,24 @@ fn lora_options(args: &StepArgs) -> Result<Option<LoraOptions>, ntl_patch::Error
 }
 
 fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
+    let json = args.json;
+    let req = step_request(args)?;
+    let s = run_step(&req)?;
+    for n in s.patch.notices.iter().chain(&s.notes) {
+        eprintln!("note: {}", escape(n));
+    }
+    for w in s.patch.warnings.iter().chain(&s.warnings) {
+        eprintln!("warning: {}", escape(w));
+    }
+    Ok(if json {
+        step_summary_json(&req, &s)
+    } else {
+        step_summary_text(&req, &s)
+    })
+}
+
+/// The step job's request from the command line (the option checks clap cannot make).
+fn step_request(args: StepArgs) -> Result<StepRequest, ntl_patch::Error> {
     let lora = lora_options(&args)?;
     let quantize = quantize_options(&args)?;
     let kind = match args.optimizer {
@@ -933,105 +951,108 @@ fn run_step_cli(args: StepArgs) -> Result<String, ntl_patch::Error> {
             },
         },
     };
-    let s = run_step(&req)?;
-    for n in s.patch.notices.iter().chain(&s.notes) {
-        eprintln!("note: {}", escape(n));
-    }
-    for w in s.patch.warnings.iter().chain(&s.warnings) {
-        eprintln!("warning: {}", escape(w));
-    }
-    let outputs: Vec<String> = s.outputs.iter().map(|o| o.display().to_string()).collect();
-    Ok(if args.json {
-        serde_json::json!({
-            "outputs": outputs,
-            "ce_node": s.patch.ce_node,
-            "pattern": s.patch.pattern,
-            "loss": req.patch.loss.kind.name(),
-            "weight": req.patch.loss.weight,
-            "number_tokens": s.patch.number_tokens,
-            "optimizer": req.options.optimizer.to_json(),
-            "precision": req.options.precision().name(),
-            "parameters": s.parameters,
-            "parameter_elements": s.parameter_elements,
-            "frozen": s.frozen,
-            "buffers": s.buffers,
-            "fused_head": s.fused_head_chunk_tokens.map(|c| serde_json::json!({"chunk_tokens": c})),
-            "lora": s.lora,
-            "recompute": s.recompute,
-            "attention": s.attention,
-            "warnings": s.warnings,
-        })
-        .to_string()
-    } else {
-        let buffers = if s.buffers.is_empty() {
-            String::new()
-        } else {
-            format!(
-                "; kept constant (buffers, exporter constants): {}",
-                s.buffers.join(", ")
-            )
-        };
-        let frozen = if s.frozen.is_empty() {
-            String::new()
-        } else {
-            format!("; {} frozen", s.frozen.len())
-        };
-        let fused = match s.fused_head_chunk_tokens {
-            Some(c) => format!("; LM head fused, {c} positions per chunk"),
-            None => String::new(),
-        };
-        let recompute = match s.recompute["blocks"].as_u64() {
-            Some(n) if n > 0 => format!("; {n} layers recomputed in the backward"),
-            _ => String::new(),
-        };
-        let recompute = match s.recompute["reason"].as_str() {
-            Some(why) => format!("{recompute}; recompute {why}"),
-            None => recompute,
-        };
-        let attention = match (
-            s.attention["replaced"].as_u64(),
-            s.attention["reason"].as_str(),
-        ) {
-            (Some(n), _) if n > 0 => format!("; attention blockwise in {n} layers"),
-            (_, Some(why)) => format!("; {why}"),
-            _ => String::new(),
-        };
-        let lora = match (&s.lora, &req.options.lora) {
-            (Some(meta), Some(o)) => format!(
-                "; LoRA r={} alpha={} on {} layers ({})",
-                o.r,
-                o.alpha,
-                meta["layers"].as_array().map_or(0, Vec::len),
-                meta["target_modules"]
-                    .as_array()
-                    .map(|t| t
-                        .iter()
-                        .filter_map(|v| v.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", "))
-                    .unwrap_or_default()
-            ),
-            _ => String::new(),
-        };
-        format!(
-            "wrote {} ({} on {}, {} parameters / {} values trained with {}{}{}{}{}{}{})",
-            outputs.join(" and "),
-            req.patch.loss.kind.name(),
-            s.patch.ce_node,
-            s.parameters.len(),
-            s.parameter_elements,
-            match kind {
-                OptimizerKind::AdamW => "adamw",
-                OptimizerKind::Sgd => "sgd",
-            },
-            lora,
-            frozen,
-            buffers,
-            fused,
-            recompute,
-            attention
-        )
+    Ok(req)
+}
+
+/// The paths the step job wrote, for printing.
+fn step_outputs(s: &StepSummary) -> Vec<String> {
+    s.outputs.iter().map(|o| o.display().to_string()).collect()
+}
+
+/// `step --json`'s summary object.
+fn step_summary_json(req: &StepRequest, s: &StepSummary) -> String {
+    serde_json::json!({
+        "outputs": step_outputs(s),
+        "ce_node": s.patch.ce_node,
+        "pattern": s.patch.pattern,
+        "loss": req.patch.loss.kind.name(),
+        "weight": req.patch.loss.weight,
+        "number_tokens": s.patch.number_tokens,
+        "optimizer": req.options.optimizer.to_json(),
+        "precision": req.options.precision().name(),
+        "parameters": s.parameters,
+        "parameter_elements": s.parameter_elements,
+        "frozen": s.frozen,
+        "buffers": s.buffers,
+        "fused_head": s.fused_head_chunk_tokens.map(|c| serde_json::json!({"chunk_tokens": c})),
+        "lora": s.lora,
+        "recompute": s.recompute,
+        "attention": s.attention,
+        "warnings": s.warnings,
     })
+    .to_string()
+}
+
+/// `step`'s one-line summary.
+fn step_summary_text(req: &StepRequest, s: &StepSummary) -> String {
+    let buffers = if s.buffers.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; kept constant (buffers, exporter constants): {}",
+            s.buffers.join(", ")
+        )
+    };
+    let frozen = if s.frozen.is_empty() {
+        String::new()
+    } else {
+        format!("; {} frozen", s.frozen.len())
+    };
+    let fused = match s.fused_head_chunk_tokens {
+        Some(c) => format!("; LM head fused, {c} positions per chunk"),
+        None => String::new(),
+    };
+    let recompute = match s.recompute["blocks"].as_u64() {
+        Some(n) if n > 0 => format!("; {n} layers recomputed in the backward"),
+        _ => String::new(),
+    };
+    let recompute = match s.recompute["reason"].as_str() {
+        Some(why) => format!("{recompute}; recompute {why}"),
+        None => recompute,
+    };
+    let attention = match (
+        s.attention["replaced"].as_u64(),
+        s.attention["reason"].as_str(),
+    ) {
+        (Some(n), _) if n > 0 => format!("; attention blockwise in {n} layers"),
+        (_, Some(why)) => format!("; {why}"),
+        _ => String::new(),
+    };
+    let lora = match (&s.lora, &req.options.lora) {
+        (Some(meta), Some(o)) => format!(
+            "; LoRA r={} alpha={} on {} layers ({})",
+            o.r,
+            o.alpha,
+            meta["layers"].as_array().map_or(0, Vec::len),
+            meta["target_modules"]
+                .as_array()
+                .map(|t| t
+                    .iter()
+                    .filter_map(|v| v.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "))
+                .unwrap_or_default()
+        ),
+        _ => String::new(),
+    };
+    format!(
+        "wrote {} ({} on {}, {} parameters / {} values trained with {}{}{}{}{}{}{})",
+        step_outputs(s).join(" and "),
+        req.patch.loss.kind.name(),
+        s.patch.ce_node,
+        s.parameters.len(),
+        s.parameter_elements,
+        match req.options.optimizer.kind {
+            OptimizerKind::AdamW => "adamw",
+            OptimizerKind::Sgd => "sgd",
+        },
+        lora,
+        frozen,
+        buffers,
+        fused,
+        recompute,
+        attention
+    )
 }
 
 fn run_artifacts_cli(args: ArtifactsArgs) -> Result<String, ntl_patch::Error> {

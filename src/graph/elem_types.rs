@@ -1,13 +1,73 @@
-//! Element types followed forward through a graph: declared where the graph says so, set by
-//! `Cast` and the comparison/shape ops, otherwise the type of the first typed input. Rules use it
-//! to write a plain `Cast` where `CastLike` would otherwise be needed (MIGraphX takes no
-//! `CastLike`).
+//! Element types followed forward through a graph, by one walk and two rule sets:
+//! - [`ElemTypes`], the passes' rule: declared where the graph says so, set by `Cast` and the
+//!   comparison/shape ops, otherwise the type of the first typed input (first outputs only).
+//!   Rules use it to write a plain `Cast` where `CastLike` would otherwise be needed (MIGraphX
+//!   takes no `CastLike`).
+//! - [`TypeNames`], the op schemas' rule, exact for every output and for sequences and optionals
+//!   (`float`, `seq(float)`, `opt(float)`): what a kernel's type constraints are matched against
+//!   (`tools::gpu_kernels`).
+//!
+//! The two stay apart because their answers differ where the schemas say more than "the first
+//! input's type", and the passes' outputs are fixed by the first rule.
+
+use std::hash::BuildHasher;
 
 use crate::graph::hash::HashMap;
 
-use crate::onnx::{attr, attr_i, GraphProto, BOOL, INT32, INT64};
+use crate::onnx::proto::tensor_proto::DataType;
+use crate::onnx::proto::type_proto;
+use crate::onnx::{attr, attr_i, GraphProto, NodeProto, TypeProto, BOOL, INT32, INT64};
+use ntl_ops::schema::{canonical_domain, Schemas};
 
-const UINT8: i32 = crate::onnx::proto::tensor_proto::DataType::Uint8 as i32;
+const UINT8: i32 = DataType::Uint8 as i32;
+
+/// The walk both rule sets share: each node's untyped outputs get the type `rule` gives them
+/// (`rule(node, output index, types so far)`), over the node list at most `passes` times, until
+/// a pass types nothing new (a node listed before its inputs' producers is typed on a later
+/// pass). A type already known, declared ones included, is never replaced.
+fn follow_nodes<T>(
+    types: &mut HashMap<String, T>,
+    nodes: &[NodeProto],
+    passes: usize,
+    rule: impl Fn(&NodeProto, usize, &HashMap<String, T>) -> Option<T>,
+) {
+    for _ in 0..passes {
+        let mut changed = false;
+        for node in nodes {
+            for (k, out) in node.output.iter().enumerate() {
+                if out.is_empty() || types.contains_key(out) {
+                    continue;
+                }
+                if let Some(t) = rule(node, k, types) {
+                    types.insert(out.clone(), t);
+                    changed = true;
+                }
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+}
+
+// what both rule sets read the same way
+
+/// `Cast`'s target type.
+fn cast_to(node: &NodeProto) -> Option<i32> {
+    attr_i(node, "to").map(|t| t as i32)
+}
+
+/// The type of a `Constant`'s tensor `value` (not its `value_float`... forms).
+fn constant_value_type(node: &NodeProto) -> Option<i32> {
+    attr(node, "value")
+        .and_then(|a| a.t.as_ref())
+        .map(|t| t.data_type())
+}
+
+/// `ConstantOfShape`'s type: its `value`'s, float without one.
+fn constant_of_shape_type(node: &NodeProto) -> i32 {
+    constant_value_type(node).unwrap_or(crate::onnx::FLOAT)
+}
 
 #[derive(Debug, Default)]
 pub struct ElemTypes(HashMap<String, i32>);
@@ -29,46 +89,11 @@ impl ElemTypes {
     }
 
     /// Follows more nodes (emitted after the graph was inferred: a backward pass) forward.
-    pub fn follow(&mut self, nodes: &[crate::onnx::NodeProto]) {
-        let types = &mut self.0;
-        for node in nodes {
-            let first_typed = || {
-                node.input
-                    .iter()
-                    .filter(|i| !i.is_empty())
-                    .find_map(|i| types.get(i).copied())
-            };
-            let out = match node.op_type() {
-                "Cast" => attr_i(node, "to").map(|t| t as i32),
-                "CastLike" => node.input.get(1).and_then(|i| types.get(i).copied()),
-                "Shape" | "Size" | "NonZero" | "ArgMax" | "ArgMin" => Some(INT64),
-                "Equal" | "Less" | "Greater" | "LessOrEqual" | "GreaterOrEqual" | "Not" | "And"
-                | "Or" | "Xor" | "IsNaN" | "IsInf" => Some(BOOL),
-                "Constant" => attr(node, "value")
-                    .and_then(|a| a.t.as_ref())
-                    .map(|t| t.data_type()),
-                "Where" => node.input.get(1).and_then(|i| types.get(i).copied()),
-                // ops whose output type is not their first input's
-                "OneHot" => node.input.get(2).and_then(|i| types.get(i).copied()),
-                "DequantizeLinear" => node.input.get(1).and_then(|i| types.get(i).copied()),
-                "QuantizeLinear" => Some(
-                    node.input
-                        .get(2)
-                        .and_then(|i| types.get(i).copied())
-                        .unwrap_or(UINT8),
-                ),
-                "MatMulInteger" | "ConvInteger" => Some(INT32),
-                "ConstantOfShape" => Some(
-                    attr(node, "value")
-                        .and_then(|a| a.t.as_ref())
-                        .map_or(crate::onnx::FLOAT, |t| t.data_type()),
-                ),
-                _ => first_typed(),
-            };
-            if let (Some(t), Some(o)) = (out, node.output.first().filter(|o| !o.is_empty())) {
-                types.entry(o.clone()).or_insert(t);
-            }
-        }
+    pub fn follow(&mut self, nodes: &[NodeProto]) {
+        // one pass: the nodes are in order
+        follow_nodes(&mut self.0, nodes, 1, |node, k, types| {
+            (k == 0).then(|| first_output_type(node, types)).flatten()
+        });
     }
 
     /// Records a tensor's type (a constant emitted after the graph was inferred).
@@ -78,5 +103,282 @@ impl ElemTypes {
 
     pub fn get(&self, tensor: &str) -> Option<i32> {
         self.0.get(tensor).copied().filter(|&t| t != 0)
+    }
+}
+
+/// The passes' rule for a node's first output.
+fn first_output_type(node: &NodeProto, types: &HashMap<String, i32>) -> Option<i32> {
+    let input_type = |i: usize| node.input.get(i).and_then(|i| types.get(i).copied());
+    match node.op_type() {
+        "Cast" => cast_to(node),
+        "CastLike" => input_type(1),
+        "Shape" | "Size" | "NonZero" | "ArgMax" | "ArgMin" => Some(INT64),
+        "Equal" | "Less" | "Greater" | "LessOrEqual" | "GreaterOrEqual" | "Not" | "And" | "Or"
+        | "Xor" | "IsNaN" | "IsInf" => Some(BOOL),
+        "Constant" => constant_value_type(node),
+        "Where" => input_type(1),
+        // ops whose output type is not their first input's
+        "OneHot" => input_type(2),
+        "DequantizeLinear" => input_type(1),
+        "QuantizeLinear" => Some(input_type(2).unwrap_or(UINT8)),
+        "MatMulInteger" | "ConvInteger" => Some(INT32),
+        "ConstantOfShape" => Some(constant_of_shape_type(node)),
+        // the first typed input
+        _ => node
+            .input
+            .iter()
+            .filter(|i| !i.is_empty())
+            .find_map(|i| types.get(i).copied()),
+    }
+}
+
+/// The ONNX name of a tensor element type (`float`, `int64`, ...).
+pub fn elem_type_name(dt: i32) -> Option<&'static str> {
+    let t = DataType::try_from(dt).ok()?;
+    Some(match t {
+        DataType::Float => "float",
+        DataType::Uint8 => "uint8",
+        DataType::Int8 => "int8",
+        DataType::Uint16 => "uint16",
+        DataType::Int16 => "int16",
+        DataType::Int32 => "int32",
+        DataType::Int64 => "int64",
+        DataType::String => "string",
+        DataType::Bool => "bool",
+        DataType::Float16 => "float16",
+        DataType::Double => "double",
+        DataType::Uint32 => "uint32",
+        DataType::Uint64 => "uint64",
+        DataType::Complex64 => "complex64",
+        DataType::Complex128 => "complex128",
+        DataType::Bfloat16 => "bfloat16",
+        DataType::Float8e4m3fn => "float8e4m3fn",
+        DataType::Float8e4m3fnuz => "float8e4m3fnuz",
+        DataType::Float8e5m2 => "float8e5m2",
+        DataType::Float8e5m2fnuz => "float8e5m2fnuz",
+        DataType::Uint4 => "uint4",
+        DataType::Int4 => "int4",
+        _ => return None,
+    })
+}
+
+/// `float`, `seq(float)`, `opt(float)` for a declared value type.
+pub fn type_proto_name(t: &TypeProto) -> Option<String> {
+    match t.value.as_ref()? {
+        type_proto::Value::TensorType(t) => elem_type_name(t.elem_type()).map(str::to_string),
+        type_proto::Value::SequenceType(s) => Some(format!(
+            "seq({})",
+            type_proto_name(s.elem_type.as_deref()?)?
+        )),
+        type_proto::Value::OptionalType(o) => Some(format!(
+            "opt({})",
+            type_proto_name(o.elem_type.as_deref()?)?
+        )),
+        _ => None,
+    }
+}
+
+/// Value types by name, for every output, as the op schemas imply them.
+#[derive(Debug, Default, Clone)]
+pub struct TypeNames(HashMap<String, String>);
+
+impl TypeNames {
+    /// Declared types (inputs, outputs, value_info, initializers) and, forward through the
+    /// nodes, the ones the op schemas imply: an output typed `T` has the type of the first input
+    /// typed `T`; `Cast` and friends read their attributes. `opsets`: the model's opset per
+    /// canonical domain.
+    pub fn infer<S: BuildHasher>(
+        graph: &GraphProto,
+        opsets: &std::collections::HashMap<String, i64, S>,
+        schemas: &Schemas,
+    ) -> TypeNames {
+        TypeNames::default().inner(graph, opsets, schemas)
+    }
+
+    /// A subgraph's types (an `If`, `Loop` or `Scan` body), which sees the tensors of `self`,
+    /// its enclosing graph's.
+    pub fn inner<S: BuildHasher>(
+        &self,
+        graph: &GraphProto,
+        opsets: &std::collections::HashMap<String, i64, S>,
+        schemas: &Schemas,
+    ) -> TypeNames {
+        let mut types = self.0.clone();
+        for vi in graph
+            .input
+            .iter()
+            .chain(&graph.output)
+            .chain(&graph.value_info)
+        {
+            if let Some(t) = vi.r#type.as_ref().and_then(type_proto_name) {
+                types.insert(vi.name().to_string(), t);
+            }
+        }
+        for init in &graph.initializer {
+            if let Some(t) = elem_type_name(init.data_type()) {
+                types.insert(init.name().to_string(), t.to_string());
+            }
+        }
+        // nodes are topologically sorted in a valid model; a few passes cover any that are not
+        follow_nodes(&mut types, &graph.node, 4, |node, k, types| {
+            let opset = opsets
+                .get(canonical_domain(node.domain()))
+                .copied()
+                .unwrap_or(0);
+            schema_output_type(node, k, opset, types, schemas)
+        });
+        TypeNames(types)
+    }
+
+    pub fn get(&self, tensor: &str) -> Option<&str> {
+        self.0.get(tensor).map(String::as_str)
+    }
+}
+
+/// The type name of the attribute `name` (`dtype`, `to`).
+fn dtype_attr(node: &NodeProto, name: &str) -> Option<String> {
+    attr_i(node, name)
+        .and_then(|d| elem_type_name(d as i32))
+        .map(str::to_string)
+}
+
+/// The schemas' rule for output `k` of `node`.
+fn schema_output_type(
+    node: &NodeProto,
+    k: usize,
+    opset: i64,
+    types: &HashMap<String, String>,
+    schemas: &Schemas,
+) -> Option<String> {
+    let input_type = |i: usize| {
+        node.input
+            .get(i)
+            .filter(|s| !s.is_empty())
+            .and_then(|n| types.get(n))
+            .cloned()
+    };
+    if canonical_domain(node.domain()) == "ai.onnx" {
+        if let Some(t) = attribute_typed(node, &input_type) {
+            return t;
+        }
+    }
+    let schema = schemas.schema(node.domain(), node.op_type(), opset)?;
+    let param = schema
+        .outputs
+        .get(k)
+        .or_else(|| schema.outputs.last().filter(|p| p.variadic))?;
+    if let Some(inner) = param
+        .type_str
+        .strip_prefix("tensor(")
+        .and_then(|s| s.strip_suffix(')'))
+    {
+        return Some(inner.to_string());
+    }
+    if let Some(t) = schema.fixed_type(&param.type_str) {
+        return Some(t.to_string());
+    }
+    // the first present input bound to the same type parameter
+    for (i, p) in schema.inputs.iter().enumerate() {
+        if p.type_str != param.type_str {
+            continue;
+        }
+        let n = if p.variadic {
+            node.input.len().saturating_sub(i)
+        } else {
+            1
+        };
+        for j in i..i + n {
+            if let Some(t) = input_type(j) {
+                return Some(t);
+            }
+        }
+    }
+    None
+}
+
+/// For the default-domain ops whose output type an attribute (or the type of a "like" input)
+/// sets rather than a type parameter: `Some(the type, if it can be told)`; `None` for the others.
+fn attribute_typed(
+    node: &NodeProto,
+    input_type: &dyn Fn(usize) -> Option<String>,
+) -> Option<Option<String>> {
+    let name = |t: i32| elem_type_name(t).map(str::to_string);
+    Some(match node.op_type() {
+        "Cast" => cast_to(node).and_then(name),
+        "CastLike" => input_type(1),
+        "RandomUniformLike" | "RandomNormalLike" | "EyeLike" => {
+            dtype_attr(node, "dtype").or_else(|| input_type(0))
+        }
+        "RandomUniform" | "RandomNormal" => dtype_attr(node, "dtype").or(Some("float".into())),
+        "Multinomial" => dtype_attr(node, "dtype").or(Some("int32".into())),
+        "Constant" => {
+            if let Some(t) = constant_value_type(node) {
+                return Some(name(t));
+            }
+            let scalar_forms = [
+                ("value_float", "float"),
+                ("value_floats", "float"),
+                ("value_int", "int64"),
+                ("value_ints", "int64"),
+                ("value_string", "string"),
+                ("value_strings", "string"),
+            ];
+            scalar_forms
+                .into_iter()
+                .find(|(attribute, _)| attr(node, attribute).is_some())
+                .map(|(_, t)| t.to_string())
+        }
+        "ConstantOfShape" => Some(
+            elem_type_name(constant_of_shape_type(node))
+                .unwrap_or("float")
+                .to_string(),
+        ),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::onnx::{int_attr, scalar_value_info, FLOAT};
+
+    fn node(op: &str, inputs: &[&str], outputs: &[&str]) -> NodeProto {
+        NodeProto {
+            op_type: Some(op.into()),
+            input: inputs.iter().map(|s| s.to_string()).collect(),
+            output: outputs.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_two_rule_sets_differ_where_the_schemas_say_more() {
+        // TopK's second output is int64 by its schema; the passes' rule types first outputs
+        // only. The Neg is listed before the node that makes its input: the schemas' walk types
+        // it on its second pass, the passes' one-pass walk (nodes in order) not at all. Cast's
+        // type is its attribute's in both.
+        let mut cast = node("Cast", &["x_abs"], &["y"]);
+        cast.attribute.push(int_attr("to", INT32 as i64));
+        let graph = GraphProto {
+            input: vec![scalar_value_info("x", FLOAT), scalar_value_info("k", INT64)],
+            node: vec![
+                node("Neg", &["x_abs"], &["z"]),
+                node("Abs", &["x"], &["x_abs"]),
+                node("TopK", &["x", "k"], &["values", "indices"]),
+                cast,
+            ],
+            ..Default::default()
+        };
+        let opsets: std::collections::HashMap<String, i64> = [("ai.onnx".to_string(), 17)].into();
+        let names = TypeNames::infer(&graph, &opsets, ntl_ops::schema::schemas());
+        assert_eq!(names.get("values"), Some("float"));
+        assert_eq!(names.get("indices"), Some("int64"));
+        assert_eq!(names.get("y"), Some("int32"));
+        assert_eq!(names.get("z"), Some("float"));
+        let types = ElemTypes::infer(&graph);
+        assert_eq!(types.get("values"), Some(FLOAT));
+        assert_eq!(types.get("indices"), None);
+        assert_eq!(types.get("y"), Some(INT32));
+        assert_eq!(types.get("z"), None);
     }
 }

@@ -289,16 +289,26 @@ impl TempDir {
     }
 
     /// Renames the folder to `dest` (which must not exist); on error it is removed.
+    ///
+    /// The rename happens while holding the registry, which the signal thread takes and
+    /// keeps until the process dies: a folder is either renamed complete before a signal is
+    /// handled, or never (this call then waits for the process to end). Without that, a
+    /// signal that came while the folder was being removed let the rename carry the files
+    /// written after the removal began into place: a partial output folder.
     pub fn persist(mut self, dest: &Path) -> std::io::Result<()> {
         let path = self.path.take().expect("present until persisted");
+        let held = live();
         if let Ok(meta) = std::fs::symlink_metadata(dest) {
+            drop(held);
             let _ = std::fs::remove_dir_all(&path);
             return Err(std::io::Error::new(
                 std::io::ErrorKind::AlreadyExists,
                 format!("it already exists ({})", crate::io::fsio::kind_of(&meta)),
             ));
         }
-        std::fs::rename(&path, dest).inspect_err(|_| {
+        let renamed = std::fs::rename(&path, dest);
+        drop(held);
+        renamed.inspect_err(|_| {
             let _ = std::fs::remove_dir_all(&path);
         })
     }
@@ -375,13 +385,26 @@ fn remove_registered() -> Option<std::sync::MutexGuard<'static, Vec<Entry>>> {
     let guard = live();
     for e in guard.iter() {
         if e.dir {
-            let _ = std::fs::remove_dir_all(&e.path);
+            remove_folder_being_written(&e.path);
         } else {
             // SAFETY: a NUL-terminated path.
             unsafe { libc::unlink(e.c_path.as_ptr()) };
         }
     }
     Some(guard)
+}
+
+/// Removes a folder another thread may still be writing into: a file linked in after the
+/// removal listed the folder makes the last step (rmdir) fail, so it is tried again until the
+/// folder is gone. The writer cannot outlast it: it has finitely many files to write, and
+/// cannot rename the folder into place while the registry is held (`TempDir::persist`).
+fn remove_folder_being_written(path: &Path) {
+    for _ in 0..10_000 {
+        match std::fs::remove_dir_all(path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => continue,
+            _ => return,
+        }
+    }
 }
 
 /// For the binary, before any other thread starts: SIGINT, SIGTERM and SIGHUP are handled by

@@ -665,47 +665,7 @@ fn replacement(
     let graph = index.graph;
     let ce = &graph.node[r.ce];
     let mut replacements: BTreeMap<usize, Vec<NodeProto>> = BTreeMap::new();
-    // the hidden states through the same row moves as the logits, each where the logits' op
-    // was; the class-last logits tensor → the hidden states laid out like it
-    let mut hidden_at: BTreeMap<&str, String> = BTreeMap::new();
-    let root = graph.node[r.projection[0]].output[0].as_str();
-    let mut h = r.hidden.clone();
-    if let Some(i) = r.hidden_reshape {
-        h = replay_on_hidden(b, &graph.node[i], &h);
-        replacements.insert(i, std::mem::take(&mut b.nodes));
-    }
-    hidden_at.insert(root, h.clone());
-    for &i in &r.scores_chain {
-        let n = &graph.node[i];
-        if !matches!(n.op_type(), "Identity" | "Cast" | "LogSoftmax") {
-            h = replay_on_hidden(b, n, &h);
-        }
-        hidden_at.insert(&n.output[0], h.clone());
-        replacements.insert(i, std::mem::take(&mut b.nodes));
-    }
-    for &c in &r.shape_reads {
-        let n = &graph.node[c];
-        let hs = b.node(
-            "Shape",
-            &[&hidden_at[n.input[0].as_str()]],
-            "fused/logits_shape",
-            vec![],
-        );
-        let lead = b.slice(&hs, 0, -1, 0, "fused/logits_shape_lead");
-        let v = b.const_i64("fused/width", &[1], &[meta.width]);
-        let full = b.concat(&[&lead, &v], 0, "fused/logits_shape_full");
-        let start = attr_i(n, "start").unwrap_or(0);
-        let end = attr_i(n, "end").unwrap_or(i64::MAX);
-        let out = n.output[0].as_str();
-        if (start, end) == (0, i64::MAX) {
-            b.node_to("Identity", &[&full], &[out], vec![]);
-        } else {
-            let s = b.const_i64("fused/shape_start", &[1], &[start]);
-            let e = b.const_i64("fused/shape_end", &[1], &[end]);
-            b.node_to("Slice", &[&full, &s, &e], &[out], vec![]);
-        }
-        replacements.insert(c, std::mem::take(&mut b.nodes));
-    }
+    let h = hidden_like_logits(b, graph, r, meta, &mut replacements);
     let shape = b.node("Shape", &[&h], "fused/hidden_shape", vec![]);
     let d = b.slice(&shape, -1, i64::MAX, 0, "fused/hidden_width");
     let minus_one = b.const_i64("fused/minus_one", &[1], &[-1]);
@@ -717,18 +677,7 @@ fn replacement(
     let labels = b.cast(&labels, INT64, "fused/labels_i64");
     let ignore_index = attr_i(ce, "ignore_index");
 
-    let mut ids: Vec<String> = Vec::new();
-    for read in &r.reads {
-        let sets = match read {
-            Read::Columns(_, i) => vec![i.clone()],
-            Read::SoftmaxColumns(_, g) => g.iter().map(|(_, i)| i.clone()).collect(),
-        };
-        for s in sets {
-            if !ids.contains(&s) {
-                ids.push(s);
-            }
-        }
-    }
+    let ids = column_sets(r);
     let bias = if r.bias.is_empty() || static_rank(index, &r.bias) == Some(1) {
         r.bias.clone()
     } else {
@@ -796,52 +745,18 @@ fn replacement(
         &label_logit,
     );
     replacements.insert(r.ce, std::mem::take(&mut b.nodes));
-    for &m in &r.log_prob_means {
-        let mean = mean.as_deref().expect("a mean output with smoothing");
-        let mut lp = b.binary("Sub", mean, &lse, "fused/mean_log_prob");
-        if graph.node[m].op_type() == "ReduceSum" {
-            let width = b.scalar_f32("fused/width", meta.width as f32);
-            lp = b.binary("Mul", &lp, &width, "fused/sum_log_prob");
-        }
-        let labels_shape = b.node(
-            "Shape",
-            &[&per_position_shape],
-            "fused/labels_shape",
-            vec![],
+    if let Some(mean) = mean.as_deref() {
+        mean_log_probs(
+            b,
+            graph,
+            r,
+            meta,
+            (mean, &lse),
+            &per_position_shape,
+            &mut replacements,
         );
-        b.node_to(
-            "Reshape",
-            &[&lp, &labels_shape],
-            &[&graph.node[m].output[0]],
-            vec![],
-        );
-        replacements.insert(m, std::mem::take(&mut b.nodes));
     }
-    let column_of = |i: &str| &columns[ids.iter().position(|x| x == i).expect("collected")];
-    for read in &r.reads {
-        match read {
-            Read::Columns(g, i) => {
-                let out = &graph.node[*g].output[0];
-                if r.flat_log_probs {
-                    let lse_col = b.unsqueeze(&lse, &[1], "fused/lse_col");
-                    b.node_to("Sub", &[column_of(i), &lse_col], &[out], vec![]);
-                } else {
-                    b.node_to("Identity", &[column_of(i)], &[out], vec![]);
-                }
-                replacements.insert(*g, std::mem::take(&mut b.nodes));
-            }
-            Read::SoftmaxColumns(s, gathers) => {
-                let lse_col = b.unsqueeze(&lse, &[1], "fused/lse_col");
-                replacements.insert(*s, std::mem::take(&mut b.nodes));
-                for (g, i) in gathers {
-                    let shifted = b.binary("Sub", column_of(i), &lse_col, "fused/log_probs");
-                    let out = &graph.node[*g].output[0];
-                    b.node_to("Exp", &[&shifted], &[out], vec![]);
-                    replacements.insert(*g, std::mem::take(&mut b.nodes));
-                }
-            }
-        }
-    }
+    rewire_reads(b, graph, r, (&ids, &columns), &lse, &mut replacements);
     for &i in r.projection.iter().chain(&r.layout).chain(&r.smoothing) {
         replacements.insert(i, Vec::new());
     }
@@ -852,6 +767,140 @@ fn replacement(
         metadata: Vec::new(),
     };
     (patch, infos, hidden, bias)
+}
+
+/// The hidden states through the same row moves as the logits, each where the logits' op was
+/// (into `replacements`), and the reads of the logits' shape answered from them: the hidden
+/// states laid out like the class-last logits tensor.
+fn hidden_like_logits(
+    b: &mut Builder,
+    graph: &crate::onnx::GraphProto,
+    r: &Region,
+    meta: &PatchMeta,
+    replacements: &mut BTreeMap<usize, Vec<NodeProto>>,
+) -> String {
+    let mut hidden_at: BTreeMap<&str, String> = BTreeMap::new();
+    let root = graph.node[r.projection[0]].output[0].as_str();
+    let mut h = r.hidden.clone();
+    if let Some(i) = r.hidden_reshape {
+        h = replay_on_hidden(b, &graph.node[i], &h);
+        replacements.insert(i, std::mem::take(&mut b.nodes));
+    }
+    hidden_at.insert(root, h.clone());
+    for &i in &r.scores_chain {
+        let n = &graph.node[i];
+        if !matches!(n.op_type(), "Identity" | "Cast" | "LogSoftmax") {
+            h = replay_on_hidden(b, n, &h);
+        }
+        hidden_at.insert(&n.output[0], h.clone());
+        replacements.insert(i, std::mem::take(&mut b.nodes));
+    }
+    for &c in &r.shape_reads {
+        let n = &graph.node[c];
+        let hs = b.node(
+            "Shape",
+            &[&hidden_at[n.input[0].as_str()]],
+            "fused/logits_shape",
+            vec![],
+        );
+        let lead = b.slice(&hs, 0, -1, 0, "fused/logits_shape_lead");
+        let v = b.const_i64("fused/width", &[1], &[meta.width]);
+        let full = b.concat(&[&lead, &v], 0, "fused/logits_shape_full");
+        let start = attr_i(n, "start").unwrap_or(0);
+        let end = attr_i(n, "end").unwrap_or(i64::MAX);
+        let out = n.output[0].as_str();
+        if (start, end) == (0, i64::MAX) {
+            b.node_to("Identity", &[&full], &[out], vec![]);
+        } else {
+            let s = b.const_i64("fused/shape_start", &[1], &[start]);
+            let e = b.const_i64("fused/shape_end", &[1], &[end]);
+            b.node_to("Slice", &[&full, &s, &e], &[out], vec![]);
+        }
+        replacements.insert(c, std::mem::take(&mut b.nodes));
+    }
+    h
+}
+
+/// The column sets the logits' readers take, each once, in reading order.
+fn column_sets(r: &Region) -> Vec<String> {
+    let mut ids: Vec<String> = Vec::new();
+    for read in &r.reads {
+        let sets = match read {
+            Read::Columns(_, i) => vec![i.clone()],
+            Read::SoftmaxColumns(_, g) => g.iter().map(|(_, i)| i.clone()).collect(),
+        };
+        for s in sets {
+            if !ids.contains(&s) {
+                ids.push(s);
+            }
+        }
+    }
+    ids
+}
+
+/// Label smoothing's mean log-probabilities from the fused node's mean logit and `lse`, in
+/// place of the class reductions, shaped like the labels.
+fn mean_log_probs(
+    b: &mut Builder,
+    graph: &crate::onnx::GraphProto,
+    r: &Region,
+    meta: &PatchMeta,
+    (mean, lse): (&str, &str),
+    per_position_shape: &str,
+    replacements: &mut BTreeMap<usize, Vec<NodeProto>>,
+) {
+    for &m in &r.log_prob_means {
+        let mut lp = b.binary("Sub", mean, lse, "fused/mean_log_prob");
+        if graph.node[m].op_type() == "ReduceSum" {
+            let width = b.scalar_f32("fused/width", meta.width as f32);
+            lp = b.binary("Mul", &lp, &width, "fused/sum_log_prob");
+        }
+        let labels_shape = b.node("Shape", &[per_position_shape], "fused/labels_shape", vec![]);
+        b.node_to(
+            "Reshape",
+            &[&lp, &labels_shape],
+            &[&graph.node[m].output[0]],
+            vec![],
+        );
+        replacements.insert(m, std::mem::take(&mut b.nodes));
+    }
+}
+
+/// The logits' readers answered from the fused node's columns (`ids[k]`'s in `columns[k]`):
+/// log-probabilities as column − `lse`, probabilities as their `Exp`.
+fn rewire_reads(
+    b: &mut Builder,
+    graph: &crate::onnx::GraphProto,
+    r: &Region,
+    (ids, columns): (&[String], &[String]),
+    lse: &str,
+    replacements: &mut BTreeMap<usize, Vec<NodeProto>>,
+) {
+    let column_of = |i: &str| &columns[ids.iter().position(|x| x == i).expect("collected")];
+    for read in &r.reads {
+        match read {
+            Read::Columns(g, i) => {
+                let out = &graph.node[*g].output[0];
+                if r.flat_log_probs {
+                    let lse_col = b.unsqueeze(lse, &[1], "fused/lse_col");
+                    b.node_to("Sub", &[column_of(i), &lse_col], &[out], vec![]);
+                } else {
+                    b.node_to("Identity", &[column_of(i)], &[out], vec![]);
+                }
+                replacements.insert(*g, std::mem::take(&mut b.nodes));
+            }
+            Read::SoftmaxColumns(s, gathers) => {
+                let lse_col = b.unsqueeze(lse, &[1], "fused/lse_col");
+                replacements.insert(*s, std::mem::take(&mut b.nodes));
+                for (g, i) in gathers {
+                    let shifted = b.binary("Sub", column_of(i), &lse_col, "fused/log_probs");
+                    let out = &graph.node[*g].output[0];
+                    b.node_to("Exp", &[&shifted], &[out], vec![]);
+                    replacements.insert(*g, std::mem::take(&mut b.nodes));
+                }
+            }
+        }
+    }
 }
 
 /// A layout op of the logits, applied to the hidden states (`d` in place of `V`).

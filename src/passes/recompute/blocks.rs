@@ -141,18 +141,16 @@ pub fn find(
     blocks_of(forward, &anchors, Source::Structure(layers), is_data)
 }
 
-/// The blocks of `forward` with the layer indices of `source`; None where they do not make
-/// a chain of two or more blocks.
-fn blocks_of(
-    forward: &[&NodeProto],
+/// The layer each node anchors: from its weights (all agreeing) and what was computed from
+/// them alone (the Transpose or Cast of a layer's weight), else from its name; and the tensors
+/// computed from weights alone, of any layer or none (a tied head's Transpose).
+fn anchor_layers<'f>(
+    forward: &[&'f NodeProto],
     anchors: &[Anchors],
-    source: Source,
+    source: &Source,
     is_data: &dyn Fn(&str) -> bool,
-) -> Option<Blocks> {
-    // the layer each node anchors: from its weights (all agreeing) and what was computed
-    // from them alone (the Transpose or Cast of a layer's weight), else from its name
+) -> (Vec<Option<u32>>, HashSet<&'f str>) {
     let mut weight_layer: HashMap<&str, u32> = HashMap::default();
-    // tensors computed from weights alone, of any layer or none (a tied head's Transpose)
     let mut weight_made: HashSet<&str> = HashSet::default();
     let mut anchor: Vec<Option<u32>> = Vec::with_capacity(forward.len());
     for (n, a) in forward.iter().zip(anchors) {
@@ -184,6 +182,18 @@ fn blocks_of(
         }
         anchor.push(own);
     }
+    (anchor, weight_made)
+}
+
+/// The blocks of `forward` with the layer indices of `source`; None where they do not make
+/// a chain of two or more blocks.
+fn blocks_of(
+    forward: &[&NodeProto],
+    anchors: &[Anchors],
+    source: Source,
+    is_data: &dyn Fn(&str) -> bool,
+) -> Option<Blocks> {
+    let (anchor, weight_made) = anchor_layers(forward, anchors, &source, is_data);
     let count = anchor.iter().flatten().collect::<BTreeSet<_>>().len();
     if count < 2 {
         return None;

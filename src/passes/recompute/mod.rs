@@ -216,6 +216,71 @@ impl<'g> View<'g> {
             || self.initializers.contains(t)
     }
 
+    /// Where each forward tensor of a block is read: by forward nodes of other blocks (it is
+    /// kept), and its first non-forward reader.
+    fn block_readers(
+        &self,
+        producer: &HashMap<&'g str, usize>,
+        block_at: &HashMap<usize, u32>,
+    ) -> (HashSet<&'g str>, HashMap<&'g str, usize>) {
+        let mut read_elsewhere: HashSet<&str> = HashSet::default();
+        let mut first_backward_read: HashMap<&str, usize> = HashMap::default();
+        for (p, n) in self.graph.node.iter().enumerate() {
+            for i in n.input.iter().filter(|i| !i.is_empty()) {
+                let Some(&q) = producer.get(i.as_str()) else {
+                    continue;
+                };
+                let Some(&k) = block_at.get(&q) else { continue };
+                if !self.is_forward[p] {
+                    first_backward_read.entry(i.as_str()).or_insert(p);
+                } else if block_at.get(&p) != Some(&k) {
+                    read_elsewhere.insert(i.as_str());
+                }
+            }
+        }
+        (read_elsewhere, first_backward_read)
+    }
+
+    /// Every copied node must depend on a barrier, or a runtime merges it with the original
+    /// (and all that follows it): a node that reads no float activation from outside and no
+    /// copied output (an embedding's Gather of the ids, shape arithmetic) is left out of `copy`;
+    /// its outputs are read as they are, floats through the barrier. The copied outputs, and
+    /// the float activations read through the barrier.
+    fn anchor_to_barrier(
+        &self,
+        copy: &mut Vec<usize>,
+        types: &crate::graph::elem_types::ElemTypes,
+    ) -> (HashSet<&'g str>, Vec<String>) {
+        let graph = self.graph;
+        let mut copied: HashSet<&str> = HashSet::default();
+        let mut outside: Vec<String> = Vec::new();
+        copy.retain(|&p| {
+            let n = &graph.node[p];
+            let through_barrier = |i: &String| {
+                self.data.contains(i) && !copied.contains(i.as_str()) && is_float(types.get(i))
+            };
+            let anchored = n
+                .input
+                .iter()
+                .any(|i| copied.contains(i.as_str()) || through_barrier(i));
+            if anchored {
+                for i in n.input.iter().filter(|i| through_barrier(i)) {
+                    if !outside.contains(i) {
+                        outside.push(i.clone());
+                    }
+                }
+                copied.extend(
+                    n.output
+                        .iter()
+                        .filter(|o| !o.is_empty())
+                        .map(String::as_str),
+                );
+            }
+            anchored
+        });
+        (copied, outside)
+    }
+
     /// Which blocks to recompute and how.
     fn plan(&self, found: &blocks::Blocks, index: &GraphIndex) -> Plan {
         let graph = self.graph;
@@ -235,23 +300,7 @@ impl<'g> View<'g> {
         let clonable = |n: &NodeProto| clonable(n, index);
         let types = crate::graph::elem_types::ElemTypes::infer(graph);
         let in_subgraphs = subgraph_reads(graph);
-        // where each forward tensor is read: by forward nodes of other blocks (it is kept),
-        // and the first non-forward reader
-        let mut read_elsewhere: HashSet<&str> = HashSet::default();
-        let mut first_backward_read: HashMap<&str, usize> = HashMap::default();
-        for (p, n) in graph.node.iter().enumerate() {
-            for i in n.input.iter().filter(|i| !i.is_empty()) {
-                let Some(&q) = producer.get(i.as_str()) else {
-                    continue;
-                };
-                let Some(&k) = block_at.get(&q) else { continue };
-                if !self.is_forward[p] {
-                    first_backward_read.entry(i.as_str()).or_insert(p);
-                } else if block_at.get(&p) != Some(&k) {
-                    read_elsewhere.insert(i.as_str());
-                }
-            }
-        }
+        let (read_elsewhere, first_backward_read) = self.block_readers(&producer, &block_at);
         let mut per_block: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
         for &p in &self.forward {
             if let Some(&k) = block_at.get(&p) {
@@ -299,37 +348,7 @@ impl<'g> View<'g> {
                 }
             }
             copy.reverse();
-            // Every copied node must depend on a barrier, or a runtime merges it with the
-            // original (and all that follows it): a node that reads no float activation from
-            // outside and no copied output (an embedding's Gather of the ids, shape
-            // arithmetic) is not copied; its outputs are read as they are, floats through the
-            // barrier.
-            let mut copied: HashSet<&str> = HashSet::default();
-            let mut outside: Vec<String> = Vec::new();
-            copy.retain(|&p| {
-                let n = &graph.node[p];
-                let through_barrier = |i: &String| {
-                    self.data.contains(i) && !copied.contains(i.as_str()) && is_float(types.get(i))
-                };
-                let anchored = n
-                    .input
-                    .iter()
-                    .any(|i| copied.contains(i.as_str()) || through_barrier(i));
-                if anchored {
-                    for i in n.input.iter().filter(|i| through_barrier(i)) {
-                        if !outside.contains(i) {
-                            outside.push(i.clone());
-                        }
-                    }
-                    copied.extend(
-                        n.output
-                            .iter()
-                            .filter(|o| !o.is_empty())
-                            .map(String::as_str),
-                    );
-                }
-                anchored
-            });
+            let (copied, outside) = self.anchor_to_barrier(&mut copy, &types);
             if copy.is_empty() {
                 continue;
             }
