@@ -167,7 +167,7 @@ fn no_stage_imports_a_higher_one() {
 /// itself and the ones before it. The internal nodes of the fused head and of attention sit
 /// below `grad`, whose rules differentiate them; `step` drives them all; `artifacts` is the
 /// other top (ORT's training graph).
-const PASSES: [&str; 10] = [
+const PASSES: [&str; 11] = [
     "loss_inputs",
     "rewrite",
     "pipeline",
@@ -175,6 +175,7 @@ const PASSES: [&str; 10] = [
     "attention",
     "grad",
     "lora",
+    "quantize_base",
     "recompute",
     "step",
     "artifacts",
