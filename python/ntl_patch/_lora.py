@@ -251,12 +251,47 @@ def _read_weight(original: Path, name: str) -> tuple[np.ndarray, int]:
         _onnx_wire._unmap(mm, buf)
 
 
-def merged_values(original, lora: dict, parameters: dict) -> dict:
+def dequantised_bases(step_graph, quantized: dict) -> dict:
+    """Each NF4-quantised base weight of a QLoRA step graph (its ``quantize_base`` metadata),
+    dequantised as the graph does it (code pair of each byte, high nibble first, times its
+    block's absmax), in float32 and in the original weight's layout."""
+    step_graph = Path(os.fspath(step_graph))
+    if quantized.get("quant_type") != "nf4" or quantized.get("double_quant"):
+        raise ValueError(f"{step_graph}: cannot dequantise a {quantized.get('quant_type')!r} base "
+                         f"(double_quant={quantized.get('double_quant')}); only nf4 merges")
+    code = np.asarray(quantized["code"], dtype=np.float32)
+    block = int(quantized["blocksize"])
+    wanted = {}
+    for layer in quantized["layers"]:
+        wanted[str(layer["codes"])] = wanted[str(layer["absmax"])] = None
+    mm, buf = _onnx_wire._map(step_graph)
+    try:
+        for t in _onnx_wire.initializers(buf):
+            if t.name in wanted:
+                wanted[t.name] = _onnx_wire.tensor_to_numpy(buf, t, step_graph.parent)
+    finally:
+        _onnx_wire._unmap(mm, buf)
+    out = {}
+    for layer in quantized["layers"]:
+        codes, absmax = wanted[str(layer["codes"])], wanted[str(layer["absmax"])]
+        if codes is None or absmax is None:
+            raise ValueError(f"{step_graph}: the quantised weight {layer['weight']!r} has no "
+                             f"{layer['codes']!r} / {layer['absmax']!r} initializer")
+        packed = np.asarray(codes, dtype=np.uint8).reshape(-1)
+        pairs = np.stack([packed >> 4, packed & 0x0F], axis=1).reshape(-1)
+        values = code[pairs].reshape(-1, block) * np.asarray(absmax, np.float32).reshape(-1, 1)
+        w = values.reshape(int(layer["shape"][0]), int(layer["shape"][1]))  # [out, in]
+        out[str(layer["weight"])] = w.T.copy() if layer["weight_layout"] == "in_out" else w
+    return out
+
+
+def merged_values(original, lora: dict, parameters: dict, bases: dict | None = None) -> dict:
     """The initializer values for ``replace_initializers(original, ...)``: every trained
     parameter that is not a LoRA tensor as it is, and each adapted base weight as
     ``W + scaling·B·A`` (transposed for "in_out" layouts), computed in float32. A float16 or
     bfloat16 weight is returned in float32 and rounded to its type when written. A base weight
-    that also trained (``--train``) gets its trained value plus the update."""
+    that also trained (``--train``) gets its trained value plus the update; one in ``bases``
+    (a quantised base, dequantised) is read from there instead of the original."""
     original = Path(os.fspath(original))
     scaling = np.float32(_check_scaling(lora))
     names = lora_names(lora)
@@ -271,6 +306,8 @@ def merged_values(original, lora: dict, parameters: dict) -> dict:
         layer = layers[0]
         if weight in parameters:
             w = np.asarray(_load(parameters[weight]), dtype=np.float32)
+        elif bases and weight in bases:  # a quantised base: the values the step trained on
+            w = bases[weight]
         else:
             w, _ = _read_weight(original, weight)
         a = np.asarray(_load(parameters[layer["lora_A"]]), dtype=np.float32)
@@ -287,6 +324,8 @@ def merged_values(original, lora: dict, parameters: dict) -> dict:
             raise ValueError(f"LoRA base weight {weight!r} is {list(w.shape)} in {original.name}, the "
                              f"update {list(delta.shape)} ({layer['weight_layout']})")
         out[weight] = (w + delta).astype(np.float32)
+    for weight, w in (bases or {}).items():  # quantised bases without an adapter: as trained on
+        out.setdefault(weight, w.astype(np.float32))
     return out
 
 

@@ -262,12 +262,16 @@ class StepRunner:
         other external initializers are copied into the data file). The float32 master copies
         of a float16/bfloat16 export (`--precision`) are rounded to its type. For a LoRA graph
         (`--lora-r`) each adapted weight becomes ``W + scaling·B·A`` (float32 arithmetic, stored
-        in the weight's own type): the merged model, as PEFT's ``merge_and_unload()``."""
+        in the weight's own type): the merged model, as PEFT's ``merge_and_unload()``. For a
+        QLoRA graph (``--quantize-base nf4``) W is the dequantised base the step trained on, as
+        ``merge_and_unload()`` on a 4-bit base."""
         self._check_usable()
         values = {n: _state.host_bytes(self._state[n]) for n in self.parameter_names}
         if self.metadata.get("lora"):
+            quantized = self.metadata.get("quantize_base")
+            bases = _lora.dequantised_bases(self.path, quantized) if quantized else None
             values = _lora.merged_values(original_model, _lora.lora_metadata(self.metadata, self.path),
-                                         values)
+                                         values, bases)
         _onnx_wire.replace_initializers(original_model, out, values, strict=strict,
                                         external_data=external_data)
         return Path(out)

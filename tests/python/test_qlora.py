@@ -120,6 +120,34 @@ def test_trains_like_peft_on_dequantized_base(case, tmp_path, monkeypatch):
     assert losses[-1] != losses[0]
 
 
+@pytest.mark.parametrize("fixture", ["lm_flat", "gpt2_ts", "llama_dynamo"])
+def test_merged_model_is_the_dequantised_base_plus_the_update(fixture, tmp_path):
+    """save_inference_model on a QLoRA graph merges into the base the step trained on (bitsandbytes'
+    dequantised weights, as merge_and_unload() on a 4-bit base), not into the original float one."""
+    path = tmp_path / "q.onnx"
+    build(fixture, path)
+    meta = tl._meta(path)
+    runner = tl.StepRunner(path, providers=["CPUExecutionProvider"])
+    for x, y in tl.batches(fixture)[:3]:
+        runner.step({"input_ids": x, "labels": y})
+    params = runner.parameters()
+    merged = tmp_path / "merged.onnx"
+    runner.save_inference_model(MODELS / f"{fixture}.onnx", merged)
+    got = initializers(merged)
+    ref = reference(fixture)
+    adapters = {la["weight"]: la for la in meta["lora"]["layers"]}
+    scaling = float(meta["lora"]["lora_alpha"]) / float(meta["lora"]["r"])  # no rsLoRA here
+    for la in meta["quantize_base"]["layers"]:
+        want = ref[f"{la['module']}/dequantized"].astype(np.float64)  # [out, in]
+        if la["weight"] in adapters:
+            a, b = params[adapters[la["weight"]]["lora_A"]], params[adapters[la["weight"]]["lora_B"]]
+            assert np.abs(b).max() > 0, "B trained"
+            want = want + scaling * (b.astype(np.float64) @ a.astype(np.float64))
+        w = got[la["weight"]].astype(np.float64)
+        w = w.T if la["weight_layout"] == "in_out" else w
+        np.testing.assert_allclose(w, want, rtol=0, atol=1e-6, err_msg=la["module"])
+
+
 def test_onnxruntime_keeps_no_float_copy(tmp_path):
     out = tmp_path / "q.onnx"
     build("llama_dynamo", out)
