@@ -35,6 +35,7 @@ pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
     let ir = model.ir_version();
     // a LoRA step graph's adapted layers; for any other model, what --lora-targets can name
     let lora = step_lora(&model);
+    let quantized = step_quantized_base(&model);
     let lora_targets = crate::passes::lora::target_names(&index);
 
     let site_rows: Vec<(String, String, String, String, String, Option<usize>)> = sites
@@ -58,7 +59,7 @@ pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
                 serde_json::json!({"node": n, "pattern": p, "scores": sc, "labels": l, "reduction": r, "vocab_width": w})
             })
             .collect();
-        let v = serde_json::json!({
+        let mut v = serde_json::json!({
             "model": path.display().to_string(),
             "ir_version": ir,
             "opset": opset,
@@ -70,6 +71,10 @@ pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
             "lora": lora,
             "lora_targets": lora_targets,
         });
+        if let Some(q) = &quantized {
+            // only QLoRA graphs carry the key: every other model's JSON stays as it was
+            v["quantize_base"] = q.clone();
+        }
         return Ok(serde_json::to_string_pretty(&v).expect("json"));
     }
     let mut out = format!(
@@ -115,7 +120,44 @@ pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
         )),
         None => {}
     }
+    if let Some(q) = &quantized {
+        out.push_str(&quantized_text(q));
+    }
     Ok(out)
+}
+
+/// The `quantize_base` entry of a QLoRA step graph's metadata, if any.
+fn step_quantized_base(model: &crate::onnx::ModelProto) -> Option<serde_json::Value> {
+    let meta = crate::passes::step::step_metadata(model)?.ok()?;
+    meta.get("quantize_base").filter(|q| q.is_object()).cloned()
+}
+
+fn quantized_text(q: &serde_json::Value) -> String {
+    let layers = q["layers"].as_array().cloned().unwrap_or_default();
+    let mut out = format!(
+        "quantised base: {} in blocks of {}{}, {} layer(s), {} bytes before, {} after:\n",
+        q["quant_type"].as_str().unwrap_or("?"),
+        q["blocksize"],
+        if q["double_quant"] == true {
+            " (double quantisation)"
+        } else {
+            ""
+        },
+        layers.len(),
+        q["bytes_before"],
+        q["bytes_after"]
+    );
+    for x in layers {
+        let module = x["module"].as_str().unwrap_or("(no module path)");
+        out.push_str(&format!(
+            "  {} <- {} [{} x {}]\n",
+            esc(module),
+            esc(x["weight"].as_str().unwrap_or("")),
+            x["shape"][0],
+            x["shape"][1]
+        ));
+    }
+    out
 }
 
 /// The `lora` entry of a step graph's metadata, if any.

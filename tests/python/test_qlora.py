@@ -148,6 +148,26 @@ def test_merged_model_is_the_dequantised_base_plus_the_update(fixture, tmp_path)
         np.testing.assert_allclose(w, want, rtol=0, atol=1e-6, err_msg=la["module"])
 
 
+def test_inspect_lists_the_quantised_layers(tmp_path):
+    out, plain = tmp_path / "q.onnx", tmp_path / "lora.onnx"
+    build("llama_dynamo", out)
+    tl.build_step("llama_dynamo", plain, "--lora-r", "4")
+    meta = tl._meta(out)["quantize_base"]
+    r = run_patch(["inspect", out])
+    assert r.returncode == 0, r.stderr
+    head = f"quantised base: nf4 in blocks of 64, {len(meta['layers'])} layer(s), " \
+           f"{meta['bytes_before']} bytes before, {meta['bytes_after']} after:"
+    assert head in r.stdout
+    for la in meta["layers"]:
+        assert f"  {la['module']} <- {la['weight']} [{la['shape'][0]} x {la['shape'][1]}]" in r.stdout
+    j = json.loads(run_patch(["inspect", out, "--json"]).stdout)
+    got = j["quantize_base"]  # the code table re-printed by serde_json: equal to float32 precision
+    np.testing.assert_allclose(got.pop("code"), meta.pop("code"), rtol=1e-15)
+    assert got == meta
+    assert "quantize_base" not in json.loads(run_patch(["inspect", plain, "--json"]).stdout)
+    assert "quantised base" not in run_patch(["inspect", plain]).stdout
+
+
 def test_onnxruntime_keeps_no_float_copy(tmp_path):
     out = tmp_path / "q.onnx"
     build("llama_dynamo", out)
