@@ -1184,7 +1184,10 @@ fn a_late_interrupted_artifacts_run_with_external_data_leaves_no_folder() {
             // renamed into place before the signal was handled: all of it
             let left = listing(&out);
             assert_eq!(left, complete, "round {round}: a partial output folder");
-            assert_eq!(std::fs::metadata(out.join("training.bin")).unwrap().len(), big as u64);
+            assert_eq!(
+                std::fs::metadata(out.join("training.bin")).unwrap().len(),
+                big as u64
+            );
         }
         if !status.success() {
             interrupted += 1;

@@ -157,6 +157,23 @@ pub fn topological_sort(graph: &mut GraphProto) {
     }
 }
 
+/// Every name a node's subgraphs mention as an input or a body output, nested bodies included:
+/// a superset of `outer_references` (a body's own names count too) for passes that only ask
+/// whether some outer tensor is read in there.
+pub fn names_read_by_subgraphs(node: &NodeProto) -> Vec<String> {
+    let mut out = Vec::new();
+    for a in &node.attribute {
+        for g in a.g.iter().chain(a.graphs.iter()) {
+            for n in &g.node {
+                out.extend(n.input.iter().cloned());
+                out.extend(names_read_by_subgraphs(n));
+            }
+            out.extend(g.output.iter().map(|o| o.name().to_string()));
+        }
+    }
+    out
+}
+
 /// The enclosing graph's tensors a node's subgraphs (`Scan`, `Loop`, `If` bodies) read: names
 /// their nodes use that the bodies do not define themselves.
 pub fn outer_references(node: &NodeProto) -> Vec<&str> {

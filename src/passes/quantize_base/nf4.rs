@@ -55,7 +55,9 @@ fn code_of(scaled: f32, mids: &[f32; 15]) -> u8 {
 /// Quantises `values` (torch's flattened `[out, in]` order) in blocks of `block`. The caller
 /// guarantees `block` divides the length, the length is even, and every value is finite.
 pub fn quantize(values: &[f32], block: usize) -> Quantized {
-    debug_assert!(block > 0 && values.len().is_multiple_of(block) && values.len().is_multiple_of(2));
+    debug_assert!(
+        block > 0 && values.len().is_multiple_of(block) && values.len().is_multiple_of(2)
+    );
     let mids = midpoints();
     let mut absmax = Vec::with_capacity(values.len() / block);
     let mut codes = Vec::with_capacity(values.len() / 2);

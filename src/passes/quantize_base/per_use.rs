@@ -14,6 +14,7 @@
 //! different. The codes and scales are declared graph inputs (by the step), so its constant
 //! folding cannot turn a chain into a float32 initializer either.
 
+use crate::graph::patch::names_read_by_subgraphs;
 use std::collections::{BTreeSet, HashMap, HashSet};
 
 use super::{is_chain_node, QuantizedBase};
@@ -94,7 +95,7 @@ pub fn dequantize_per_use(
             .input
             .iter()
             .cloned()
-            .chain(subgraph_reads(&node))
+            .chain(names_read_by_subgraphs(&node))
             .filter(|i| recipes.contains_key(i))
             .collect();
         if wanted.is_empty() {
@@ -198,19 +199,4 @@ fn rename_node_inputs(node: &mut NodeProto, renames: &HashMap<String, String>) {
             }
         }
     }
-}
-
-/// Names a node's subgraphs read (outer-scope references included).
-fn subgraph_reads(node: &NodeProto) -> Vec<String> {
-    let mut out = Vec::new();
-    for a in &node.attribute {
-        for g in a.g.iter().chain(a.graphs.iter()) {
-            for n in &g.node {
-                out.extend(n.input.iter().cloned());
-                out.extend(subgraph_reads(n));
-            }
-            out.extend(g.output.iter().map(|o| o.name().to_string()));
-        }
-    }
-    out
 }

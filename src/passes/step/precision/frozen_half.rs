@@ -22,6 +22,7 @@
 //! default value, which onnxruntime never folds: `declare_frozen` in `step/mod.rs`); then one
 //! Cast per reading node survives its optimiser.
 
+use crate::graph::patch::names_read_by_subgraphs;
 use std::collections::{BTreeSet, HashMap, HashSet};
 
 use crate::graph::elem_types::ElemTypes;
@@ -183,24 +184,9 @@ fn read_names(nodes: &[NodeProto]) -> HashSet<String> {
     let mut read = HashSet::new();
     for n in nodes {
         read.extend(n.input.iter().cloned());
-        read.extend(subgraph_reads(n));
+        read.extend(names_read_by_subgraphs(n));
     }
     read
-}
-
-/// Names a node's subgraphs read (outer-scope references included).
-fn subgraph_reads(node: &NodeProto) -> Vec<String> {
-    let mut out = Vec::new();
-    for a in &node.attribute {
-        for g in a.g.iter().chain(a.graphs.iter()) {
-            for n in &g.node {
-                out.extend(n.input.iter().cloned());
-                out.extend(subgraph_reads(n));
-            }
-            out.extend(g.output.iter().map(|o| o.name().to_string()));
-        }
-    }
-    out
 }
 
 /// Widening Casts nothing reads any more (their layout op took the half tensor) go.
@@ -281,7 +267,7 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
         let direct: Vec<usize> = (0..node.input.len())
             .filter(|&i| set.contains(&node.input[i]))
             .collect();
-        let nested: BTreeSet<String> = subgraph_reads(&node)
+        let nested: BTreeSet<String> = names_read_by_subgraphs(&node)
             .into_iter()
             .filter(|n| set.contains(n))
             .collect();
