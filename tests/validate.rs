@@ -1200,3 +1200,50 @@ fn every_symbolic_spelling_of_the_scores_shape_validates_in_tract() {
         assert_passes(&report, code);
     }
 }
+
+/// Token ids that index a table narrower than the class width (a 16-row embedding under 48
+/// classes): validate draws the ids below the table's rows. It drew them from [0, 48), and
+/// tract panicked ("range start index … out of range") gathering rows the table has not.
+#[test]
+fn generated_ids_stay_inside_the_embedding_they_index() {
+    use ntl_patch::onnx::proto::tensor_proto::DataType;
+    use ntl_patch::onnx::{f32_tensor, ints_attr, GraphProto};
+    let (rows, dim, classes) = (16usize, 4usize, 48usize);
+    let table: Vec<f32> = (0..rows * dim).map(|i| (i as f32 * 0.37).sin()).collect();
+    let w: Vec<f32> = (0..dim * classes).map(|i| (i as f32 * 0.11).cos()).collect();
+    let graph = GraphProto {
+        name: Some("narrow_embedding".into()),
+        node: vec![
+            node("Gather", &["emb", "input_ids"], &["hidden"], vec![]),
+            node("MatMul", &["hidden", "w"], &["logits"], vec![]),
+            node(
+                "Transpose",
+                &["logits"],
+                &["scores"],
+                vec![ints_attr("perm", &[0, 2, 1])],
+            ),
+            sce("scores", "labels", "loss"),
+        ],
+        initializer: vec![
+            f32_tensor("emb", &[rows as i64, dim as i64], &table),
+            f32_tensor("w", &[dim as i64, classes as i64], &w),
+        ],
+        input: vec![
+            value("input_ids", DataType::Int64, &[None, None]),
+            value("labels", DataType::Int64, &[None, None]),
+        ],
+        output: vec![value("loss", DataType::Float, &[])],
+        ..Default::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("narrow.onnx");
+    std::fs::write(&input, model_proto(graph, 17).encode_to_vec()).unwrap();
+    std::fs::copy(tokenizer(), dir.path().join("tokenizer.json")).unwrap();
+    let out = patch(&input, dir.path(), &["--vocab-size", "48"]);
+    let lib = ort_library();
+    for runtime in ["tract", "ort"] {
+        let (code, report) =
+            validate_json(&out, &["--runtime", runtime], &[("ORT_DYLIB_PATH", &lib)]);
+        assert_passes(&report, code);
+    }
+}

@@ -24,6 +24,44 @@ pub struct InputSpec {
     pub dims: Vec<Option<i64>>,
     /// The symbolic dims' names (`dim_param`), where declared.
     pub dim_names: Vec<Option<String>>,
+    /// For integer inputs: the fewest rows of a table the graph gathers with them (an
+    /// embedding), so generated ids stay inside it whatever the class width.
+    pub index_rows: Option<usize>,
+}
+
+/// The fewest rows (axis-0 size) among the initializer tables `Gather` reads with `input` as
+/// its indices, directly or through shape-only ops (Cast, Identity, Reshape, (Un)squeeze,
+/// Flatten): None where no such table is known.
+fn gathered_rows(graph: &GraphProto, input: &str) -> Option<usize> {
+    let rows: HashMap<&str, usize> = graph
+        .initializer
+        .iter()
+        .filter_map(|t| Some((t.name(), usize::try_from(*t.dims.first()?).ok()?)))
+        .collect();
+    let mut names: HashSet<&str> = HashSet::from([input]);
+    let mut fewest: Option<usize> = None;
+    // one pass in node order: a graph is topologically sorted (checked on load)
+    for n in &graph.node {
+        let reads = |k: usize| n.input.get(k).is_some_and(|i| names.contains(i.as_str()));
+        match n.op_type() {
+            "Gather" if n.domain().is_empty() && reads(1) => {
+                let axis0 = crate::onnx::attr_i(n, "axis").unwrap_or(0) == 0;
+                if let Some(&r) = n
+                    .input
+                    .first()
+                    .and_then(|t| rows.get(t.as_str()))
+                    .filter(|_| axis0)
+                {
+                    fewest = Some(fewest.map_or(r, |f| f.min(r)));
+                }
+            }
+            "Cast" | "Identity" | "Reshape" | "Squeeze" | "Unsqueeze" | "Flatten" if reads(0) => {
+                names.extend(n.output.iter().map(String::as_str));
+            }
+            _ => {}
+        }
+    }
+    fewest
 }
 
 /// The `dim_param` names of a value's declared dims (None where fixed or unnamed).
@@ -63,6 +101,7 @@ pub fn feedable_inputs(graph: &GraphProto) -> Result<Vec<InputSpec>, Error> {
                 elem_type,
                 dims: dims.ok_or_else(no_type)?,
                 dim_names: dim_names(vi),
+                index_rows: gathered_rows(graph, vi.name()),
             })
         })
         .collect()
@@ -275,7 +314,9 @@ fn values(
             int_data(t, (0..n).map(|i| (i % last) as i64).collect())
         }
         DataType::Int64 | DataType::Int32 => {
-            int_data(t, (0..n).map(|_| rng.gen_range(0..width as i64)).collect())
+            // ids index the embedding they feed: never past its rows, whatever the class width
+            let top = spec.index_rows.map_or(width, |r| r.min(width)).max(1) as i64;
+            int_data(t, (0..n).map(|_| rng.gen_range(0..top)).collect())
         }
         DataType::Float => Data::F32((0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect()),
         DataType::Double => Data::F64((0..n).map(|_| rng.gen_range(-1.0f64..1.0)).collect()),
