@@ -1210,7 +1210,9 @@ fn generated_ids_stay_inside_the_embedding_they_index() {
     use ntl_patch::onnx::{f32_tensor, ints_attr, GraphProto};
     let (rows, dim, classes) = (16usize, 4usize, 48usize);
     let table: Vec<f32> = (0..rows * dim).map(|i| (i as f32 * 0.37).sin()).collect();
-    let w: Vec<f32> = (0..dim * classes).map(|i| (i as f32 * 0.11).cos()).collect();
+    let w: Vec<f32> = (0..dim * classes)
+        .map(|i| (i as f32 * 0.11).cos())
+        .collect();
     let graph = GraphProto {
         name: Some("narrow_embedding".into()),
         node: vec![
@@ -1237,6 +1239,50 @@ fn generated_ids_stay_inside_the_embedding_they_index() {
     };
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("narrow.onnx");
+    std::fs::write(&input, model_proto(graph, 17).encode_to_vec()).unwrap();
+    std::fs::copy(tokenizer(), dir.path().join("tokenizer.json")).unwrap();
+    let out = patch(&input, dir.path(), &["--vocab-size", "48"]);
+    let lib = ort_library();
+    for runtime in ["tract", "ort"] {
+        let (code, report) =
+            validate_json(&out, &["--runtime", runtime], &[("ORT_DYLIB_PATH", &lib)]);
+        assert_passes(&report, code);
+    }
+}
+
+/// A symbolic feature axis the graph pins (the inner dim of a `MatMul` with a static weight):
+/// validate gives it the weight's rows. It gave it `--seq` (8), and tract refused the product
+/// ("Inconsistent matmul … 8 · 4 …").
+#[test]
+fn a_symbolic_axis_a_matmul_pins_gets_the_weights_rows() {
+    use ntl_patch::onnx::proto::tensor_proto::DataType;
+    use ntl_patch::onnx::{f32_tensor, ints_attr, GraphProto};
+    let (features, classes) = (4usize, 48usize);
+    let w: Vec<f32> = (0..features * classes)
+        .map(|i| (i as f32 * 0.11).cos())
+        .collect();
+    let graph = GraphProto {
+        name: Some("pinned_features".into()),
+        node: vec![
+            node("MatMul", &["x", "w"], &["logits"], vec![]),
+            node(
+                "Transpose",
+                &["logits"],
+                &["scores"],
+                vec![ints_attr("perm", &[0, 2, 1])],
+            ),
+            sce("scores", "labels", "loss"),
+        ],
+        initializer: vec![f32_tensor("w", &[features as i64, classes as i64], &w)],
+        input: vec![
+            value("x", DataType::Float, &[None, None, None]),
+            value("labels", DataType::Int64, &[None, None]),
+        ],
+        output: vec![value("loss", DataType::Float, &[])],
+        ..Default::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("pinned.onnx");
     std::fs::write(&input, model_proto(graph, 17).encode_to_vec()).unwrap();
     std::fs::copy(tokenizer(), dir.path().join("tokenizer.json")).unwrap();
     let out = patch(&input, dir.path(), &["--vocab-size", "48"]);

@@ -27,6 +27,38 @@ pub struct InputSpec {
     /// For integer inputs: the fewest rows of a table the graph gathers with them (an
     /// embedding), so generated ids stay inside it whatever the class width.
     pub index_rows: Option<usize>,
+    /// Sizes the graph pins for symbolic axes (the last axis of a `MatMul`'s left operand is
+    /// its static right operand's rows), by axis.
+    pub pinned: Vec<Option<usize>>,
+}
+
+/// The sizes the graph pins for `input`'s axes: where it (directly or through Cast/Identity/
+/// unary ops that keep the shape) is the left operand of a `MatMul` whose right operand is an
+/// initializer, its last axis has the initializer's rows.
+fn pinned_dims(graph: &GraphProto, input: &str, rank: usize) -> Vec<Option<usize>> {
+    let rows: HashMap<&str, usize> = graph
+        .initializer
+        .iter()
+        .filter(|t| t.dims.len() >= 2)
+        .filter_map(|t| Some((t.name(), usize::try_from(t.dims[t.dims.len() - 2]).ok()?)))
+        .collect();
+    let mut pinned = vec![None; rank];
+    let mut names: HashSet<&str> = HashSet::from([input]);
+    for n in &graph.node {
+        let reads0 = n.input.first().is_some_and(|i| names.contains(i.as_str()));
+        match n.op_type() {
+            "MatMul" if reads0 && rank > 0 => {
+                if let Some(&r) = n.input.get(1).and_then(|b| rows.get(b.as_str())) {
+                    pinned[rank - 1].get_or_insert(r);
+                }
+            }
+            "Cast" | "Identity" | "Neg" | "Relu" | "Tanh" | "Sigmoid" | "Exp" | "Log" if reads0 => {
+                names.extend(n.output.iter().map(String::as_str));
+            }
+            _ => {}
+        }
+    }
+    pinned
 }
 
 /// The fewest rows (axis-0 size) among the initializer tables `Gather` reads with `input` as
@@ -96,10 +128,12 @@ pub fn feedable_inputs(graph: &GraphProto) -> Result<Vec<InputSpec>, Error> {
                 ))
             };
             let (elem_type, dims) = value_info_shape(vi).ok_or_else(no_type)?;
+            let dims = dims.ok_or_else(no_type)?;
             Ok(InputSpec {
                 name: vi.name().to_string(),
                 elem_type,
-                dims: dims.ok_or_else(no_type)?,
+                pinned: pinned_dims(graph, vi.name(), dims.len()),
+                dims,
                 dim_names: dim_names(vi),
                 index_rows: gathered_rows(graph, vi.name()),
             })
@@ -265,7 +299,9 @@ fn concrete_dims(
             if let Some(v) = d.filter(|v| *v >= 0) {
                 return v as usize;
             }
-            let size = if Some(axis) == class_axis {
+            let size = if let Some(p) = spec.pinned.get(axis).copied().flatten() {
+                p // the graph fixes it (a MatMul's inner dim)
+            } else if Some(axis) == class_axis {
                 shape.class.as_ref().map_or(0, |c| c.width)
             } else {
                 let k = axis - usize::from(class_axis.is_some_and(|c| c < axis));
