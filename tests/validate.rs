@@ -1108,17 +1108,7 @@ fn a_symbolic_vocabulary_dim_gets_the_vocabulary_width() {
         output: vec![value("loss", DataType::Float, &[])],
         ..Default::default()
     };
-    let dir = tempfile::tempdir().unwrap();
-    let input = dir.path().join("logits.onnx");
-    std::fs::write(&input, model_proto(graph, 17).encode_to_vec()).unwrap();
-    std::fs::copy(tokenizer(), dir.path().join("tokenizer.json")).unwrap();
-    let out = patch(&input, dir.path(), &["--vocab-size", "48"]);
-    let lib = ort_library();
-    for runtime in ["tract", "ort"] {
-        let (code, report) =
-            validate_json(&out, &["--runtime", runtime], &[("ORT_DYLIB_PATH", &lib)]);
-        assert_passes(&report, code);
-    }
+    patches_and_validates_with_48_classes(graph);
 }
 
 /// The minimal graph — one SoftmaxCrossEntropyLoss over a scores input — with a symbolic class
@@ -1237,17 +1227,7 @@ fn generated_ids_stay_inside_the_embedding_they_index() {
         output: vec![value("loss", DataType::Float, &[])],
         ..Default::default()
     };
-    let dir = tempfile::tempdir().unwrap();
-    let input = dir.path().join("narrow.onnx");
-    std::fs::write(&input, model_proto(graph, 17).encode_to_vec()).unwrap();
-    std::fs::copy(tokenizer(), dir.path().join("tokenizer.json")).unwrap();
-    let out = patch(&input, dir.path(), &["--vocab-size", "48"]);
-    let lib = ort_library();
-    for runtime in ["tract", "ort"] {
-        let (code, report) =
-            validate_json(&out, &["--runtime", runtime], &[("ORT_DYLIB_PATH", &lib)]);
-        assert_passes(&report, code);
-    }
+    patches_and_validates_with_48_classes(graph);
 }
 
 /// A symbolic feature axis the graph pins (the inner dim of a `MatMul` with a static weight):
@@ -1281,8 +1261,14 @@ fn a_symbolic_axis_a_matmul_pins_gets_the_weights_rows() {
         output: vec![value("loss", DataType::Float, &[])],
         ..Default::default()
     };
+    patches_and_validates_with_48_classes(graph);
+}
+
+/// Writes `graph` (opset 17), patches it with `--vocab-size 48` and the fixture tokenizer, and
+/// asserts that validate passes in tract and in ONNX Runtime.
+fn patches_and_validates_with_48_classes(graph: ntl_patch::onnx::GraphProto) {
     let dir = tempfile::tempdir().unwrap();
-    let input = dir.path().join("pinned.onnx");
+    let input = dir.path().join("model.onnx");
     std::fs::write(&input, model_proto(graph, 17).encode_to_vec()).unwrap();
     std::fs::copy(tokenizer(), dir.path().join("tokenizer.json")).unwrap();
     let out = patch(&input, dir.path(), &["--vocab-size", "48"]);
