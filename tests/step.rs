@@ -529,3 +529,66 @@ fn a_reshape_to_a_shape_computed_like_tf2onnx_keeps_its_rank() {
     let report = step_and_validate(&m, &[]);
     assert_eq!(report["passed"], true, "{report}");
 }
+
+/// The optimizer's products that read only state (`v·β2`, `p·(1 − lr·wd)`, SGD's `buf·μ` and
+/// `wd·p`) wait for their parameter's gradient: an order that runs ready nodes early
+/// (onnxruntime's PRIORITY_BASED, which recompute graphs run with) would otherwise compute
+/// them in the forward and hold each, the size of its parameter, until the update.
+#[test]
+fn the_update_never_runs_before_the_batch_is_read() {
+    let cases: [&[&str]; 3] = [
+        &["--weight-decay", "0.1"],
+        &[
+            "--optimizer",
+            "sgd",
+            "--momentum",
+            "0.9",
+            "--weight-decay",
+            "0.1",
+        ],
+        &["--weight-decay", "0.1", "--max-grad-norm", "1.0"],
+    ];
+    for args in cases {
+        let (dir, m) = case(&model("lm_flat"), |_| {});
+        bin().arg("step").arg(&m).args(args).assert().success();
+        let out = read_model(&dir.path().join("model.step.onnx"));
+        let g = out.graph.as_ref().unwrap();
+        let state: Vec<(String, String)> =
+            serde_json::from_value(step_metadata(&out)["state"].clone()).unwrap();
+        let tensors: std::collections::HashSet<&str> = state
+            .iter()
+            .map(|(i, _)| i.as_str())
+            .filter(|i| *i != "ntl/state/step")
+            .collect();
+        // what depends on the batch, in node order (the graph is topologically sorted)
+        let mut batch: std::collections::HashSet<&str> = ["input_ids", "labels"].into();
+        for n in &g.node {
+            if n.input.iter().any(|i| batch.contains(i.as_str())) {
+                batch.extend(n.output.iter().map(|o| o.as_str()));
+            }
+        }
+        // what the losses need: the forward (and its own reads of the parameters)
+        let mut needed: std::collections::HashSet<&str> = ["loss", "ce_loss", "number_loss"].into();
+        for n in g.node.iter().rev() {
+            if n.output.iter().any(|o| needed.contains(o.as_str())) {
+                needed.extend(n.input.iter().map(|i| i.as_str()));
+            }
+        }
+        let early: Vec<String> = g
+            .node
+            .iter()
+            .filter(|n| !n.output.iter().any(|o| needed.contains(o.as_str())))
+            .filter(|n| {
+                let update = |o: &String| o.starts_with("ntl/opt/") || o.starts_with("ntl/next/");
+                n.output.iter().any(update)
+            })
+            .filter(|n| n.input.iter().any(|i| tensors.contains(i.as_str())))
+            .filter(|n| !n.output.iter().any(|o| batch.contains(o.as_str())))
+            .map(|n| format!("{} {}", n.op_type(), n.output[0]))
+            .collect();
+        assert!(
+            early.is_empty(),
+            "{args:?}: update nodes ready before the batch: {early:?}"
+        );
+    }
+}

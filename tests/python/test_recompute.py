@@ -166,6 +166,62 @@ def test_onnxruntime_neither_merges_nor_drops_the_recomputation(model, runtime, 
         assert not inner, (level, inner)
 
 
+_RUN_ORDER = """
+import glob, json, sys
+import numpy as np, onnxruntime as ort
+so = ort.SessionOptions()
+so.log_severity_level = 3
+so.execution_order = ort.ExecutionOrder.PRIORITY_BASED  # StepRunner's, for recompute graphs
+so.enable_profiling = True
+so.profile_file_prefix = sys.argv[3] + "/profile"
+so.optimized_model_filepath = sys.argv[3] + "/optimised.onnx"
+sess = ort.InferenceSession(sys.argv[1], so, providers=["CPUExecutionProvider"])
+z = np.load(sys.argv[2])
+sess.run(None, {"input_ids": z["input_ids"], "labels": z["labels"]})
+profile = json.load(open(sess.end_profiling()))
+size = lambda e: sum(int(np.prod(d)) for t in e["args"].get("output_type_shape", []) for d in t.values())
+print(json.dumps([[e["name"][: -len("_kernel_time")], size(e)] for e in profile
+                  if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]))
+"""
+
+
+@pytest.mark.parametrize("model", ["llama_ts", "gpt2_dynamo"])
+def test_the_update_runs_after_its_gradient_in_onnxruntimes_order(model, tmp_path):
+    """In the order onnxruntime 1.31 runs a recompute step graph (PRIORITY_BASED: ready nodes by
+    node index), nothing of the optimizer update runs before the backward (the products that read
+    only state, such as v·β2, once ran in the forward and lived, each the size of its
+    parameter, until the update), and no weight gradient becomes a node onnxruntime adds
+    (its Transpose + MatMul fusion made one that ran at the end of the backward, keeping every
+    flattened activation alive)."""
+    ref = _hf_reference(model)
+    np.savez(tmp_path / "batch.npz", input_ids=ref["batch/input_ids"], labels=ref["batch/labels"])
+    _step(model, tmp_path / "m.step.onnx", "--recompute", "layers", "--weight-decay", "0.1")
+    r = subprocess.run([str(REPO / ".venv-rt" / "bin" / "python"), "-c", _RUN_ORDER,
+                        str(tmp_path / "m.step.onnx"), str(tmp_path / "batch.npz"), str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    ran = dict(json.loads(r.stdout.strip().splitlines()[-1]))  # name -> elements it wrote
+    graph = onnx.load(str(tmp_path / "optimised.onnx"), load_external_data=False).graph
+    nodes = {n.name: n for n in graph.node}
+    order = [nodes[name] for name in ran if name in nodes]
+    # the backward starts with its first tensor (not a shape: PRIORITY_BASED runs those first)
+    backward_at = next(i for i, n in enumerate(order) if n.output[0].startswith("ntl/grad/")
+                       and n.op_type not in ("Shape", "Size") and ran[n.name] > 64)
+    # scalars (the step count, the bias corrections) may run any time
+    early = [n.output[0] for n in order[:backward_at] if ran[n.name] > 1
+             and any(o.startswith(("ntl/opt/", "ntl/next/")) for o in n.output)]
+    assert not early, f"update nodes in the forward: {early[:5]}"
+    # each parameter's gradient as AdamW reads it (m − g), and the node onnxruntime computes it by
+    producer = {o: n for n in graph.node for o in n.output}
+    grads = [n.input[0] for n in graph.node if n.output[0].startswith("ntl/opt/m_diff")]
+    ours = {n.name for n in onnx.load(str(tmp_path / "m.step.onnx"), load_external_data=False).graph.node}
+    products = [producer[g] for g in grads if g in producer and producer[g].op_type in
+                ("Gemm", "MatMul", "FusedMatMul", "FusedGemm")]
+    assert len(products) >= 8, len(products)  # the layers' weights
+    added = [f"{n.op_type} {n.output[0]}" for n in products if n.name not in ours]
+    assert not added, f"weight gradients onnxruntime re-created: {added[:5]}"
+
+
 def _anonymise(src: Path, out: Path) -> None:
     """`src` with every node and every tensor but the graph's inputs and outputs renamed (n0, t0,
     ...): no name carries a layer index. The rotary buffer keeps the suffix `step` knows buffers

@@ -12,6 +12,7 @@
 
 pub mod canonical;
 pub mod rules;
+mod transposed_products;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -43,6 +44,10 @@ pub struct Ctx<'a> {
     /// The tensors whose rows a `Gather` (axis 0) reads that get the gathered rows' gradient as
     /// a sparse contribution: the trained parameters of `differentiate` (an embedding).
     sparse_rows: HashSet<String>,
+    /// A weight's gradient as `Gemm(x, dy, transA=1)` rather than `MatMul(Transpose(x), dy)`;
+    /// off where autocast will make it half (onnxruntime's CPU Gemm loses precision in
+    /// float16 that its MatMul keeps).
+    pub weight_grads_by_gemm: bool,
 }
 
 /// A gradient that is zero except at a few places along one axis: `updates` belong at
@@ -75,6 +80,7 @@ impl<'a> Ctx<'a> {
             scatters: Vec::new(),
             gradient_of: HashMap::new(),
             sparse_rows: HashSet::new(),
+            weight_grads_by_gemm: true,
         }
     }
 
@@ -349,16 +355,19 @@ pub fn differentiate(
     // in place, not a [V, d] ScatterND into zeros then a Sum of two [V, d] tensors: two [V, d]
     // temporaries fewer at the end of the backward, where every gradient exists.
     ctx.sparse_rows = params.iter().cloned().collect();
+    let from = ctx.b.nodes.len();
     let grads = backward(ctx, nodes, loss, seed, params);
     ctx.sparse_rows.clear();
     let mut grads = grads?;
-    params
+    let totals: Vec<String> = params
         .iter()
         .map(|p| match grads.remove(p) {
-            Some(parts) => Ok(parts.total(ctx, p)),
-            None => Ok(ctx.zeros_like(p)),
+            Some(parts) => parts.total(ctx, p),
+            None => ctx.zeros_like(p),
         })
-        .collect()
+        .collect();
+    transposed_products::fold(&mut ctx.b.nodes, from, &totals, &mut ctx.gradient_of);
+    Ok(totals)
 }
 
 /// The gradient of `loss` (seeded with `seed`, a float32 scalar) at one tensor `wrt`, as the

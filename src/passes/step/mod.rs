@@ -514,6 +514,7 @@ fn differentiate(ctx: &mut StepCtx) -> Result<(), Error> {
     let graph = graph(ctx.model);
     let b = builder(&mut ctx.b);
     let mut gctx = Ctx::new(b, &mut ctx.ranks, &ctx.shapes, &ctx.types, ctx.opset);
+    gctx.weight_grads_by_gemm = ctx.precision.half_type().is_none();
     let seed = ctx.scale_state.as_ref().map(|s| s.scale.as_str());
     ctx.grads = grad::differentiate(
         &mut gctx,
@@ -566,7 +567,8 @@ fn claim_optimizer_state(ctx: &mut StepCtx) -> Result<(), Error> {
     let b = builder(&mut ctx.b);
     let slots = ctx.req.optimizer.slots();
     let mut updates = Vec::new();
-    for (p, g) in ctx.selection.params.iter().zip(&ctx.grads) {
+    let params = ctx.selection.params.iter().zip(&ctx.selection.dims);
+    for ((p, dims), g) in params.zip(&ctx.grads) {
         let slot_in: Vec<String> = slots
             .iter()
             .map(|s| claim(b, format!("{PREFIX}/state/{p}/{s}")))
@@ -577,6 +579,7 @@ fn claim_optimizer_state(ctx: &mut StepCtx) -> Result<(), Error> {
             .collect::<Result<_, _>>()?;
         updates.push(ParamUpdate {
             param: p.clone(),
+            dims: dims.clone(),
             grad: g.clone(),
             next_param: claim(b, format!("{PREFIX}/next/{p}"))?,
             slots: slot_in,
@@ -1016,6 +1019,7 @@ fn update_model(
         .zip(grad_names)
         .map(|(u, g)| ParamUpdate {
             param: u.param.clone(),
+            dims: u.dims.clone(),
             grad: g.clone(),
             slots: u.slots.clone(),
             next_param: u.next_param.clone(),

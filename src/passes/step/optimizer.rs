@@ -46,6 +46,8 @@ impl OptimizerOptions {
 /// (in `slots()` order) and the names its next values must be written to.
 pub struct ParamUpdate {
     pub param: String,
+    /// The parameter's dims (its gradient's and state's too).
+    pub dims: Vec<i64>,
     pub grad: String,
     pub slots: Vec<String>,
     pub next_param: String,
@@ -118,26 +120,35 @@ fn adamw(
     let bc2 = ctx.op("Sub", &[&one, &p2], "opt/bias_correction2");
     let step_size = ctx.op("Div", &[lr, &bc1], "opt/step_size");
     let bc2_sqrt = ctx.op("Sqrt", &[&bc2], "opt/bias_correction2_sqrt");
-    let wd = ctx.f32(opts.weight_decay as f32);
-    let lr_wd = ctx.op("Mul", &[lr, &wd], "opt/lr_wd");
-    let decay = ctx.op("Sub", &[&one, &lr_wd], "opt/decay");
+    let decay = (opts.weight_decay != 0.0).then(|| {
+        let wd = ctx.f32(opts.weight_decay as f32);
+        let lr_wd = ctx.op("Mul", &[lr, &wd], "opt/lr_wd");
+        ctx.op("Sub", &[&one, &lr_wd], "opt/decay")
+    });
     let one_m_b1 = ctx.f32(1.0 - b1);
     let one_m_b2 = ctx.f32(1.0 - b2);
     let eps = ctx.f32(opts.eps as f32);
     for (p, g) in params.iter().zip(grads) {
         let (m, v) = (&p.slots[0], &p.slots[1]);
-        // m ← β1·m + (1−β1)·g ; v ← β2·v + (1−β2)·g²
-        let m1 = ctx.op("Mul", &[m, &b1c], "opt/m_decay");
-        let gm = ctx.op("Mul", &[g, &one_m_b1], "opt/m_grad");
-        ctx.b
-            .node_to("Add", &[&m1, &gm], &[&p.next_slots[0]], vec![]);
-        let v1 = ctx.op("Mul", &[v, &b2c], "opt/v_decay");
-        let g2 = ctx.op("Mul", &[g, g], "opt/grad_sq");
-        let gv = ctx.op("Mul", &[&g2, &one_m_b2], "opt/v_grad");
+        let mut gate = GradGate::new(p, g);
+        // torch: p.mul_(1 − lr·wd); m.lerp_(g, 1 − β1); v.mul_(β2).addcmul_(g, g, 1 − β2)
+        let decayed = match &decay {
+            Some(d) => {
+                let d = gate.pass(ctx, d, "opt/decay_gated");
+                ctx.op("Mul", &[&p.param, &d], "opt/decayed")
+            }
+            None => p.param.clone(),
+        };
+        let gm = ctx.op("Sub", &[g, m], "opt/m_diff");
+        let gm = ctx.op("Mul", &[&gm, &one_m_b1], "opt/m_step");
+        ctx.b.node_to("Add", &[m, &gm], &[&p.next_slots[0]], vec![]);
+        let b2g = gate.pass(ctx, &b2c, "opt/beta2_gated");
+        let v1 = ctx.op("Mul", &[v, &b2g], "opt/v_decay");
+        let gv = ctx.op("Mul", &[g, &one_m_b2], "opt/v_grad_scaled");
+        let gv = ctx.op("Mul", &[&gv, g], "opt/v_grad");
         ctx.b
             .node_to("Add", &[&v1, &gv], &[&p.next_slots[1]], vec![]);
         // p ← p·(1 − lr·wd) − lr/bc1 · m / (√v/√bc2 + eps)
-        let decayed = ctx.op("Mul", &[&p.param, &decay], "opt/decayed");
         let sv = ctx.op("Sqrt", &[&p.next_slots[1]], "opt/v_sqrt");
         let sv = ctx.op("Div", &[&sv, &bc2_sqrt], "opt/v_hat_sqrt");
         let denom = ctx.op("Add", &[&sv, &eps], "opt/denom");
@@ -148,18 +159,65 @@ fn adamw(
     }
 }
 
+/// A condition computed from one element of a parameter's gradient, through which the
+/// update's scalars pass unchanged (`Where(c, x, x)` is `x` whatever `c`). The products that
+/// read only state (`v·β2`, `p·(1 − lr·wd)`, `buf·μ`) would otherwise be ready before the
+/// forward runs: an order that runs ready nodes early (onnxruntime's PRIORITY_BASED, by node
+/// index) then computes them in the forward and keeps each, the size of its parameter,
+/// until the update — three times the trained parameters' bytes at the peak.
+struct GradGate<'p> {
+    param: &'p ParamUpdate,
+    grad: &'p str,
+    /// The condition, made on first use (an update that passes nothing through makes none).
+    cond: Option<String>,
+}
+
+impl<'p> GradGate<'p> {
+    fn new(param: &'p ParamUpdate, grad: &'p str) -> Self {
+        GradGate {
+            param,
+            grad,
+            cond: None,
+        }
+    }
+
+    /// `x` (a scalar), available only once the gradient is.
+    fn pass(&mut self, ctx: &mut Ctx, x: &str, hint: &str) -> String {
+        let dims = &self.param.dims;
+        if dims.contains(&0) {
+            // nothing to wait for: an empty parameter's products are empty
+            return x.to_string();
+        }
+        let cond = self.cond.get_or_insert_with(|| {
+            let first = if dims.is_empty() {
+                self.grad.to_string()
+            } else {
+                let zeros = ctx.i64s(&vec![0; dims.len()]);
+                let ones = ctx.i64s(&vec![1; dims.len()]);
+                ctx.op("Slice", &[self.grad, &zeros, &ones], "opt/grad_first")
+            };
+            ctx.op("IsNaN", &[&first], "opt/grad_gate")
+        });
+        let cond = cond.clone();
+        ctx.op("Where", &[&cond, x, x], hint)
+    }
+}
+
 fn sgd(ctx: &mut Ctx, opts: &OptimizerOptions, params: &[ParamUpdate], grads: &[String], lr: &str) {
     let wd = ctx.f32(opts.weight_decay as f32);
     let mu = ctx.f32(opts.momentum as f32);
     for (p, g) in params.iter().zip(grads) {
+        let mut gate = GradGate::new(p, g);
         // g ← g + wd·p (L2, torch's SGD); buf ← μ·buf + g; p ← p − lr·buf
         let g = if opts.weight_decay != 0.0 {
+            let wd = gate.pass(ctx, &wd, "opt/l2_gated");
             let d = ctx.op("Mul", &[&p.param, &wd], "opt/l2");
             ctx.op("Add", &[g, &d], "opt/grad_l2")
         } else {
             g.clone()
         };
         let dir = if opts.momentum != 0.0 {
+            let mu = gate.pass(ctx, &mu, "opt/momentum_gated");
             let kept = ctx.op("Mul", &[&p.slots[0], &mu], "opt/momentum_kept");
             ctx.b
                 .node_to("Add", &[&kept, &g], &[&p.next_slots[0]], vec![]);

@@ -71,8 +71,20 @@ pub fn matmul(
             // A weight: sum over every batch axis at once, [K, M·…]·[M·…, N].
             let af = ctx.flatten_to_2d(&a2);
             let gf = ctx.flatten_to_2d(&g2);
-            let at = ctx.b.transpose(&af, &[1, 0], "grad/mm_at");
-            ctx.op("MatMul", &[&at, &gf], "grad/mm_b")
+            if ctx.weight_grads_by_gemm {
+                // Gemm's transA rather than Transpose + MatMul: onnxruntime fuses that pair
+                // into a node it adds last, which its PRIORITY_BASED order (recompute graphs)
+                // runs at the end of the backward, keeping every flattened activation alive
+                ctx.b.node(
+                    "Gemm",
+                    &[&af, &gf],
+                    "grad/mm_b",
+                    vec![int_attr("transA", 1)],
+                )
+            } else {
+                let at = ctx.b.transpose(&af, &[1, 0], "grad/mm_at");
+                ctx.op("MatMul", &[&at, &gf], "grad/mm_b")
+            }
         } else {
             let at = ctx.swap_last_two(&a2, ra2);
             let full = ctx.op("MatMul", &[&at, &g2], "grad/mm_b");

@@ -99,6 +99,7 @@ pub fn emit_scaled_update(
         .iter()
         .map(|p| ParamUpdate {
             param: p.param.clone(),
+            dims: p.dims.clone(),
             grad: ctx.op("Mul", &[&p.grad, &inv], "amp/unscaled_grad"),
             slots: p.slots.clone(),
             next_param: ctx.b.fresh("amp/tentative"),
