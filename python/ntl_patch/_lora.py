@@ -252,34 +252,46 @@ def _read_weight(original: Path, name: str) -> tuple[np.ndarray, int]:
 
 
 def dequantised_bases(step_graph, quantized: dict) -> dict:
-    """Each NF4-quantised base weight of a QLoRA step graph (its ``quantize_base`` metadata),
-    dequantised as the graph does it (code pair of each byte, high nibble first, times its
-    block's absmax), in float32 and in the original weight's layout."""
+    """Each quantised base weight of a QLoRA step graph (its ``quantize_base`` metadata),
+    dequantised as the graph does it, in float32 and in the original weight's layout: nf4 the
+    code pair of each byte (high nibble first) times its block's absmax; int8/int4 the integer
+    values (int4 two a byte, low nibble first) times their block's scale."""
     step_graph = Path(os.fspath(step_graph))
-    if quantized.get("quant_type") != "nf4" or quantized.get("double_quant"):
-        raise ValueError(f"{step_graph}: cannot dequantise a {quantized.get('quant_type')!r} base "
-                         f"(double_quant={quantized.get('double_quant')}); only nf4 merges")
-    code = np.asarray(quantized["code"], dtype=np.float32)
+    kind = quantized.get("quant_type")
+    if kind not in ("nf4", "int8", "int4") or quantized.get("double_quant"):
+        raise ValueError(f"{step_graph}: cannot dequantise a {kind!r} base "
+                         f"(double_quant={quantized.get('double_quant')}); nf4, int8 and int4 merge")
+    scales_key = "absmax" if kind == "nf4" else "scales"
     block = int(quantized["blocksize"])
     wanted = {}
     for layer in quantized["layers"]:
-        wanted[str(layer["codes"])] = wanted[str(layer["absmax"])] = None
+        wanted[str(layer["codes"])] = wanted[str(layer[scales_key])] = None
     mm, buf = _onnx_wire._map(step_graph)
     try:
         for t in _onnx_wire.initializers(buf):
             if t.name in wanted:
+                if t.data_type == 22:  # int4: read its packed bytes
+                    t.data_type, t.dims = 2, [int(np.prod(t.dims)) // 2]
                 wanted[t.name] = _onnx_wire.tensor_to_numpy(buf, t, step_graph.parent)
     finally:
         _onnx_wire._unmap(mm, buf)
     out = {}
     for layer in quantized["layers"]:
-        codes, absmax = wanted[str(layer["codes"])], wanted[str(layer["absmax"])]
-        if codes is None or absmax is None:
+        codes, scales = wanted[str(layer["codes"])], wanted[str(layer[scales_key])]
+        if codes is None or scales is None:
             raise ValueError(f"{step_graph}: the quantised weight {layer['weight']!r} has no "
-                             f"{layer['codes']!r} / {layer['absmax']!r} initializer")
-        packed = np.asarray(codes, dtype=np.uint8).reshape(-1)
-        pairs = np.stack([packed >> 4, packed & 0x0F], axis=1).reshape(-1)
-        values = code[pairs].reshape(-1, block) * np.asarray(absmax, np.float32).reshape(-1, 1)
+                             f"{layer['codes']!r} / {layer[scales_key]!r} initializer")
+        if kind == "nf4":
+            packed = np.asarray(codes, dtype=np.uint8).reshape(-1)
+            values = np.asarray(quantized["code"], dtype=np.float32)[
+                np.stack([packed >> 4, packed & 0x0F], axis=1).reshape(-1)]
+        elif kind == "int4":
+            packed = np.asarray(codes, dtype=np.uint8).reshape(-1)
+            nibbles = np.stack([packed & 0x0F, packed >> 4], axis=1).reshape(-1).astype(np.int8)
+            values = np.where(nibbles > 7, nibbles - 16, nibbles).astype(np.float32)
+        else:
+            values = np.asarray(codes, dtype=np.int8).reshape(-1).astype(np.float32)
+        values = values.reshape(-1, block) * np.asarray(scales, np.float32).reshape(-1, 1)
         w = values.reshape(int(layer["shape"][0]), int(layer["shape"][1]))  # [out, in]
         out[str(layer["weight"])] = w.T.copy() if layer["weight_layout"] == "in_out" else w
     return out

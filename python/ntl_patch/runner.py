@@ -263,7 +263,7 @@ class StepRunner:
         of a float16/bfloat16 export (`--precision`) are rounded to its type. For a LoRA graph
         (`--lora-r`) each adapted weight becomes ``W + scaling·B·A`` (float32 arithmetic, stored
         in the weight's own type): the merged model, as PEFT's ``merge_and_unload()``. For a
-        QLoRA graph (``--quantize-base nf4``) W is the dequantised base the step trained on, as
+        QLoRA graph (``--quantize-base``) W is the dequantised base the step trained on, as
         ``merge_and_unload()`` on a 4-bit base."""
         self._check_usable()
         values = {n: _state.host_bytes(self._state[n]) for n in self.parameter_names}

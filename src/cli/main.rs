@@ -139,8 +139,9 @@ struct StepArgs {
     /// With LoRA: also train the base weights whose names start with PREFIX (repeatable).
     #[arg(long, value_name = "PREFIX")]
     train: Vec<String>,
-    /// QLoRA: store the frozen linear weights quantised (nf4: bitsandbytes' NF4, dequantised
-    /// in the graph per reading node); the adapters and optimizer stay float32.
+    /// QLoRA: store the frozen linear weights quantised (nf4: bitsandbytes' NF4; int8/int4:
+    /// symmetric blocks through DequantizeLinear), dequantised in the graph per reading node;
+    /// the adapters and optimizer stay float32.
     #[arg(long, value_enum)]
     quantize_base: Option<QuantizeArg>,
     /// QLoRA: values per quantisation block (bitsandbytes' blocksize) [default: 64].
@@ -247,9 +248,9 @@ enum LoraInitArg {
 enum QuantizeArg {
     /// bitsandbytes' 4-bit NormalFloat (quantize_4bit, quant_type="nf4").
     Nf4,
-    /// Symmetric int4 blocks through DequantizeLinear-21 (not built yet).
+    /// Symmetric int4 blocks through DequantizeLinear (opset 21 exports).
     Int4,
-    /// Symmetric int8 blocks through DequantizeLinear-21 (not built yet).
+    /// Symmetric int8 blocks through DequantizeLinear (opset 13 and newer).
     Int8,
 }
 

@@ -1,6 +1,6 @@
-//! QLoRA's frozen base (`ntl-patch step --lora-r R --quantize-base nf4`): the frozen weights
-//! of the linear layers stored as bitsandbytes' NF4 codes and block scales, and dequantised in
-//! the graph by standard ops.
+//! QLoRA's frozen base (`ntl-patch step --lora-r R --quantize-base nf4|int8|int4`): the frozen
+//! weights of the linear layers stored as bitsandbytes' NF4 codes or symmetric int8/int4 values
+//! with per-block scales, and dequantised in the graph by standard ops.
 //!
 //! `quantize` runs right after LoRA: each chosen weight `W` (float32) is quantised in torch's
 //! `[out, in]` order (`nf4.rs`, bit-equal to bitsandbytes 0.50's `quantize_4bit`), its
@@ -11,12 +11,23 @@
 //! `Cast(codes → int32) → Gather([256, 2] byte → code-pair table) → Reshape [blocks, block]
 //!  → Mul absmax → Reshape [out, in] (→ Transpose where the export stores [in, out])`
 //!
-//! so every later stage sees the float32 graph it expects and nothing there trains. `per_use`
+//! int8/int4 (`symmetric.rs`) store `ntl/qlora/<W>.codes` as int8/int4 `[blocks, block]` and
+//! `ntl/qlora/<W>.scales` (float32 `[blocks]`), and the chain is
+//!
+//! `DequantizeLinear(codes, scales, axis 0) → Reshape [out, in] (→ Transpose)`
+//!
+//! the per-axis form, equal to opset 21's blocked one (`axis 1, block_size`) on `[out, in]`:
+//! onnxruntime 1.19's QDQ propagation breaks the blocked form where a Transpose reads it
+//! ("x_scale must be ceil(Di/block_size)"), and a weight that is a graph input is never fused
+//! into MatMulNBits anyway.
+//!
+//! Either way every later stage sees the float32 graph it expects and nothing there trains. `per_use`
 //! then (last, on the finished step graph) gives each reading node a copy of the chain of its
 //! own, so no float copy of `W` lives from the forward to the backward.
 
 mod nf4;
 pub mod per_use;
+mod symmetric;
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
@@ -32,15 +43,19 @@ use ntl_ops::names::PREFIX;
 use ntl_ops::Builder;
 
 pub const UINT8: i32 = DataType::Uint8 as i32;
+pub const INT8: i32 = DataType::Int8 as i32;
+pub const INT4: i32 = DataType::Int4 as i32;
+/// The first IR version with int4 tensors.
+const INT4_IR: i64 = 10;
 
 /// `--quantize-base`: how the frozen weights are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scheme {
     /// bitsandbytes' 4-bit NormalFloat.
     Nf4,
-    /// Symmetric int4 through DequantizeLinear-21 (not built yet).
+    /// Symmetric int4 blocks through DequantizeLinear (opset 21).
     Int4,
-    /// Symmetric int8 through DequantizeLinear-21 (not built yet).
+    /// Symmetric int8 blocks through DequantizeLinear (opset 13).
     Int8,
 }
 
@@ -50,6 +65,32 @@ impl Scheme {
             Scheme::Nf4 => "nf4",
             Scheme::Int4 => "int4",
             Scheme::Int8 => "int8",
+        }
+    }
+
+    /// The largest integer value of the symmetric schemes.
+    fn qmax(self) -> Option<i8> {
+        match self {
+            Scheme::Nf4 => None,
+            Scheme::Int4 => Some(7),
+            Scheme::Int8 => Some(127),
+        }
+    }
+
+    /// The stored codes' element type.
+    fn codes_type(self) -> i32 {
+        match self {
+            Scheme::Nf4 => UINT8,
+            Scheme::Int4 => INT4,
+            Scheme::Int8 => INT8,
+        }
+    }
+
+    /// The default opset the scheme's dequantisation needs (int4 tensors: 21).
+    fn min_opset(self) -> i64 {
+        match self {
+            Scheme::Nf4 | Scheme::Int8 => 13,
+            Scheme::Int4 => 21,
         }
     }
 }
@@ -78,9 +119,9 @@ impl QuantizeOptions {
                 "--quant-block must be a power of two from 16 to 4096 (bitsandbytes' default: 64)",
             );
         }
-        if self.scheme != Scheme::Nf4 {
+        if self.double_quant && self.scheme != Scheme::Nf4 {
             return Err(Error::Usage(format!(
-                "--quantize-base {} is not built yet (DequantizeLinear-21); use --quantize-base nf4",
+                "--double-quant applies to --quantize-base nf4 only (bitsandbytes' compress_statistics); drop it for {}",
                 self.scheme.name()
             )));
         }
@@ -103,7 +144,8 @@ pub struct QuantizedWeight {
     pub weight: String,
     pub module: Option<String>,
     pub codes: String,
-    pub absmax: String,
+    /// The per-block scales: NF4's absmax, int8/int4's `absmax / qmax`.
+    pub scales: String,
     pub out_features: i64,
     pub in_features: i64,
     pub layout: Layout,
@@ -116,8 +158,8 @@ pub struct QuantizedWeight {
 pub struct QuantizedBase {
     pub options: QuantizeOptions,
     pub weights: Vec<QuantizedWeight>,
-    /// The code-pair table the chains gather from.
-    pub table: String,
+    /// The IR version the model was raised from (int4 needs 10), if it was.
+    pub raised_ir: Option<i64>,
     /// float32 bytes of the quantised weights, and of their codes and scales.
     pub bytes_before: u64,
     pub bytes_after: u64,
@@ -128,14 +170,21 @@ impl QuantizedBase {
     /// codes and scales, as (name, element type, dims).
     pub fn stored(&self) -> Vec<(String, i32, Vec<i64>)> {
         let block = self.options.block;
+        let scheme = self.options.scheme;
         self.weights
             .iter()
             .flat_map(|w| {
                 let n = w.out_features * w.in_features;
-                [
-                    (w.codes.clone(), UINT8, vec![n / 2]),
-                    (w.absmax.clone(), FLOAT, vec![n / block, 1]),
-                ]
+                match scheme {
+                    Scheme::Nf4 => [
+                        (w.codes.clone(), UINT8, vec![n / 2]),
+                        (w.scales.clone(), FLOAT, vec![n / block, 1]),
+                    ],
+                    Scheme::Int4 | Scheme::Int8 => [
+                        (w.codes.clone(), scheme.codes_type(), vec![n / block, block]),
+                        (w.scales.clone(), FLOAT, vec![n / block]),
+                    ],
+                }
             })
             .collect()
     }
@@ -146,25 +195,35 @@ impl QuantizedBase {
             .weights
             .iter()
             .map(|w| {
-                serde_json::json!({
+                let mut layer = serde_json::json!({
                     "weight": w.weight,
                     "module": w.module,
                     "codes": w.codes,
-                    "absmax": w.absmax,
                     "shape": [w.out_features, w.in_features],
                     "weight_layout": w.layout.name(),
-                })
+                });
+                // bitsandbytes' name where it is bitsandbytes' scheme
+                let scales = match self.options.scheme {
+                    Scheme::Nf4 => "absmax",
+                    Scheme::Int4 | Scheme::Int8 => "scales",
+                };
+                layer[scales] = w.scales.clone().into();
+                layer
             })
             .collect();
-        serde_json::json!({
+        let mut meta = serde_json::json!({
             "quant_type": self.options.scheme.name(),
             "blocksize": self.options.block,
             "double_quant": self.options.double_quant,
-            "code": nf4::NF4.to_vec(),
             "bytes_before": self.bytes_before,
             "bytes_after": self.bytes_after,
             "layers": layers,
-        })
+        });
+        match self.options.scheme.qmax() {
+            None => meta["code"] = nf4::NF4.to_vec().into(),
+            Some(qmax) => meta["qmax"] = qmax.into(),
+        }
+        meta
     }
 }
 
@@ -330,6 +389,15 @@ fn examples(layers: &[Linear]) -> String {
 pub fn quantize(model: &mut ModelProto, o: &QuantizeOptions) -> Result<QuantizedBase, Error> {
     o.check()?;
     let opset = default_opset(model).expect("checked by the patch step");
+    if opset < o.scheme.min_opset() {
+        return Err(Error::Usage(format!(
+            "--quantize-base {} needs opset {} or newer (DequantizeLinear with {} values), the model's default opset is {opset}; re-export with opset_version={} or use --quantize-base nf4",
+            o.scheme.name(),
+            o.scheme.min_opset(),
+            o.scheme.name(),
+            o.scheme.min_opset()
+        )));
+    }
     let graph = model.graph.as_ref().expect("loaded models have a graph");
     let index = GraphIndex::new(graph);
     let chosen = choose(&index, model, linear_layers(&index), o)?;
@@ -339,7 +407,10 @@ pub fn quantize(model: &mut ModelProto, o: &QuantizeOptions) -> Result<Quantized
     let by_name: BTreeMap<&str, &TensorProto> =
         graph.initializer.iter().map(|t| (t.name(), t)).collect();
     let block = o.block as usize;
-    let table = b.const_f32("qlora/nf4_pairs", &[256, 2], &nf4::pair_table());
+    let table = match o.scheme {
+        Scheme::Nf4 => Some(b.const_f32("qlora/nf4_pairs", &[256, 2], &nf4::pair_table())),
+        Scheme::Int4 | Scheme::Int8 => None,
+    };
     let mut weights: Vec<QuantizedWeight> = Vec::new();
     let mut done: BTreeSet<String> = BTreeSet::new();
     let (mut before, mut after) = (0u64, 0u64);
@@ -349,38 +420,56 @@ pub fn quantize(model: &mut ModelProto, o: &QuantizeOptions) -> Result<Quantized
         }
         let t = by_name[layer.weight.as_str()];
         let values = weight_values(t, layer)?;
-        if !values.len().is_multiple_of(block) {
-            return Err(Error::Usage(format!(
-                "--quant-block {block} does not divide the {} values of '{}' ({} x {}); use a block size that divides every quantised weight (e.g. --quant-block 16)",
-                values.len(),
-                layer.key(),
-                layer.out_features,
-                layer.in_features
-            )));
-        }
-        let q = nf4::quantize(&values, block);
+        check_block(o, layer, values.len())?;
         let codes = claim(&mut b, format!("{PREFIX}/qlora/{}.codes", layer.weight))?;
-        let absmax = claim(&mut b, format!("{PREFIX}/qlora/{}.absmax", layer.weight))?;
-        let blocks = q.absmax.len() as i64;
+        let scales_name = match o.scheme {
+            Scheme::Nf4 => "absmax",
+            Scheme::Int4 | Scheme::Int8 => "scales",
+        };
+        let scales = claim(
+            &mut b,
+            format!("{PREFIX}/qlora/{}.{scales_name}", layer.weight),
+        )?;
+        let blocks = (values.len() / block) as i64;
+        let (raw, scale_values, codes_dims, scale_dims) = match o.scheme.qmax() {
+            None => {
+                let q = nf4::quantize(&values, block);
+                (
+                    q.codes,
+                    q.absmax,
+                    vec![values.len() as i64 / 2],
+                    vec![blocks, 1],
+                )
+            }
+            Some(qmax) => {
+                let q = symmetric::quantize(&values, block, qmax);
+                let raw = match o.scheme {
+                    Scheme::Int4 => symmetric::pack_int4(&q.q),
+                    _ => symmetric::int8_bytes(&q.q),
+                };
+                (raw, q.scales, vec![blocks, o.block], vec![blocks])
+            }
+        };
         before += values.len() as u64 * 4;
-        after += q.codes.len() as u64 + q.absmax.len() as u64 * 4;
+        after += raw.len() as u64 + scale_values.len() as u64 * 4;
         b.initializers.push(TensorProto {
             name: Some(codes.clone()),
-            dims: vec![q.codes.len() as i64],
-            data_type: Some(UINT8),
-            raw_data: Some(q.codes.into()),
+            dims: codes_dims,
+            data_type: Some(o.scheme.codes_type()),
+            raw_data: Some(raw.into()),
             ..Default::default()
         });
         b.initializers
-            .push(crate::onnx::f32_tensor(&absmax, &[blocks, 1], &q.absmax));
-        let start = b.nodes.len();
-        let chain = emit_chain(&mut b, layer, &codes, &absmax, &table, blocks, o.block);
-        debug_assert!(b.nodes.len() > start);
+            .push(crate::onnx::f32_tensor(&scales, &scale_dims, &scale_values));
+        let chain = match &table {
+            Some(table) => emit_nf4_chain(&mut b, layer, &codes, &scales, table, blocks, o.block),
+            None => emit_dequantize_linear_chain(&mut b, layer, &codes, &scales),
+        };
         weights.push(QuantizedWeight {
             weight: layer.weight.clone(),
             module: layer.module.as_ref().map(|(m, _)| m.clone()),
             codes,
-            absmax,
+            scales,
             out_features: layer.out_features,
             in_features: layer.in_features,
             layout: layer.layout,
@@ -394,18 +483,47 @@ pub fn quantize(model: &mut ModelProto, o: &QuantizeOptions) -> Result<Quantized
     let mut nodes = std::mem::take(&mut b.nodes);
     nodes.append(&mut graph.node);
     graph.node = nodes;
+    // int4 tensors exist from IR version 10 on; older versions are raised, nothing else changes
+    let ir = model.ir_version.unwrap_or(0);
+    let raised_ir = (o.scheme == Scheme::Int4 && ir < INT4_IR).then(|| {
+        model.ir_version = Some(INT4_IR);
+        ir
+    });
     Ok(QuantizedBase {
         options: o.clone(),
         weights,
-        table,
+        raised_ir,
         bytes_before: before,
         bytes_after: after,
     })
 }
 
-/// The shared dequantisation chain of one weight, ending in the weight's own name; returns
+/// The block must divide the weight: NF4's blocks run over the flattened `[out, in]` weight
+/// (as bitsandbytes'), int8/int4's along each row (`in`), as DequantizeLinear's blocks do.
+fn check_block(o: &QuantizeOptions, layer: &Linear, numel: usize) -> Result<(), Error> {
+    let block = o.block;
+    let (divides, what) = match o.scheme {
+        Scheme::Nf4 => (numel.is_multiple_of(block as usize), "values"),
+        Scheme::Int4 | Scheme::Int8 => (layer.in_features % block == 0, "input features"),
+    };
+    if divides {
+        return Ok(());
+    }
+    let count = match o.scheme {
+        Scheme::Nf4 => numel as i64,
+        _ => layer.in_features,
+    };
+    Err(Error::Usage(format!(
+        "--quant-block {block} does not divide the {count} {what} of '{}' ({} x {}); use a block size that divides every quantised weight's {what} (e.g. --quant-block 16)",
+        layer.key(),
+        layer.out_features,
+        layer.in_features
+    )))
+}
+
+/// The shared NF4 dequantisation chain of one weight, ending in the weight's own name; returns
 /// every tensor it computes, the weight last.
-fn emit_chain(
+fn emit_nf4_chain(
     b: &mut Builder,
     layer: &Linear,
     codes: &str,
@@ -429,18 +547,45 @@ fn emit_chain(
     let block_dims = b.const_i64("qlora/block_dims", &[2], &[blocks, block]);
     let in_blocks = b.binary("Reshape", &pairs, &block_dims, "qlora/blocks");
     let scaled = b.binary("Mul", &in_blocks, absmax, "qlora/scaled");
+    let mut chain = vec![idx, pairs, in_blocks, scaled];
+    finish_chain(b, layer, &mut chain);
+    chain
+}
+
+/// The shared int8/int4 chain: DequantizeLinear per block row (`[blocks, block]`, one scale a
+/// row, no zero point), then the weight's shape.
+fn emit_dequantize_linear_chain(
+    b: &mut Builder,
+    layer: &Linear,
+    codes: &str,
+    scales: &str,
+) -> Vec<String> {
+    let dq = b.node(
+        "DequantizeLinear",
+        &[codes, scales],
+        "qlora/dequantized",
+        vec![int_attr("axis", 0)],
+    );
+    let mut chain = vec![dq];
+    finish_chain(b, layer, &mut chain);
+    chain
+}
+
+/// `[blocks, block]` float32 (the chain's last tensor) into the weight as the export stores it;
+/// appends the tensors made, the weight last.
+fn finish_chain(b: &mut Builder, layer: &Linear, chain: &mut Vec<String>) {
     let out_in = b.const_i64(
         "qlora/out_in",
         &[2],
         &[layer.out_features, layer.in_features],
     );
-    let mut chain = vec![idx, pairs, in_blocks, scaled];
+    let last = chain.last().expect("a chain has nodes").clone();
     match layer.layout {
         Layout::OutIn => {
-            b.node_to("Reshape", &[&chain[3], &out_in], &[&layer.weight], vec![]);
+            b.node_to("Reshape", &[&last, &out_in], &[&layer.weight], vec![]);
         }
         Layout::InOut => {
-            let w = b.binary("Reshape", &chain[3], &out_in, "qlora/out_in_w");
+            let w = b.binary("Reshape", &last, &out_in, "qlora/out_in_w");
             b.node_to(
                 "Transpose",
                 &[&w],
@@ -451,7 +596,6 @@ fn emit_chain(
         }
     }
     chain.push(layer.weight.clone());
-    chain
 }
 
 fn claim(b: &mut Builder, name: String) -> Result<String, Error> {

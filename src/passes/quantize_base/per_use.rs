@@ -7,12 +7,14 @@
 //! linear layer's `Transpose`, the backward's, autocast's cast to the compute type) join the
 //! copy instead of reading a shared float tensor.
 //!
-//! Each copy starts `CastLike(codes, x)` with one of the reading node's activations `x`
+//! Each NF4 copy starts `CastLike(codes, x)` with one of the reading node's activations `x`
 //! (then `Cast` to int32 for the Gather): onnxruntime's common-subexpression elimination
 //! merges identical nodes of one input back into one — whose float output would then live
 //! from the forward to the backward — and an activation makes each copy's first node
 //! different. The codes and scales are declared graph inputs (by the step), so its constant
-//! folding cannot turn a chain into a float32 initializer either.
+//! folding cannot turn a chain into a float32 initializer either. An int8/int4 copy starts
+//! with its own `DequantizeLinear` of the stored codes, which onnxruntime (1.19, 1.31) does not
+//! merge (test_qlora_int.py checks the optimised graph).
 
 use crate::graph::patch::names_read_by_subgraphs;
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -161,7 +163,9 @@ fn instantiate(
             *o = fresh;
         }
         n.name = Some(b.fresh(n.op_type()));
-        if k == 0 {
+        // NF4's chain starts with the codes' Cast; int8/int4's DequantizeLinear copies are
+        // left apart by onnxruntime's common-subexpression elimination as they are
+        if k == 0 && n.op_type() == "Cast" {
             if let Some(x) = like {
                 let tmp = b.fresh("qlora/codes_like");
                 out.push(NodeProto {

@@ -384,7 +384,13 @@ fn quantize_base(ctx: &mut StepCtx) -> Result<(), Error> {
     let Some(options) = &ctx.req.quantize else {
         return Ok(());
     };
-    ctx.quantized = Some(quantize_base::quantize(ctx.model, options)?);
+    let q = quantize_base::quantize(ctx.model, options)?;
+    if let Some(ir) = q.raised_ir {
+        ctx.warnings.push(format!(
+            "the model's IR version {ir} was raised to 10, the first with int4 tensors (--quantize-base int4)"
+        ));
+    }
+    ctx.quantized = Some(q);
     Ok(())
 }
 
