@@ -1138,7 +1138,8 @@ fn every_symbolic_spelling_of_the_scores_shape_validates_in_tract() {
         v
     };
     // (scores dims, labels dims, scores transposed [B, T, V] → [B, V, T] before the CE)
-    let cases: [(&[Option<&str>], &[Option<&str>], bool); 8] = [
+    type Dims<'a> = &'a [Option<&'a str>];
+    let cases: [(Dims, Dims, bool); 8] = [
         (&[Some("N"), Some("V")], &[Some("N")], false),
         (
             &[Some("positions"), Some("classes")],

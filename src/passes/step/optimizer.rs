@@ -196,7 +196,9 @@ impl<'p> GradGate<'p> {
                 let ones = ctx.i64s(&vec![1; dims.len()]);
                 ctx.op("Slice", &[self.grad, &zeros, &ones], "opt/grad_first")
             };
-            ctx.op("IsNaN", &[&first], "opt/grad_gate")
+            // any comparison does (`Where` takes x either way): Less is the same op from opset 13
+            // on, with a kernel on every GPU provider (MIGraphX has no IsNaN, ROCm no Equal-19)
+            ctx.op("Less", &[&first, &first], "opt/grad_gate")
         });
         let cond = cond.clone();
         ctx.op("Where", &[&cond, x, x], hint)
