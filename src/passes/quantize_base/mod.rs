@@ -27,6 +27,7 @@ use crate::onnx::{
     default_opset, int_attr, ints_attr, proto::tensor_proto::DataType, ModelProto, NodeProto,
     TensorProto, FLOAT, INT32,
 };
+use crate::passes::contract;
 use crate::passes::lora::linear::{linear_layers, Layout, Linear};
 use ntl_ops::names::PREFIX;
 use ntl_ops::Builder;
@@ -141,30 +142,28 @@ impl QuantizedBase {
     }
 
     /// The step graph's `quantize_base` metadata.
-    pub fn to_json(&self) -> serde_json::Value {
-        let layers: Vec<serde_json::Value> = self
+    pub fn to_meta(&self) -> contract::QuantizeBase {
+        let layers = self
             .weights
             .iter()
-            .map(|w| {
-                serde_json::json!({
-                    "weight": w.weight,
-                    "module": w.module,
-                    "codes": w.codes,
-                    "absmax": w.absmax,
-                    "shape": [w.out_features, w.in_features],
-                    "weight_layout": w.layout.name(),
-                })
+            .map(|w| contract::QuantizedLayer {
+                weight: w.weight.clone(),
+                module: w.module.clone(),
+                codes: w.codes.clone(),
+                absmax: w.absmax.clone(),
+                shape: [w.out_features, w.in_features],
+                weight_layout: w.layout.name().into(),
             })
             .collect();
-        serde_json::json!({
-            "quant_type": self.options.scheme.name(),
-            "blocksize": self.options.block,
-            "double_quant": self.options.double_quant,
-            "code": nf4::NF4.to_vec(),
-            "bytes_before": self.bytes_before,
-            "bytes_after": self.bytes_after,
-            "layers": layers,
-        })
+        contract::QuantizeBase {
+            quant_type: self.options.scheme.name().into(),
+            blocksize: self.options.block,
+            double_quant: self.options.double_quant,
+            code: nf4::NF4.to_vec(),
+            bytes_before: self.bytes_before,
+            bytes_after: self.bytes_after,
+            layers,
+        }
     }
 }
 
