@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _onnx_wire, _safetensors
+from . import _contract, _onnx_wire, _safetensors
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -49,26 +49,16 @@ _PEFT_DEFAULTS = {
     "target_parameters": None, "trainable_token_indices": None, "use_bdlora": None,
     "use_dora": False, "use_qalora": False, "velora_config": None,
 }
-_LAYER_KEYS = ("weight", "lora_A", "lora_B", "in_features", "out_features", "weight_layout")
 
 
-def lora_metadata(meta: dict, path) -> dict:
-    """The graph's ``lora`` metadata, checked; ValueError (one line) for a graph without it."""
-    lora = meta.get("lora")
-    if not lora:
+def lora_metadata(meta: _contract.StepMetadata, path) -> dict:
+    """The graph's ``lora`` metadata as written (checked when the contract parsed it: r,
+    scaling, each layer's names, sizes and layout); ValueError (one line) for a graph without
+    it."""
+    if meta.lora is None:
         raise ValueError(f"{path}: not a LoRA step graph (no 'lora' in its 'ntl_step' metadata); "
                          f"write one with `ntl-patch step MODEL --lora-r R`")
-    layers = lora.get("layers") if isinstance(lora, dict) else None
-    if not isinstance(layers, list) or not layers or "r" not in lora or "scaling" not in lora:
-        raise ValueError(f"{path}: its 'lora' metadata lacks r, scaling or layers")
-    for layer in layers:
-        missing = [k for k in _LAYER_KEYS if k not in layer]
-        if missing:
-            raise ValueError(f"{path}: a 'lora' layer lacks {', '.join(missing)}: {layer}")
-        if layer["weight_layout"] not in ("out_in", "in_out"):
-            raise ValueError(f"{path}: unknown weight_layout {layer['weight_layout']!r} of "
-                             f"{layer['weight']!r} (expected 'out_in' or 'in_out')")
-    return lora
+    return meta.raw["lora"]
 
 
 def lora_names(lora: dict) -> set[str]:
@@ -251,21 +241,22 @@ def _read_weight(original: Path, name: str) -> tuple[np.ndarray, int]:
         _onnx_wire._unmap(mm, buf)
 
 
-def dequantised_bases(step_graph, quantized: dict) -> dict:
+def dequantised_bases(step_graph, quantized: _contract.QuantizeBase) -> dict:
     """Each quantised base weight of a QLoRA step graph (its ``quantize_base`` metadata),
     dequantised as the graph does it, in float32 and in the original weight's layout: nf4 the
     code pair of each byte (high nibble first) times its block's absmax; int8/int4 the integer
     values (int4 two a byte, low nibble first) times their block's scale."""
     step_graph = Path(os.fspath(step_graph))
-    kind = quantized.get("quant_type")
-    if kind not in ("nf4", "int8", "int4") or quantized.get("double_quant"):
+    kind = quantized.quant_type
+    if kind not in ("nf4", "int8", "int4") or quantized.double_quant:
         raise ValueError(f"{step_graph}: cannot dequantise a {kind!r} base "
-                         f"(double_quant={quantized.get('double_quant')}); nf4, int8 and int4 merge")
-    scales_key = "absmax" if kind == "nf4" else "scales"
-    block = int(quantized["blocksize"])
+                         f"(double_quant={quantized.double_quant}); nf4, int8 and int4 merge")
+    block = quantized.blocksize
+    scales_of = {layer.weight: layer.absmax if kind == "nf4" else layer.scales
+                 for layer in quantized.layers}
     wanted = {}
-    for layer in quantized["layers"]:
-        wanted[str(layer["codes"])] = wanted[str(layer[scales_key])] = None
+    for layer in quantized.layers:
+        wanted[layer.codes] = wanted[scales_of[layer.weight]] = None
     mm, buf = _onnx_wire._map(step_graph)
     try:
         for t in _onnx_wire.initializers(buf):
@@ -276,14 +267,15 @@ def dequantised_bases(step_graph, quantized: dict) -> dict:
     finally:
         _onnx_wire._unmap(mm, buf)
     out = {}
-    for layer in quantized["layers"]:
-        codes, scales = wanted[str(layer["codes"])], wanted[str(layer[scales_key])]
+    for layer in quantized.layers:
+        scales_name = scales_of[layer.weight]
+        codes, scales = wanted[layer.codes], wanted[scales_name]
         if codes is None or scales is None:
-            raise ValueError(f"{step_graph}: the quantised weight {layer['weight']!r} has no "
-                             f"{layer['codes']!r} / {layer[scales_key]!r} initializer")
+            raise ValueError(f"{step_graph}: the quantised weight {layer.weight!r} has no "
+                             f"{layer.codes!r} / {scales_name!r} initializer")
         if kind == "nf4":
             packed = np.asarray(codes, dtype=np.uint8).reshape(-1)
-            values = np.asarray(quantized["code"], dtype=np.float32)[
+            values = np.asarray(quantized.code, dtype=np.float32)[
                 np.stack([packed >> 4, packed & 0x0F], axis=1).reshape(-1)]
         elif kind == "int4":
             packed = np.asarray(codes, dtype=np.uint8).reshape(-1)
@@ -292,8 +284,8 @@ def dequantised_bases(step_graph, quantized: dict) -> dict:
         else:
             values = np.asarray(codes, dtype=np.int8).reshape(-1).astype(np.float32)
         values = values.reshape(-1, block) * np.asarray(scales, np.float32).reshape(-1, 1)
-        w = values.reshape(int(layer["shape"][0]), int(layer["shape"][1]))  # [out, in]
-        out[str(layer["weight"])] = w.T.copy() if layer["weight_layout"] == "in_out" else w
+        w = values.reshape(*layer.shape)  # [out, in]
+        out[layer.weight] = w.T.copy() if layer.weight_layout == "in_out" else w
     return out
 
 

@@ -10,9 +10,9 @@ only its parameters, their moments and the shared scalars (step count, loss scal
 tracker), each written in place as before. The moments of other shards never exist on a rank, not
 even their initial zeros: the initial state is read tensor by tensor, and only the rank's own.
 The update graph's two global decisions become inputs of the cut graph, computed from one
-all-reduce of Σ‖g‖² over the shards: the squared clipping norm (``ntl/opt/grad_norm_sq``) and
-fp16's overflow flag (``ntl/amp/found_inf``), so every rank clips by the global norm and skips
-the same steps. Then each owner broadcasts its updated parameters, tensor by tensor into the
+all-reduce of Σ‖g‖² over the shards: the squared clipping norm and fp16's overflow flag, the
+tensors the update graph's metadata names (``grad_norm_sq``, ``found_inf``), so every rank clips
+by the global norm and skips the same steps. Then each owner broadcasts its updated parameters, tensor by tensor into the
 other ranks' parameter memory (no staging buffer; gloo has no all-gather of unequal sizes).
 """
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +28,6 @@ import onnxruntime as ort
 from . import _dlpack, _onnx_wire, _safetensors, _state
 
 MODES = ("none", "optimizer", "gradients")
-# the update graph's tensors that read every gradient (src/passes/step/optimizer.rs,
-# src/passes/step/precision/loss_scale.rs)
-NORM_SQ = ("Sum", re.compile(r"ntl/opt/grad_norm_sq(_\d+)?"))
-FOUND_INF = ("Or", re.compile(r"ntl/amp/found_inf(_\d+)?"))
 FLOAT, BOOL = 1, 9
 
 
@@ -76,15 +71,15 @@ def shard_file(path: Path, rank: int, world: int) -> Path:
     return path.with_name(f"{path.stem}.shard{rank}of{world}{path.suffix}")
 
 
-def _find_output(nodes, spec) -> str:
-    op, pattern = spec
-    found = [n.outputs[0] for n in nodes if n.op_type == op and n.outputs
-             and pattern.fullmatch(n.outputs[0])]
-    if len(found) != 1:
-        raise ValueError(f"the update graph has {len(found)} {op} nodes writing "
-                         f"{pattern.pattern}, expected one: write it again with this version's "
-                         f"`ntl-patch step --split`")
-    return found[0]
+def _global_tensor(dp, key: str, nodes) -> str:
+    """The update graph's tensor its metadata names under key (``grad_norm_sq``, ``found_inf``):
+    one that reads every gradient, which the cut graph is fed instead."""
+    name = getattr(dp.update_contract, key)
+    if name is None or not any(name in n.outputs for n in nodes):
+        raise ValueError(f"{dp.update_path}: its metadata names no {key} tensor of the update graph "
+                         f"(written before the metadata named it): write the graphs again with "
+                         f"this version's `ntl-patch step --split`")
+    return name
 
 
 class Sharded:
@@ -120,11 +115,12 @@ class Sharded:
         model = _onnx_wire.session_model(dp.update_path, [i for i, _ in dp.state_names])
         nodes = _onnx_wire.nodes(model)
         feeds = {}
-        if (dp.metadata.get("optimizer") or {}).get("max_grad_norm") is not None:
-            self.norm_input = _find_output(nodes, NORM_SQ)
+        optimizer = dp.update_contract.optimizer
+        if optimizer is not None and optimizer.max_grad_norm is not None:
+            self.norm_input = _global_tensor(dp, "grad_norm_sq", nodes)
             feeds[self.norm_input] = FLOAT
         if dp.skip_output:
-            self.found_input = _find_output(nodes, FOUND_INF)
+            self.found_input = _global_tensor(dp, "found_inf", nodes)
             feeds[self.found_input] = BOOL
         outputs = [o for _, o in self.updated] + ([dp.skip_output] if dp.skip_output else [])
         model = _onnx_wire.cut_graph(model, outputs, feeds)

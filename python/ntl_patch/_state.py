@@ -12,17 +12,14 @@ one.
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
-from . import _onnx_wire
+from . import _contract, _onnx_wire
 
-METADATA_KEY = "ntl_step"
-REQUIRED_KEYS = ("state", "parameters", "lr_input", "losses", "data_inputs")
 # the session config key that points a model loaded from bytes at its external data (ORT >= 1.21)
 _FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 
@@ -52,22 +49,6 @@ def with_tf32(providers: list, tf32: bool | None) -> list:
         else:
             out.append(p)
     return out
-
-
-def read_metadata(path: Path) -> dict:
-    """The graph's ``ntl_step`` metadata (ValueError naming what is wrong)."""
-    raw = _onnx_wire.read_metadata(path).get(METADATA_KEY)
-    if raw is None:
-        raise ValueError(f"{path}: not a step graph (no '{METADATA_KEY}' metadata); write one with "
-                         f"`ntl-patch step MODEL`")
-    try:
-        meta = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: '{METADATA_KEY}' metadata is not JSON ({e})") from None
-    missing = [k for k in REQUIRED_KEYS if not isinstance(meta, dict) or k not in meta]
-    if missing:
-        raise ValueError(f"{path}: '{METADATA_KEY}' metadata lacks {', '.join(missing)}")
-    return meta
 
 
 def default_session_options() -> ort.SessionOptions:
@@ -120,10 +101,9 @@ def _recomputes(path: Path) -> bool:
     layers at 4096 tokens, peak RSS 8.5 GB in the default order, 1.8 GB in PRIORITY_BASED;
     bench/README.md)."""
     try:
-        recompute = read_metadata(path).get("recompute") or {}
+        return _contract.read(path).recomputes
     except ValueError:
         return False
-    return isinstance(recompute, dict) and int(recompute.get("blocks") or 0) > 0
 
 
 def session_without(path: Path, drop, session_options, providers) -> ort.InferenceSession:

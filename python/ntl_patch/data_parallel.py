@@ -29,9 +29,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from . import _dlpack, _lora, _onnx_wire, _safetensors, _sharding, _state
+from . import _contract, _dlpack, _lora, _onnx_wire, _safetensors, _sharding, _state
 
-LOSS_SCALE_STATE = "ntl/state/loss_scale"
 CHECKPOINT_FORMAT = "ntl_patch.DataParallel/1"
 _GPU_PROVIDERS = {"CUDAExecutionProvider", "ROCMExecutionProvider", "MIGraphXExecutionProvider"}
 
@@ -42,12 +41,12 @@ def _update_path(grad_graph: Path) -> Path:
     return grad_graph.with_name(f"{stem}.update.onnx")
 
 
-def _metadata(path: Path) -> dict:
+def _metadata(path: Path) -> _contract.StepMetadata:
     try:
-        meta = _state.read_metadata(path)
+        meta = _contract.read(path)
     except ValueError as e:
         raise ValueError(f"{e}; write the graphs with `ntl-patch step MODEL --split`") from None
-    if not meta.get("split"):
+    if not meta.split:
         raise ValueError(f"{path}: a single step graph, not the split form: write MODEL.grad.onnx "
                          f"and MODEL.update.onnx with `ntl-patch step MODEL --split` (a single "
                          f"step graph trains with StepRunner)")
@@ -111,11 +110,15 @@ class DataParallel:
 
         meta = _metadata(self.grad_path)
         umeta = _metadata(self.update_path)
-        if meta["state"] != umeta["state"] or meta["parameters"] != umeta["parameters"]:
+        if meta.state != umeta.state or meta.parameters != umeta.parameters:
             raise ValueError(f"{self.grad_path} and {self.update_path} come from different "
                              f"`ntl-patch step --split` runs (their state differs)")
-        self.metadata: dict = meta
-        state_inputs = [str(i) for i, _ in meta["state"]]
+        # the graphs' contracts (_contract): the update graph's names the tensors of its
+        # optimizer; metadata: the gradient graph's, as the JSON object it was read from
+        self.contract: _contract.StepMetadata = meta
+        self.update_contract: _contract.StepMetadata = umeta
+        self.metadata: dict = meta.raw
+        state_inputs = meta.state_inputs
         # neither session keeps the state: the parameters (the gradient graph's initializers)
         # and the optimizer state (the update graph's) live once, in self._state
         self.grad_session = _state.session_without(self.grad_path, state_inputs, session_options, providers)
@@ -161,23 +164,24 @@ class DataParallel:
         return providers, "cpu", 0
 
     def _check_grad_graph(self) -> None:
-        meta = self.metadata
-        self.parameter_names: list[str] = list(meta["parameters"])
-        self.data_inputs: list[str] = list(meta["data_inputs"])
-        self.losses: list[str] = list(meta["losses"])
-        self.state_names: list[tuple[str, str]] = [(str(i), str(o)) for i, o in meta["state"]]
-        self.lr_input: str = meta["lr_input"]
+        meta = self.contract
+        self.parameter_names: list[str] = list(meta.parameters)
+        self.data_inputs: list[str] = list(meta.data_inputs)
+        self.losses: list[str] = list(meta.losses)
+        self.state_names: list[tuple[str, str]] = list(meta.state)
+        self.lr_input: str = meta.lr_input
         # fp16: the update graph's skip output; the gradient graph reads the loss scale (its
         # gradients are scaled; the update graph unscales the averaged gradient and checks it
         # for inf/NaN, which an inf on any rank carries into the average: a global check)
-        self.skip_output: str | None = meta.get("skip_output")
+        self.skip_output: str | None = meta.skip_output
         gin = {i.name for i in (*self.grad_session.get_inputs(),
                                 *self.grad_session.get_overridable_initializers())}
-        self._scale_input = LOSS_SCALE_STATE if LOSS_SCALE_STATE in gin else None
-        self.step_input = next((i for i, _ in self.state_names if i == "ntl/state/step"),
-                               self.state_names[-1][0])
+        scale = meta.loss_scale_input
+        self._scale_input = scale if scale in gin else None
+        self.step_input = meta.step_input or self.state_names[-1][0]
         # the update graph may write each listed tensor's next value over the tensor itself
-        self._in_place: set[str] = set(meta.get("in_place", [])) & {i for i, _ in self.state_names}
+        # (the update graph's list, which the gradient graph's metadata repeats)
+        self._in_place: set[str] = set(self.update_contract.in_place or []) & set(meta.state_inputs)
         outs = [o.name for o in self.grad_session.get_outputs()]
         self.grad_names = outs[3:]
         if outs[:3] != self.losses or len(self.grad_names) != len(self.parameter_names):
@@ -224,7 +228,7 @@ class DataParallel:
         """fp16: the current loss scale (the same on every rank); None without one."""
         if self._scale_input is None:
             return None
-        return float(np.asarray(self._state_host(LOSS_SCALE_STATE)).reshape(-1)[0])
+        return float(np.asarray(self._state_host(self._scale_input)).reshape(-1)[0])
 
     def step(self, batch, lr: float | None = None) -> tuple[float, float, float]:
         """One optimizer step. batch: this rank's shard, a dict (data input name -> numpy array,
@@ -450,9 +454,9 @@ class DataParallel:
         if self.rank == 0:
             self._check_usable()
             values = {n: _state.host_bytes(self._state[n]) for n in self.parameter_names}
-            if self.metadata.get("lora"):
+            if self.contract.lora:
                 values = _lora.merged_values(original_model,
-                                             _lora.lora_metadata(self.metadata, self.grad_path), values)
+                                             _lora.lora_metadata(self.contract, self.grad_path), values)
             _onnx_wire.replace_initializers(original_model, out, values, strict=strict,
                                             external_data=external_data)
         self._barrier()
@@ -462,7 +466,7 @@ class DataParallel:
                      task_type: str | None = "CAUSAL_LM") -> Path:
         """The trained LoRA adapter as PEFT's files (see StepRunner.save_adapter). Call it on
         every rank: rank 0 writes."""
-        lora = _lora.lora_metadata(self.metadata, self.grad_path)
+        lora = _lora.lora_metadata(self.contract, self.grad_path)
         if self.rank == 0:
             self._check_usable()
             names = _lora.lora_names(lora)
@@ -477,7 +481,7 @@ class DataParallel:
         """The trained A and B as an onnxruntime ``.onnx_adapter`` file, and with original_model
         and out_model the model taking them as inputs (see StepRunner.save_onnx_adapter). Call
         it on every rank: rank 0 writes."""
-        lora = _lora.lora_metadata(self.metadata, self.grad_path)
+        lora = _lora.lora_metadata(self.contract, self.grad_path)
         if self.rank == 0:
             self._check_usable()
             values = {n: self._state_host(n) for n in _lora.lora_names(lora)}

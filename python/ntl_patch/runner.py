@@ -30,9 +30,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from . import _lora, _onnx_wire, _state
+from . import _contract, _lora, _onnx_wire, _state
 
-LOSS_SCALE_STATE = "ntl/state/loss_scale"
 
 # execution provider -> IOBinding device type of its memory
 _PROVIDER_DEVICE = {
@@ -80,17 +79,19 @@ class StepRunner:
     def __init__(self, path, providers=None, session_options=None, *, device: str | None = None,
                  device_id: int | None = None, tf32: bool | None = None):
         self.path = Path(os.fspath(path))
-        meta = _state.read_metadata(self.path)
-        self.metadata: dict = meta
-        self.state_names: list[tuple[str, str]] = [(str(i), str(o)) for i, o in meta["state"]]
-        self.parameter_names: list[str] = list(meta["parameters"])
-        self.data_inputs: list[str] = list(meta["data_inputs"])
-        self.losses: list[str] = list(meta["losses"])
-        self.lr_input: str | None = meta["lr_input"]
+        # the graph's contract (_contract); metadata: the same as the JSON object it was read from
+        self.contract: _contract.StepMetadata = _contract.read(self.path)
+        meta = self.contract
+        self.metadata: dict = meta.raw
+        self.state_names: list[tuple[str, str]] = list(meta.state)
+        self.parameter_names: list[str] = list(meta.parameters)
+        self.data_inputs: list[str] = list(meta.data_inputs)
+        self.losses: list[str] = list(meta.losses)
+        self.lr_input: str | None = meta.lr_input
         # fp16: the bool output telling a skipped step (None for graphs without loss scaling)
-        self.skip_output: str | None = meta.get("skip_output")
-        state_inputs = [i for i, _ in self.state_names]
-        self._in_place: set[str] = set(meta.get("in_place", [])) & set(state_inputs)
+        self.skip_output: str | None = meta.skip_output
+        state_inputs = meta.state_inputs
+        self._in_place: set[str] = set(meta.in_place or []) & set(state_inputs)
 
         providers = list(providers) if providers is not None else _default_providers()
         self.session = _state.session_without(
@@ -124,7 +125,7 @@ class StepRunner:
         except KeyError as e:
             raise ValueError(f"{e.args[0]}: every state input needs its initial value as an "
                              f"initializer (docs/STEP_GRAPH.md)") from None
-        step = next((i for i in state_inputs if i == "ntl/state/step"), None)
+        step = meta.step_input
         self._steps = int(np.asarray(_state.host(self._state[step]))) if step else 0
         self._broken: str | None = None
         self.skipped_steps = 0
@@ -141,9 +142,10 @@ class StepRunner:
     @property
     def loss_scale(self) -> float | None:
         """fp16: the current loss scale (state ``ntl/state/loss_scale``); None without one."""
-        if LOSS_SCALE_STATE not in self._state:
+        name = self.contract.loss_scale_input
+        if name is None or name not in self._state:
             return None
-        return float(np.asarray(_state.host(self._state[LOSS_SCALE_STATE])).reshape(-1)[0])
+        return float(np.asarray(_state.host(self._state[name])).reshape(-1)[0])
 
     @property
     def in_place(self) -> list[str]:
@@ -243,8 +245,9 @@ class StepRunner:
         _state.check_state(names, self._state, state)
         _state.replace_state(names, self._state, state, self.device, self.device_id)
         self._broken = None
-        if "ntl/state/step" in state:
-            self._steps = int(np.asarray(state["ntl/state/step"]))
+        step = self.contract.step_input
+        if step in state:
+            self._steps = int(np.asarray(state[step]))
 
     # --- export -------------------------------------------------------------------------------
 
@@ -267,10 +270,10 @@ class StepRunner:
         ``merge_and_unload()`` on a 4-bit base."""
         self._check_usable()
         values = {n: _state.host_bytes(self._state[n]) for n in self.parameter_names}
-        if self.metadata.get("lora"):
-            quantized = self.metadata.get("quantize_base")
+        if self.contract.lora:
+            quantized = self.contract.quantize_base
             bases = _lora.dequantised_bases(self.path, quantized) if quantized else None
-            values = _lora.merged_values(original_model, _lora.lora_metadata(self.metadata, self.path),
+            values = _lora.merged_values(original_model, _lora.lora_metadata(self.contract, self.path),
                                          values, bases)
         _onnx_wire.replace_initializers(original_model, out, values, strict=strict,
                                         external_data=external_data)
@@ -291,7 +294,7 @@ class StepRunner:
         module is then PEFT's trained copy; the weight of an adapted layer cannot be, and is
         left out with a warning). ValueError for a graph without LoRA. Atomic."""
         self._check_usable()
-        lora = _lora.lora_metadata(self.metadata, self.path)
+        lora = _lora.lora_metadata(self.contract, self.path)
         names = _lora.lora_names(lora)
         values = {n: _state.host_bytes(self._state[n]) for n in names}
         extra = {n: _state.host_bytes(self._state[n]) for n in self.parameter_names if n not in names}
@@ -306,7 +309,7 @@ class StepRunner:
         and out_model, also that model (`ntl-patch lora-model`). Needs onnxruntime >= 1.20
         (``onnxruntime.AdapterFormat``; RuntimeError otherwise, nothing written). Atomic."""
         self._check_usable()
-        lora = _lora.lora_metadata(self.metadata, self.path)
+        lora = _lora.lora_metadata(self.contract, self.path)
         values = {n: _state.host(self._state[n]) for n in _lora.lora_names(lora)}
         path = _lora.save_onnx_adapter(out, lora, values, adapter_version, model_version)
         if original_model is not None or out_model is not None:

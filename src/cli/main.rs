@@ -1003,19 +1003,16 @@ fn step_summary_text(req: &StepRequest, s: &StepSummary) -> String {
         Some(c) => format!("; LM head fused, {c} positions per chunk"),
         None => String::new(),
     };
-    let recompute = match s.recompute["blocks"].as_u64() {
-        Some(n) if n > 0 => format!("; {n} layers recomputed in the backward"),
+    let recompute = match s.recompute.blocks {
+        n if n > 0 => format!("; {n} layers recomputed in the backward"),
         _ => String::new(),
     };
-    let recompute = match s.recompute["reason"].as_str() {
+    let recompute = match &s.recompute.reason {
         Some(why) => format!("{recompute}; recompute {why}"),
         None => recompute,
     };
-    let attention = match (
-        s.attention["replaced"].as_u64(),
-        s.attention["reason"].as_str(),
-    ) {
-        (Some(n), _) if n > 0 => format!("; attention blockwise in {n} layers"),
+    let attention = match (s.attention.replaced, &s.attention.reason) {
+        (n, _) if n > 0 => format!("; attention blockwise in {n} layers"),
         (_, Some(why)) => format!("; {why}"),
         _ => String::new(),
     };
@@ -1024,15 +1021,8 @@ fn step_summary_text(req: &StepRequest, s: &StepSummary) -> String {
             "; LoRA r={} alpha={} on {} layers ({})",
             o.r,
             o.alpha,
-            meta["layers"].as_array().map_or(0, Vec::len),
-            meta["target_modules"]
-                .as_array()
-                .map(|t| t
-                    .iter()
-                    .filter_map(|v| v.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", "))
-                .unwrap_or_default()
+            meta.layers.len(),
+            meta.target_modules.join(", ")
         ),
         _ => String::new(),
     };

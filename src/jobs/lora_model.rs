@@ -14,8 +14,9 @@ use crate::io::model_io::{
     check_external_data, load_model, load_model_source, model_dir, plan_external_data, same_file,
     save_model_from,
 };
+use crate::passes::contract::{is_step_graph, StepMetadata};
 use crate::passes::lora::{insert, LoraOptions};
-use crate::passes::step::{step_metadata, tensor_info};
+use crate::passes::step::tensor_info;
 
 pub struct ServingRequest {
     pub model: PathBuf,
@@ -48,38 +49,23 @@ fn step_options(step: &Path) -> Result<(LoraOptions, Vec<String>), Error> {
             step.display()
         ))
     };
-    let meta = step_metadata(&m)
+    let meta = StepMetadata::of(&m)
         .ok_or_else(|| usage("is not a step graph"))?
         .map_err(|_| usage("has unreadable step metadata"))?;
-    let l = meta
-        .get("lora")
-        .filter(|l| l.is_object())
-        .ok_or_else(|| usage("has no LoRA adapters"))?;
-    let targets: Option<Vec<String>> = l["target_modules"].as_array().map(|t| {
-        t.iter()
-            .filter_map(|v| v.as_str().map(String::from))
-            .collect()
-    });
+    let l = meta.lora.ok_or_else(|| usage("has no LoRA adapters"))?;
     let o = LoraOptions {
-        r: l["r"].as_i64().ok_or_else(|| usage("has no LoRA rank"))?,
-        alpha: l["lora_alpha"]
-            .as_f64()
-            .ok_or_else(|| usage("has no lora_alpha"))?,
-        targets,
-        use_rslora: l["use_rslora"].as_bool().unwrap_or(false),
+        r: l.r,
+        alpha: l.lora_alpha,
+        targets: Some(l.target_modules),
+        use_rslora: l.use_rslora,
         dropout: 0.0,
-        seed: l["seed"].as_u64().unwrap_or(0),
+        seed: l.seed,
     };
-    let names: Vec<String> = l["layers"]
-        .as_array()
-        .map(|ls| {
-            ls.iter()
-                .flat_map(|x| [x["lora_A"].as_str(), x["lora_B"].as_str()])
-                .flatten()
-                .map(String::from)
-                .collect()
-        })
-        .unwrap_or_default();
+    let names: Vec<String> = l
+        .layers
+        .into_iter()
+        .flat_map(|x| [x.lora_a, x.lora_b])
+        .collect();
     Ok((o, names))
 }
 
@@ -93,7 +79,7 @@ pub fn run_lora_model(req: &ServingRequest) -> Result<ServingSummary, Error> {
     }
     let (o, wanted) = step_options(&req.step)?;
     let (mut model, source) = load_model_source(&req.model)?;
-    if step_metadata(&model).is_some() {
+    if is_step_graph(&model) {
         return Err(Error::Usage(format!(
             "'{}' is a step graph; give the exported model the adapters go into",
             req.model.display()

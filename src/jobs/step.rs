@@ -7,8 +7,9 @@ use std::path::{Path, PathBuf};
 use crate::error::Error;
 use crate::io::model_io::{load_model, model_dir, same_file, save_model_from};
 use crate::jobs::patch::{patch_model, PatchRequest, PatchSummary};
+use crate::passes::contract::{self, is_step_graph};
 use crate::passes::step::zero_state::SparseFile;
-use crate::passes::step::{build, StepOptions, STEP_METADATA_KEY};
+use crate::passes::step::{build, StepOptions};
 
 pub struct StepRequest {
     pub patch: PatchRequest,
@@ -28,11 +29,11 @@ pub struct StepSummary {
     /// Positions per chunk where the LM head is fused.
     pub fused_head_chunk_tokens: Option<i64>,
     /// LoRA: the options and the adapted layers (the metadata's `lora`).
-    pub lora: Option<serde_json::Value>,
+    pub lora: Option<contract::Lora>,
     /// `--recompute`: what was chosen and why (the metadata's `recompute`).
-    pub recompute: serde_json::Value,
+    pub recompute: contract::Recompute,
     /// `--attention`: what was replaced and what was left (the metadata's `attention`).
-    pub attention: serde_json::Value,
+    pub attention: contract::Attention,
 }
 
 /// `model.onnx` → `model.step.onnx` (or `model.grad.onnx` + `model.update.onnx`).
@@ -77,11 +78,7 @@ pub fn run_step(req: &StepRequest) -> Result<StepSummary, Error> {
         return Err(Error::Usage("the gradient and update graphs would share a path; name the gradient graph OUT.grad.onnx with -o".into()));
     }
     let input = load_model(&req.patch.model)?;
-    if input
-        .metadata_props
-        .iter()
-        .any(|p| p.key() == STEP_METADATA_KEY)
-    {
+    if is_step_graph(&input) {
         return Err(Error::AlreadyStepGraph {
             path: req.patch.model.clone(),
         });

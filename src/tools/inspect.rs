@@ -7,6 +7,7 @@ use crate::error::Error;
 use crate::graph::GraphIndex;
 use crate::io::model_io::{external_locations, load_model};
 use crate::onnx::default_opset;
+use crate::passes::contract::{Lora, QuantizeBase, StepMetadata};
 use crate::passes::pipeline::{logits_width, site_label};
 use crate::text::escape as esc;
 
@@ -73,7 +74,7 @@ pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
         });
         if let Some(q) = &quantized {
             // only QLoRA graphs carry the key: every other model's JSON stays as it was
-            v["quantize_base"] = q.clone();
+            v["quantize_base"] = serde_json::to_value(q).expect("plain data");
         }
         return Ok(serde_json::to_string_pretty(&v).expect("json"));
     }
@@ -127,67 +128,64 @@ pub fn inspect(path: &Path, json: bool) -> Result<String, Error> {
 }
 
 /// The `quantize_base` entry of a QLoRA step graph's metadata, if any.
-fn step_quantized_base(model: &crate::onnx::ModelProto) -> Option<serde_json::Value> {
-    let meta = crate::passes::step::step_metadata(model)?.ok()?;
-    meta.get("quantize_base").filter(|q| q.is_object()).cloned()
+fn step_quantized_base(model: &crate::onnx::ModelProto) -> Option<QuantizeBase> {
+    StepMetadata::of(model)?.ok()?.quantize_base
 }
 
-fn quantized_text(q: &serde_json::Value) -> String {
-    let layers = q["layers"].as_array().cloned().unwrap_or_default();
+/// A number as the metadata's JSON writes it (`32.0`, not `32`).
+fn json_number(x: f64) -> String {
+    serde_json::Value::from(x).to_string()
+}
+
+fn quantized_text(q: &QuantizeBase) -> String {
     let mut out = format!(
         "quantised base: {} in blocks of {}{}, {} layer(s), {} bytes before, {} after:\n",
-        q["quant_type"].as_str().unwrap_or("?"),
-        q["blocksize"],
-        if q["double_quant"] == true {
+        q.quant_type,
+        q.blocksize,
+        if q.double_quant {
             " (double quantisation)"
         } else {
             ""
         },
-        layers.len(),
-        q["bytes_before"],
-        q["bytes_after"]
+        q.layers.len(),
+        q.bytes_before,
+        q.bytes_after
     );
-    for x in layers {
-        let module = x["module"].as_str().unwrap_or("(no module path)");
+    for x in &q.layers {
+        let module = x.module.as_deref().unwrap_or("(no module path)");
         out.push_str(&format!(
             "  {} <- {} [{} x {}]\n",
             esc(module),
-            esc(x["weight"].as_str().unwrap_or("")),
-            x["shape"][0],
-            x["shape"][1]
+            esc(&x.weight),
+            x.shape[0],
+            x.shape[1]
         ));
     }
     out
 }
 
 /// The `lora` entry of a step graph's metadata, if any.
-fn step_lora(model: &crate::onnx::ModelProto) -> Option<serde_json::Value> {
-    let meta = crate::passes::step::step_metadata(model)?.ok()?;
-    meta.get("lora").filter(|l| l.is_object()).cloned()
+fn step_lora(model: &crate::onnx::ModelProto) -> Option<Lora> {
+    StepMetadata::of(model)?.ok()?.lora
 }
 
-fn lora_text(l: &serde_json::Value) -> String {
-    let layers = l["layers"].as_array().cloned().unwrap_or_default();
+fn lora_text(l: &Lora) -> String {
     let mut out = format!(
         "LoRA: r={} alpha={} scaling={}{}, {} adapted layer(s):\n",
-        l["r"],
-        l["lora_alpha"],
-        l["scaling"],
-        if l["use_rslora"] == true {
-            " (rsLoRA)"
-        } else {
-            ""
-        },
-        layers.len()
+        l.r,
+        json_number(l.lora_alpha),
+        json_number(l.scaling),
+        if l.use_rslora { " (rsLoRA)" } else { "" },
+        l.layers.len()
     );
-    for x in layers {
-        let module = x["module"].as_str().unwrap_or("(no module path)");
+    for x in &l.layers {
+        let module = x.module.as_deref().unwrap_or("(no module path)");
         out.push_str(&format!(
             "  {} <- {} [{} -> {}]\n",
             esc(module),
-            esc(x["weight"].as_str().unwrap_or("")),
-            x["in_features"],
-            x["out_features"]
+            esc(&x.weight),
+            x.in_features,
+            x.out_features
         ));
     }
     out

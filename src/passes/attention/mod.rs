@@ -17,6 +17,7 @@ use crate::error::Error;
 use crate::graph::patch::{apply, Patch};
 use crate::graph::GraphIndex;
 use crate::onnx::{default_opset, ModelProto, FLOAT};
+use crate::passes::contract;
 use crate::passes::fused_head::node::{tensor_info, Dim};
 
 /// `--attention`.
@@ -86,19 +87,23 @@ impl Outcome {
         }
     }
 
-    pub fn to_json(&self, opts: &AttentionOptions) -> serde_json::Value {
-        let left: Vec<serde_json::Value> = self
+    /// The metadata's and the summary's `attention`.
+    pub fn to_meta(&self, opts: &AttentionOptions) -> contract::Attention {
+        let left = self
             .left
             .iter()
-            .map(|(node, why)| serde_json::json!({"node": node, "why": why}))
+            .map(|(node, why)| contract::LeftAttention {
+                node: node.clone(),
+                why: why.clone(),
+            })
             .collect();
-        serde_json::json!({
-            "mode": opts.mode.name(),
-            "block": opts.block(),
-            "replaced": self.replaced,
-            "left": left,
-            "reason": self.reason,
-        })
+        contract::Attention {
+            mode: opts.mode.name().into(),
+            block: opts.block(),
+            replaced: self.replaced,
+            left,
+            reason: self.reason.clone(),
+        }
     }
 }
 

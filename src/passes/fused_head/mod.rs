@@ -66,48 +66,7 @@ pub enum Outcome {
 
 /// A fused head as the step graph's metadata records it (`ntl_step.fused_head`): enough for
 /// `validate` to compute the logits the graph no longer holds (`hidden · weight + bias`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct FusedView {
-    pub chunk_tokens: i64,
-    /// `[N, d]` hidden states in the cross-entropy's position order.
-    pub hidden: String,
-    pub weight: String,
-    pub trans_weight: bool,
-    /// Empty without a bias.
-    pub bias: String,
-    /// The cross-entropy's labels as the graph feeds them, and its class weights.
-    pub labels: String,
-    pub class_weights: Option<String>,
-}
-
-impl FusedView {
-    pub fn to_json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "chunk_tokens": self.chunk_tokens,
-            "hidden": self.hidden,
-            "weight": self.weight,
-            "trans_weight": self.trans_weight,
-            "bias": self.bias,
-            "labels": self.labels,
-            "class_weights": self.class_weights,
-        })
-    }
-
-    /// The view a step graph's metadata records, if its head is fused.
-    pub fn from_step_metadata(step: &serde_json::Value) -> Option<FusedView> {
-        let f = step.get("fused_head")?;
-        let s = |k: &str| f[k].as_str().map(str::to_string);
-        Some(FusedView {
-            chunk_tokens: f["chunk_tokens"].as_i64()?,
-            hidden: s("hidden")?,
-            weight: s("weight")?,
-            trans_weight: f["trans_weight"].as_bool()?,
-            bias: s("bias")?,
-            labels: s("labels")?,
-            class_weights: s("class_weights"),
-        })
-    }
-}
+pub use crate::passes::contract::FusedHead as FusedView;
 
 /// Positions per chunk for logits `width` wide.
 pub fn auto_chunk_tokens(width: i64) -> i64 {

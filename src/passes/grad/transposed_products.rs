@@ -58,11 +58,8 @@ pub fn fold(
     }
     gradient_of.retain(|_, g| !dropped.contains(g));
     let transposes: std::collections::HashSet<usize> = folds.iter().map(|&(_, k)| k).collect();
-    let mut k = 0;
-    nodes.retain(|_| {
-        k += 1;
-        !transposes.contains(&(k - 1))
-    });
+    let mut index = 0..;
+    nodes.retain(|_| !transposes.contains(&index.next().expect("unbounded")));
 }
 
 /// `Gemm(a, b)` with `transA=1` and nothing else: `aᵀ·b`.

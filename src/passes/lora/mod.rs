@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use crate::error::Error;
 use crate::graph::GraphIndex;
 use crate::onnx::{default_opset, ints_attr, ModelProto, NodeProto};
+use crate::passes::contract;
 use linear::{linear_layers, Linear};
 use ntl_ops::names::PREFIX;
 use ntl_ops::Builder;
@@ -97,36 +98,36 @@ impl Adapted {
     }
 
     /// The step graph's `lora` metadata (docs/STEP_GRAPH.md, read by the Python runners).
-    pub fn to_json(&self, o: &LoraOptions) -> serde_json::Value {
-        let layers: Vec<serde_json::Value> = self
+    pub fn to_meta(&self, o: &LoraOptions) -> contract::Lora {
+        let layers = self
             .adapters
             .iter()
             .map(|a| {
                 let l = &a.layer;
-                serde_json::json!({
-                    "module": l.module.as_ref().map(|(m, _)| m),
-                    "weight": l.weight,
-                    "lora_A": a.a,
-                    "lora_B": a.b,
-                    "in_features": l.in_features,
-                    "out_features": l.out_features,
-                    "weight_layout": l.layout.name(),
-                    "fan_in_fan_out": l.fan_in_fan_out(),
-                })
+                contract::LoraLayer {
+                    module: l.module.as_ref().map(|(m, _)| m.clone()),
+                    weight: l.weight.clone(),
+                    lora_a: a.a.clone(),
+                    lora_b: a.b.clone(),
+                    in_features: l.in_features,
+                    out_features: l.out_features,
+                    weight_layout: l.layout.name().into(),
+                    fan_in_fan_out: l.fan_in_fan_out(),
+                }
             })
             .collect();
-        serde_json::json!({
-            "r": o.r,
-            "lora_alpha": o.alpha,
-            "scaling": self.scaling,
-            "use_rslora": o.use_rslora,
-            "lora_dropout": o.dropout,
-            "target_modules": self.targets,
-            "init": "peft",
-            "seed": o.seed,
-            "bias": "none",
-            "layers": layers,
-        })
+        contract::Lora {
+            r: o.r,
+            lora_alpha: o.alpha,
+            scaling: self.scaling,
+            use_rslora: o.use_rslora,
+            lora_dropout: o.dropout,
+            target_modules: self.targets.clone(),
+            init: "peft".into(),
+            seed: o.seed,
+            bias: "none".into(),
+            layers,
+        }
     }
 }
 

@@ -38,6 +38,7 @@ use crate::onnx::{
     default_opset, int_attr, ints_attr, proto::tensor_proto::DataType, ModelProto, NodeProto,
     TensorProto, FLOAT, INT32,
 };
+use crate::passes::contract;
 use crate::passes::lora::linear::{linear_layers, Layout, Linear};
 use ntl_ops::names::PREFIX;
 use ntl_ops::Builder;
@@ -190,40 +191,38 @@ impl QuantizedBase {
     }
 
     /// The step graph's `quantize_base` metadata.
-    pub fn to_json(&self) -> serde_json::Value {
-        let layers: Vec<serde_json::Value> = self
+    pub fn to_meta(&self) -> contract::QuantizeBase {
+        let layers = self
             .weights
             .iter()
             .map(|w| {
-                let mut layer = serde_json::json!({
-                    "weight": w.weight,
-                    "module": w.module,
-                    "codes": w.codes,
-                    "shape": [w.out_features, w.in_features],
-                    "weight_layout": w.layout.name(),
-                });
                 // bitsandbytes' name where it is bitsandbytes' scheme
-                let scales = match self.options.scheme {
-                    Scheme::Nf4 => "absmax",
-                    Scheme::Int4 | Scheme::Int8 => "scales",
+                let (absmax, scales) = match self.options.scheme {
+                    Scheme::Nf4 => (Some(w.scales.clone()), None),
+                    Scheme::Int4 | Scheme::Int8 => (None, Some(w.scales.clone())),
                 };
-                layer[scales] = w.scales.clone().into();
-                layer
+                contract::QuantizedLayer {
+                    weight: w.weight.clone(),
+                    module: w.module.clone(),
+                    codes: w.codes.clone(),
+                    absmax,
+                    scales,
+                    shape: [w.out_features, w.in_features],
+                    weight_layout: w.layout.name().into(),
+                }
             })
             .collect();
-        let mut meta = serde_json::json!({
-            "quant_type": self.options.scheme.name(),
-            "blocksize": self.options.block,
-            "double_quant": self.options.double_quant,
-            "bytes_before": self.bytes_before,
-            "bytes_after": self.bytes_after,
-            "layers": layers,
-        });
-        match self.options.scheme.qmax() {
-            None => meta["code"] = nf4::NF4.to_vec().into(),
-            Some(qmax) => meta["qmax"] = qmax.into(),
+        let qmax = self.options.scheme.qmax().map(i64::from);
+        contract::QuantizeBase {
+            quant_type: self.options.scheme.name().into(),
+            blocksize: self.options.block,
+            double_quant: self.options.double_quant,
+            code: qmax.is_none().then(|| nf4::NF4.to_vec()),
+            qmax,
+            bytes_before: self.bytes_before,
+            bytes_after: self.bytes_after,
+            layers,
         }
-        meta
     }
 }
 

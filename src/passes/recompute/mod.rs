@@ -23,6 +23,7 @@ use crate::graph::hash::{HashMap, HashSet};
 use crate::graph::ranks::Ranks;
 use crate::graph::GraphIndex;
 use crate::onnx::{GraphProto, NodeProto, ValueInfoProto, BOOL, DOUBLE, FLOAT, FLOAT16, INT64};
+use crate::passes::contract;
 const BFLOAT16: i32 = crate::onnx::proto::tensor_proto::DataType::Bfloat16 as i32;
 use ntl_ops::Builder;
 
@@ -71,14 +72,15 @@ pub struct Outcome {
 }
 
 impl Outcome {
-    pub fn to_json(&self, mode: Mode) -> serde_json::Value {
-        serde_json::json!({
-            "mode": mode.name(),
-            "blocks": self.blocks,
-            "layers": self.layers,
-            "recomputed_nodes": self.recomputed_nodes,
-            "reason": self.reason,
-        })
+    /// The metadata's and the summary's `recompute`.
+    pub fn to_meta(&self, mode: Mode) -> contract::Recompute {
+        contract::Recompute {
+            mode: mode.name().into(),
+            blocks: self.blocks,
+            layers: self.layers.clone(),
+            recomputed_nodes: self.recomputed_nodes,
+            reason: self.reason.clone(),
+        }
     }
 }
 

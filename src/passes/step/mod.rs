@@ -20,10 +20,11 @@ use crate::graph::ranks::Ranks;
 use crate::graph::shapes::Shapes;
 use crate::graph::GraphIndex;
 use crate::onnx::{
-    default_opset, proto, GraphProto, ModelProto, StringStringEntryProto, TensorProto, TypeProto,
-    ValueInfoProto, FLOAT, INT64,
+    default_opset, proto, GraphProto, ModelProto, TensorProto, TypeProto, ValueInfoProto, FLOAT,
+    INT64,
 };
 use crate::passes::attention::{self, AttentionOptions};
+use crate::passes::contract::{self, StepMetadata};
 use crate::passes::fused_head::{self, FusedHeadOptions, FusedView, Outcome};
 use crate::passes::grad::{self, Ctx};
 use crate::passes::lora::{self, Adapted, LoraOptions};
@@ -42,18 +43,6 @@ use precision::upcast;
 pub use precision::Precision;
 use zero_state::ZeroState;
 
-/// Metadata key of step graphs.
-pub const STEP_METADATA_KEY: &str = "ntl_step";
-
-/// A step graph's `ntl_step` metadata: None where the model has none, an error where it is
-/// not JSON.
-pub fn step_metadata(model: &ModelProto) -> Option<serde_json::Result<serde_json::Value>> {
-    let entry = model
-        .metadata_props
-        .iter()
-        .find(|p| p.key() == STEP_METADATA_KEY)?;
-    Some(serde_json::from_str(entry.value()))
-}
 pub const LR_INPUT: &str = "ntl/lr";
 pub const STEP_INPUT: &str = "ntl/state/step";
 
@@ -149,9 +138,9 @@ pub struct Built {
     /// Where the optimizer state's zeros went (the step graph, or the update graph).
     pub zeros: ZeroState,
     pub fused_head_chunk_tokens: Option<i64>,
-    pub lora: Option<serde_json::Value>,
-    pub recompute: serde_json::Value,
-    pub attention: serde_json::Value,
+    pub lora: Option<contract::Lora>,
+    pub recompute: contract::Recompute,
+    pub attention: contract::Attention,
 }
 
 /// One stage of the step graph: it reads what earlier stages left in the context and leaves
@@ -250,11 +239,9 @@ struct StepCtx<'a> {
     /// The forward and backward retyped by autocast.
     mixed: Option<precision::Mixed>,
     state: OptimizerState,
-    meta: serde_json::Value,
-    lora_json: Option<serde_json::Value>,
+    /// The `ntl_step` metadata, from `describe` on; later stages add what they did.
+    meta: Option<StepMetadata>,
     update: Option<ModelProto>,
-    recompute_json: serde_json::Value,
-    attention_json: serde_json::Value,
 }
 
 impl<'a> StepCtx<'a> {
@@ -285,20 +272,20 @@ impl<'a> StepCtx<'a> {
             data_inputs: Vec::new(),
             mixed: None,
             state: OptimizerState::default(),
-            meta: serde_json::Value::Null,
-            lora_json: None,
+            meta: None,
             update: None,
-            recompute_json: serde_json::Value::Null,
-            attention_json: serde_json::Value::Null,
         }
+    }
+
+    /// The metadata, once `describe` made it.
+    fn meta(&mut self) -> &mut StepMetadata {
+        self.meta.as_mut().expect("described before")
     }
 
     /// The metadata written into the step graph, checked, and what the summary reports.
     fn finish(self) -> Result<Built, Error> {
-        self.model.metadata_props.push(StringStringEntryProto {
-            key: Some(STEP_METADATA_KEY.into()),
-            value: Some(self.meta.to_string()),
-        });
+        let meta = self.meta.expect("described before");
+        self.model.metadata_props.push(meta.entry());
         crate::graph::patch::check_consistency(self.model).map_err(Error::Inconsistent)?;
         let s = self.selection;
         Ok(Built {
@@ -311,9 +298,9 @@ impl<'a> StepCtx<'a> {
             update: self.update,
             zeros: self.zeros,
             fused_head_chunk_tokens: self.fused.map(|v| v.chunk_tokens),
-            lora: self.lora_json,
-            recompute: self.recompute_json,
-            attention: self.attention_json,
+            lora: meta.lora,
+            recompute: meta.recompute.expect("recompute_layers ran"),
+            attention: meta.attention.expect("lower_attention ran"),
         })
     }
 }
@@ -623,37 +610,60 @@ fn describe(ctx: &mut StepCtx) -> Result<(), Error> {
     let req = ctx.req;
     let s = &ctx.selection;
     let scale_state = ctx.scale_state.as_ref();
-    let mut meta = serde_json::json!({
-        "version": env!("CARGO_PKG_VERSION"),
-        "state": ctx.state.pairs.iter().map(|(i, o, _, _)| [i, o]).collect::<Vec<_>>(),
-        "parameters": s.params,
-        "frozen": s.frozen,
-        "buffers": s.buffers,
-        "optimizer": req.optimizer.to_json(),
-        "lr_input": LR_INPUT,
-        "losses": [ctx.loss, CE_OUTPUT, NUMBER_OUTPUT],
-        "data_inputs": ctx.data_inputs,
-        "split": req.split,
-        "precision": ctx.precision.name(),
-        "loss_scale": scale_state.map(|_| req.loss_scale.to_json()),
-        "skip_output": scale_state.map(|s| s.skipped.clone()),
+    ctx.meta = Some(StepMetadata {
+        version: env!("CARGO_PKG_VERSION").into(),
+        state: ctx
+            .state
+            .pairs
+            .iter()
+            .map(|(i, o, _, _)| (i.clone(), o.clone()))
+            .collect(),
+        parameters: s.params.clone(),
+        frozen: s.frozen.clone(),
+        buffers: s.buffers.clone(),
+        optimizer: Some(optimizer_meta(&req.optimizer)),
+        lr_input: ctx.state.lr.clone(),
+        losses: vec![ctx.loss.clone(), CE_OUTPUT.into(), NUMBER_OUTPUT.into()],
+        data_inputs: ctx.data_inputs.clone(),
+        split: req.split,
+        precision: ctx.precision.name().into(),
+        loss_scale: scale_state.map(|_| req.loss_scale.to_meta()),
+        skip_output: scale_state.map(|s| s.skipped.clone()),
+        step_input: Some(ctx.state.step.0.clone()),
+        loss_scale_input: scale_state.map(|s| s.scale.clone()),
+        // named by the update once it is emitted
+        grad_norm_sq: None,
+        found_inf: None,
+        fused_head: ctx.fused.clone(),
+        lora: ctx
+            .adapted
+            .as_ref()
+            .zip(req.lora.as_ref())
+            .map(|(a, o)| a.to_meta(o)),
+        quantize_base: ctx.quantized.as_ref().map(|q| q.to_meta()),
+        recompute: None,
+        attention: None,
+        in_place: None,
     });
-    if let Some(view) = &ctx.fused {
-        meta["fused_head"] = view.to_json();
-    }
-    ctx.lora_json = ctx
-        .adapted
-        .as_ref()
-        .zip(req.lora.as_ref())
-        .map(|(a, o)| a.to_json(o));
-    if let Some(l) = &ctx.lora_json {
-        meta["lora"] = l.clone();
-    }
-    if let Some(q) = &ctx.quantized {
-        meta["quantize_base"] = q.to_json();
-    }
-    ctx.meta = meta;
     Ok(())
+}
+
+/// The metadata's `optimizer`: torch's names.
+fn optimizer_meta(o: &OptimizerOptions) -> contract::Optimizer {
+    contract::Optimizer {
+        name: match o.kind {
+            OptimizerKind::AdamW => "adamw",
+            OptimizerKind::Sgd => "sgd",
+        }
+        .into(),
+        lr: o.lr,
+        beta1: Some(o.beta1),
+        beta2: Some(o.beta2),
+        eps: Some(o.eps),
+        weight_decay: Some(o.weight_decay),
+        momentum: Some(o.momentum),
+        max_grad_norm: o.max_grad_norm,
+    }
 }
 
 /// The optimizer update, into the step graph or (`--split`) into an update graph of its own;
@@ -690,7 +700,7 @@ fn split_update(ctx: &mut StepCtx) -> Result<(), Error> {
         (&state.step.0, &state.step.1),
         &state.lr,
         ctx.scale_state.as_ref(),
-        &mut ctx.meta,
+        ctx.meta.as_mut().expect("described before"),
         &mut ctx.zeros,
     )?);
     let graph = graph_mut(ctx.model);
@@ -726,7 +736,7 @@ fn split_update(ctx: &mut StepCtx) -> Result<(), Error> {
 fn inline_update(ctx: &mut StepCtx) -> Result<(), Error> {
     let (req, state) = (ctx.req, &ctx.state);
     let b = builder(&mut ctx.b);
-    {
+    let global = {
         let mut gctx = Ctx::new(b, &mut ctx.ranks, &ctx.shapes, &ctx.types, ctx.opset);
         emit_optimizer(
             &mut gctx,
@@ -735,8 +745,10 @@ fn inline_update(ctx: &mut StepCtx) -> Result<(), Error> {
             (&state.step.0, &state.step.1),
             &state.lr,
             ctx.scale_state.as_ref(),
-        );
-    }
+        )
+    };
+    let meta = ctx.meta.as_mut().expect("described before");
+    (meta.grad_norm_sq, meta.found_inf) = global;
     let graph = graph_mut(ctx.model);
     set_nodes(graph, ctx.mixed.take(), b);
     add_state_initializers(graph, &state.pairs, &mut ctx.zeros, req)?;
@@ -789,8 +801,7 @@ fn recompute_layers(ctx: &mut StepCtx) -> Result<(), Error> {
     };
     let recomputed = recompute::recompute(graph, &mut b, &req.recompute, &facts)?;
     ctx.warnings.extend(recomputed.warnings.iter().cloned());
-    ctx.recompute_json = recomputed.to_json(req.recompute.mode);
-    ctx.meta["recompute"] = ctx.recompute_json.clone();
+    ctx.meta().recompute = Some(recomputed.to_meta(req.recompute.mode));
     Ok(())
 }
 
@@ -798,8 +809,8 @@ fn recompute_layers(ctx: &mut StepCtx) -> Result<(), Error> {
 /// attention node like any other.
 fn lower_attention(ctx: &mut StepCtx) -> Result<(), Error> {
     attention::lower::lower(ctx.model, ctx.precision.half_type());
-    ctx.attention_json = ctx.attended.to_json(&ctx.req.attention);
-    ctx.meta["attention"] = ctx.attention_json.clone();
+    let attention = ctx.attended.to_meta(&ctx.req.attention);
+    ctx.meta().attention = Some(attention);
     Ok(())
 }
 
@@ -848,7 +859,8 @@ fn mark_in_place(ctx: &mut StepCtx) -> Result<(), Error> {
         .filter(|(i, _, _, _)| !params.contains(i.as_str()))
         .map(|(i, o, _, _)| (i.as_str(), o.as_str()))
         .collect();
-    ctx.meta["in_place"] = in_place::in_place_inputs(graph(ctx.model), &candidates).into();
+    let in_place = in_place::in_place_inputs(graph(ctx.model), &candidates);
+    ctx.meta().in_place = Some(in_place);
     Ok(())
 }
 
@@ -865,6 +877,11 @@ fn set_nodes(graph: &mut GraphProto, mixed: Option<precision::Mixed>, b: &mut Bu
         .extend(std::mem::take(&mut b.initializers));
 }
 
+/// The update's tensors that read every gradient, which a sharded trainer computes over all
+/// shards and feeds instead: the clipping's Σ‖g‖² and fp16's inf/NaN flag (the metadata's
+/// `grad_norm_sq` and `found_inf`).
+type GlobalTensors = (Option<String>, Option<String>);
+
 /// The optimizer update, behind fp16's loss scaling where there is one.
 fn emit_optimizer(
     ctx: &mut Ctx,
@@ -873,18 +890,24 @@ fn emit_optimizer(
     step: (&str, &str),
     lr: &str,
     scale_state: Option<&ScaleState>,
-) {
+) -> GlobalTensors {
     match scale_state {
-        Some(s) => loss_scale::emit_scaled_update(
-            ctx,
-            &req.optimizer,
-            &req.loss_scale,
-            updates,
-            step,
-            lr,
-            s,
+        Some(s) => {
+            let (norm_sq, found) = loss_scale::emit_scaled_update(
+                ctx,
+                &req.optimizer,
+                &req.loss_scale,
+                updates,
+                step,
+                lr,
+                s,
+            );
+            (norm_sq, Some(found))
+        }
+        None => (
+            emit_update(ctx, &req.optimizer, updates, step.0, step.1, lr),
+            None,
         ),
-        None => emit_update(ctx, &req.optimizer, updates, step.0, step.1, lr),
     }
 }
 
@@ -1004,7 +1027,7 @@ fn update_model(
     step: (&str, &str),
     lr: &str,
     scale_state: Option<&ScaleState>,
-    meta: &mut serde_json::Value,
+    meta: &mut StepMetadata,
     zeros: &mut ZeroState,
 ) -> Result<ModelProto, Error> {
     let opset = default_opset(model).expect("checked");
@@ -1032,10 +1055,10 @@ fn update_model(
             next_slots: u.next_slots.clone(),
         })
         .collect();
-    {
+    let global = {
         let mut ctx = Ctx::new(&mut b, &mut ranks, &shapes, &types, opset);
-        emit_optimizer(&mut ctx, req, &local, step, lr, scale_state);
-    }
+        emit_optimizer(&mut ctx, req, &local, step, lr, scale_state)
+    };
     let mut graph = GraphProto {
         name: Some("ntl_update".into()),
         node: b.nodes,
@@ -1071,7 +1094,11 @@ fn update_model(
         .iter()
         .map(|(i, o, _, _)| (i.as_str(), o.as_str()))
         .collect();
-    meta["in_place"] = in_place::in_place_inputs(&graph, &pairs).into();
+    // the gradient graph's metadata repeats the list; the update's own tensors are named in
+    // the update graph only
+    meta.in_place = Some(in_place::in_place_inputs(&graph, &pairs));
+    let mut update_meta = meta.clone();
+    (update_meta.grad_norm_sq, update_meta.found_inf) = global;
     let update = ModelProto {
         ir_version: model.ir_version,
         opset_import: model
@@ -1083,10 +1110,7 @@ fn update_model(
         producer_name: Some("ntl-patch".into()),
         producer_version: Some(env!("CARGO_PKG_VERSION").into()),
         graph: Some(graph),
-        metadata_props: vec![StringStringEntryProto {
-            key: Some(STEP_METADATA_KEY.into()),
-            value: Some(meta.to_string()),
-        }],
+        metadata_props: vec![update_meta.entry()],
         ..Default::default()
     };
     crate::graph::patch::check_consistency(&update).map_err(Error::Inconsistent)?;

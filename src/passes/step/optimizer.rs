@@ -55,7 +55,8 @@ pub struct ParamUpdate {
 }
 
 /// Emits the update of every parameter; `step` is the int64 step-count input, written
-/// incremented to `next_step`; `lr` the learning-rate input.
+/// incremented to `next_step`; `lr` the learning-rate input. Returns the clipping's Σ‖g‖²
+/// tensor (with `--max-grad-norm`), which the metadata names for sharded trainers.
 pub fn emit_update(
     ctx: &mut Ctx,
     opts: &OptimizerOptions,
@@ -63,21 +64,26 @@ pub fn emit_update(
     step: &str,
     next_step: &str,
     lr: &str,
-) {
+) -> Option<String> {
     let one_i = ctx.b.const_i64("opt/one", &[], &[1]);
     ctx.b.node_to("Add", &[step, &one_i], &[next_step], vec![]);
-    let grads = clip(ctx, opts, params);
+    let (grads, norm_sq) = clip(ctx, opts, params);
     match opts.kind {
         OptimizerKind::AdamW => adamw(ctx, opts, params, &grads, next_step, lr),
         OptimizerKind::Sgd => sgd(ctx, opts, params, &grads, lr),
     }
+    norm_sq
 }
 
 /// `clip_grad_norm_`: every gradient times `min(max_norm / (‖g‖ + 1e-6), 1)`, the norm over
-/// all trained parameters together.
-fn clip(ctx: &mut Ctx, opts: &OptimizerOptions, params: &[ParamUpdate]) -> Vec<String> {
+/// all trained parameters together. Returns the gradients to apply and the Σ‖g‖² tensor.
+fn clip(
+    ctx: &mut Ctx,
+    opts: &OptimizerOptions,
+    params: &[ParamUpdate],
+) -> (Vec<String>, Option<String>) {
     let Some(max_norm) = opts.max_grad_norm else {
-        return params.iter().map(|p| p.grad.clone()).collect();
+        return (params.iter().map(|p| p.grad.clone()).collect(), None);
     };
     let squares: Vec<String> = params
         .iter()
@@ -95,10 +101,11 @@ fn clip(ctx: &mut Ctx, opts: &OptimizerOptions, params: &[ParamUpdate]) -> Vec<S
     let coef = ctx.op("Div", &[&max, &denom], "opt/clip_coef");
     let one = ctx.f32(1.0);
     let coef = ctx.op("Min", &[&coef, &one], "opt/clip_coef_clamped");
-    params
+    let clipped = params
         .iter()
         .map(|p| ctx.op("Mul", &[&p.grad, &coef], "opt/clipped_grad"))
-        .collect()
+        .collect();
+    (clipped, Some(total))
 }
 
 fn adamw(

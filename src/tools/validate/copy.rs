@@ -13,8 +13,8 @@ use crate::onnx::{
     attr_i, i64_tensor, value_info_shape, GraphProto, ModelProto, NodeProto, ValueInfoProto, FLOAT,
     INT64,
 };
+use crate::passes::contract::StepMetadata;
 use crate::passes::fused_head::FusedView;
-use crate::passes::step::STEP_METADATA_KEY;
 use crate::tools::validate::emit::{Emitter, Out};
 use crate::tools::validate::meta::PatchMeta;
 use crate::tools::validate::noise::{self, Removed};
@@ -240,12 +240,7 @@ pub fn build(
 
 /// The fused LM head a step graph's metadata records, if any.
 fn fused_view(model: &ModelProto) -> Option<FusedView> {
-    let text = model
-        .metadata_props
-        .iter()
-        .find(|p| p.key() == STEP_METADATA_KEY)?
-        .value();
-    FusedView::from_step_metadata(&serde_json::from_str(text).ok()?)
+    StepMetadata::of(model)?.ok()?.fused_head
 }
 
 /// tract reads ONNX `Cast(to=INT64)` as a cast to its symbolic dimension type `TDim`, which

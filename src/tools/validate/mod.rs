@@ -195,11 +195,7 @@ pub fn run(req: &ValidateRequest) -> Result<Report, Error> {
     }
     checks.extend(recorded_checks(req, &model, &feeds.recorded, &outputs));
     let mut notes = Vec::new();
-    if model
-        .metadata_props
-        .iter()
-        .any(|p| p.key() == steps::STEP_METADATA_KEY)
-    {
+    if crate::passes::contract::is_step_graph(&model) {
         // Both runtimes train the tract-compatible copy (primitive-op cross-entropy).
         let tract_copy;
         let both = if req.runtime == Runtime::Tract {

@@ -11,7 +11,7 @@ use crate::tools::validate::report::{Against, Check};
 use crate::tools::validate::tensor::HostTensor;
 use crate::tools::validate::{ort_run, tract_run, Runtime, ValidateRequest};
 
-pub use crate::passes::step::STEP_METADATA_KEY;
+use crate::passes::contract::{StepMetadata, STEP_METADATA_KEY};
 
 const STEPS: usize = 3;
 /// Tolerance of the whole state's norm-relative difference (see `check`).
@@ -100,8 +100,8 @@ pub fn check(
 
 /// The half type a `--precision fp16|bf16` step graph computes in (its `ntl_step` metadata).
 pub fn half_type(model: &ModelProto) -> Option<i32> {
-    let meta = crate::passes::step::step_metadata(model)?.ok()?;
-    let precision = match meta["precision"].as_str()? {
+    let meta = StepMetadata::of(model)?.ok()?;
+    let precision = match meta.precision.as_str() {
         "fp16" => crate::passes::step::Precision::Fp16,
         "bf16" => crate::passes::step::Precision::Bf16,
         _ => return None,
@@ -115,17 +115,12 @@ type StateSlot = (String, String, HostTensor);
 /// The model with its state inputs made feedable (their initializers removed), and the
 /// initial state.
 fn stateful(copy: &ModelProto) -> Result<(ModelProto, Vec<StateSlot>), Error> {
-    let meta = copy
-        .metadata_props
-        .iter()
-        .find(|p| p.key() == STEP_METADATA_KEY)
-        .map(|p| p.value().to_string())
-        .unwrap_or_default();
-    let meta: serde_json::Value = serde_json::from_str(&meta).map_err(|e| {
-        Error::Validation(format!("unreadable '{STEP_METADATA_KEY}' metadata: {e}"))
-    })?;
-    let pairs: Vec<(String, String)> = serde_json::from_value(meta["state"].clone())
-        .map_err(|e| Error::Validation(format!("'{STEP_METADATA_KEY}' has no state list: {e}")))?;
+    let meta = StepMetadata::of(copy)
+        .ok_or_else(|| Error::Validation(format!("no '{STEP_METADATA_KEY}' metadata")))?
+        .map_err(|e| {
+            Error::Validation(format!("unreadable '{STEP_METADATA_KEY}' metadata: {e}"))
+        })?;
+    let pairs = meta.state;
     let mut model = copy.clone();
     let graph = model.graph.as_mut().expect("checked on load");
     let mut state = Vec::new();

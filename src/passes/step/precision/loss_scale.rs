@@ -10,6 +10,7 @@
 //!   (2) — unless that overflows float32, as `torch._amp_update_scale_` does.
 
 use crate::onnx::{BOOL, FLOAT, INT64};
+use crate::passes::contract;
 use crate::passes::grad::Ctx;
 
 use crate::passes::step::optimizer::{emit_update, OptimizerOptions, ParamUpdate};
@@ -39,11 +40,14 @@ impl Default for LossScaleOptions {
 }
 
 impl LossScaleOptions {
-    pub fn to_json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "init_scale": self.init_scale, "growth_factor": self.growth_factor,
-            "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
-        })
+    /// The metadata's `loss_scale`.
+    pub fn to_meta(&self) -> contract::LossScale {
+        contract::LossScale {
+            init_scale: self.init_scale,
+            growth_factor: self.growth_factor,
+            backoff_factor: self.backoff_factor,
+            growth_interval: self.growth_interval,
+        }
     }
 
     /// GradScaler's own checks: growth > 1, backoff in (0, 1), and values float32 holds.
@@ -83,6 +87,8 @@ pub struct ScaleState {
 
 /// The optimizer update of `params` on gradients scaled by `state.scale`: unscaled, checked
 /// for inf/NaN, applied only when all are finite; then the scale and its tracker updated.
+/// Returns the tensors the metadata names: the clipping's Σ‖g‖² (with `--max-grad-norm`) and
+/// the inf/NaN flag.
 pub fn emit_scaled_update(
     ctx: &mut Ctx,
     opts: &OptimizerOptions,
@@ -91,7 +97,7 @@ pub fn emit_scaled_update(
     step: (&str, &str),
     lr: &str,
     state: &ScaleState,
-) {
+) -> (Option<String>, String) {
     let found = found_inf(ctx, params);
     // 1/scale in float32, as GradScaler's inv_scale; exact for the powers of two it holds
     let inv = ctx.op("Reciprocal", &[&state.scale], "amp/inv_scale");
@@ -112,7 +118,7 @@ pub fn emit_scaled_update(
         .collect();
     let (step_in, step_out) = step;
     let tentative_step = ctx.b.fresh("amp/tentative_step");
-    emit_update(ctx, opts, &tentative, step_in, &tentative_step, lr);
+    let norm_sq = emit_update(ctx, opts, &tentative, step_in, &tentative_step, lr);
     // a skipped step keeps every state tensor
     let keep = |ctx: &mut Ctx, old: &str, new: &str, out: &str| {
         ctx.b.node_to("Where", &[&found, old, new], &[out], vec![]);
@@ -127,6 +133,7 @@ pub fn emit_scaled_update(
     update_scale(ctx, scaling, &found, state);
     ctx.b
         .node_to("Identity", &[&found], &[&state.skipped], vec![]);
+    (norm_sq, found)
 }
 
 /// True (bool scalar) when any gradient holds an inf or NaN: the sum of every |g| is then inf
