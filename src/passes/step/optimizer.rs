@@ -138,21 +138,16 @@ fn adamw(
     for (p, g) in params.iter().zip(grads) {
         let (m, v) = (&p.slots[0], &p.slots[1]);
         let mut gate = GradGate::new(p, g);
-        // torch: p.mul_(1 − lr·wd); m.lerp_(g, 1 − β1); v.mul_(β2).addcmul_(g, g, 1 − β2)
-        let decayed = match &decay {
-            Some(d) => {
-                let d = gate.pass(ctx, d, "opt/decay_gated");
-                ctx.op("Mul", &[&p.param, &d], "opt/decayed")
-            }
-            None => p.param.clone(),
-        };
+        // torch: p.mul_(1 − lr·wd); m.lerp_(g, 1 − β1); v.mul_(β2).addcmul_(g, g, 1 − β2).
+        // Written so each parameter-sized temporary dies before the next is made (the order
+        // runs them as written): g's last reader before v·β2, p·(1 − lr·wd) last of all.
         let gm = ctx.op("Sub", &[g, m], "opt/m_diff");
         let gm = ctx.op("Mul", &[&gm, &one_m_b1], "opt/m_step");
         ctx.b.node_to("Add", &[m, &gm], &[&p.next_slots[0]], vec![]);
-        let b2g = gate.pass(ctx, &b2c, "opt/beta2_gated");
-        let v1 = ctx.op("Mul", &[v, &b2g], "opt/v_decay");
         let gv = ctx.op("Mul", &[g, &one_m_b2], "opt/v_grad_scaled");
         let gv = ctx.op("Mul", &[&gv, g], "opt/v_grad");
+        let b2g = gate.pass(ctx, &b2c, "opt/beta2_gated");
+        let v1 = ctx.op("Mul", &[v, &b2g], "opt/v_decay");
         ctx.b
             .node_to("Add", &[&v1, &gv], &[&p.next_slots[1]], vec![]);
         // p ← p·(1 − lr·wd) − lr/bc1 · m / (√v/√bc2 + eps)
@@ -161,6 +156,13 @@ fn adamw(
         let denom = ctx.op("Add", &[&sv, &eps], "opt/denom");
         let ratio = ctx.op("Div", &[&p.next_slots[0], &denom], "opt/ratio");
         let delta = ctx.op("Mul", &[&ratio, &step_size], "opt/delta");
+        let decayed = match &decay {
+            Some(d) => {
+                let d = gate.pass(ctx, d, "opt/decay_gated");
+                ctx.op("Mul", &[&p.param, &d], "opt/decayed")
+            }
+            None => p.param.clone(),
+        };
         ctx.b
             .node_to("Sub", &[&decayed, &delta], &[&p.next_param], vec![]);
     }
