@@ -92,7 +92,7 @@ fn transformers_step_graphs_have_no_gpu_fallback() {
         ] {
             let o = bin()
                 .arg("inspect")
-                .arg(&out)
+                .arg(out)
                 .args(["--target", target, "--json"])
                 .assert()
                 .success();

@@ -249,14 +249,22 @@ class Attention:
     replaced: int
     left: list[LeftAttention]
     reason: str | None
+    # --attention onnx: forwards written as the ONNX Attention operator, and those that kept the
+    # blockwise forward (with why)
+    fused: int | None = None
+    blockwise_forward: list[LeftAttention] = ()
 
     @classmethod
     def parse(cls, d: dict) -> Attention:
         w = "attention."
-        left = [LeftAttention(_get(x, "node", str, w + "left."), _get(x, "why", str, w + "left."))
-                for x in _get(d, "left", list, w)]
-        return cls(_get(d, "mode", str, w), _get(d, "block", int, w), _get(d, "replaced", int, w), left,
-                   _get(d, "reason", str, w, None))
+
+        def listed(key: str, default=...) -> list[LeftAttention]:
+            return [LeftAttention(_get(x, "node", str, w + key + "."), _get(x, "why", str, w + key + "."))
+                    for x in _get(d, key, list, w, default)]
+
+        return cls(_get(d, "mode", str, w), _get(d, "block", int, w), _get(d, "replaced", int, w),
+                   listed("left"), _get(d, "reason", str, w, None), _get(d, "fused", int, w, None),
+                   listed("blockwise_forward", []))
 
 
 @dataclass(frozen=True)

@@ -184,9 +184,10 @@ struct StepArgs {
     #[arg(long, value_enum, default_value_t = RecomputeArg::Off)]
     recompute: RecomputeArg,
     /// Attention over blocks of query rows, never storing the [.., T, T] scores: the backward
-    /// recomputes each block's probabilities from the output and the rows' log-sum-exp. auto =
-    /// where the exported attention is recognised (others are left as exported and listed);
-    /// chunked = everywhere, an attention that cannot be is an error; eager = as exported.
+    /// recomputes each block's probabilities. auto = where the exported attention is recognised
+    /// (others are left as exported and listed); chunked = everywhere, an attention that cannot
+    /// be is an error; onnx = as auto, the forward as the ONNX Attention operator (opset 23+,
+    /// fused kernels on onnxruntime's CUDA provider); eager = as exported.
     #[arg(long, value_enum, default_value_t = AttentionArg::Auto)]
     attention: AttentionArg,
     /// Query rows per block of --attention [default: 1024].
@@ -265,6 +266,7 @@ enum RecomputeArg {
 enum AttentionArg {
     Auto,
     Chunked,
+    Onnx,
     Eager,
 }
 
@@ -946,6 +948,7 @@ fn step_request(args: StepArgs) -> Result<StepRequest, ntl_patch::Error> {
                 mode: match args.attention {
                     AttentionArg::Auto => AttentionMode::Auto,
                     AttentionArg::Chunked => AttentionMode::Chunked,
+                    AttentionArg::Onnx => AttentionMode::Onnx,
                     AttentionArg::Eager => AttentionMode::Eager,
                 },
                 block: args.attention_block,
@@ -1011,9 +1014,12 @@ fn step_summary_text(req: &StepRequest, s: &StepSummary) -> String {
         Some(why) => format!("{recompute}; recompute {why}"),
         None => recompute,
     };
-    let attention = match (s.attention.replaced, &s.attention.reason) {
-        (n, _) if n > 0 => format!("; attention blockwise in {n} layers"),
-        (_, Some(why)) => format!("; {why}"),
+    let attention = match (s.attention.replaced, &s.attention.reason, s.attention.fused) {
+        (n, _, Some(f)) if n > 0 => format!(
+            "; attention: the ONNX Attention operator's forward in {f} of {n} layers, the backward blockwise"
+        ),
+        (n, _, None) if n > 0 => format!("; attention blockwise in {n} layers"),
+        (_, Some(why), _) => format!("; {why}"),
         _ => String::new(),
     };
     let lora = match (&s.lora, &req.options.lora) {

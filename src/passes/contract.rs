@@ -214,6 +214,12 @@ pub struct Attention {
     pub replaced: usize,
     pub left: Vec<LeftAttention>,
     pub reason: Option<String>,
+    /// `--attention onnx`: how many forwards are the ONNX `Attention` operator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fused: Option<usize>,
+    /// `--attention onnx`: replaced attentions whose forward stays blockwise, and why.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub blockwise_forward: Vec<LeftAttention>,
 }
 
 /// An attention left as exported: its Softmax node and why.

@@ -327,6 +327,8 @@ impl Finder<'_, '_> {
                 rank,
                 block: 0,
                 declared_here: false,
+                fused: false,
+                same_batch: false,
             },
         })
     }

@@ -55,6 +55,9 @@ pub fn lower(model: &mut ModelProto, half: Option<i32>) {
             }
         }
         match (node.domain(), node.op_type()) {
+            (DOMAIN, FORWARD) if Attn::of(&node).fused => {
+                super::fused::forward(&mut b, &node, half)
+            }
             (DOMAIN, FORWARD) => forward(&mut b, &node, half),
             (DOMAIN, BACKWARD) => backward(&mut b, &node, half),
             _ => graph.node.push(node),
@@ -248,7 +251,7 @@ fn outer(b: &mut Builder, a: &Attn, half: Option<i32>) -> Outer {
     }
 }
 
-fn scale_op(a: &Attn) -> &'static str {
+pub(super) fn scale_op(a: &Attn) -> &'static str {
     if a.scale_divides {
         "Div"
     } else {
@@ -378,7 +381,7 @@ fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
 }
 
 /// `[.., 1, 1]` slices of the products' operands added: their broadcast batch shape `[..]`.
-fn batch_shape(b: &mut Builder, a: &Attn) -> String {
+pub(super) fn batch_shape(b: &mut Builder, a: &Attn) -> String {
     let corner = |b: &mut Builder, x: &str| {
         let zeros = b.const_i64("attention/corner_start", &[2], &[0, 0]);
         let ones = b.const_i64("attention/corner_end", &[2], &[1, 1]);
@@ -424,7 +427,7 @@ fn zero_row_after(b: &mut Builder, g: &str, rank: usize) -> String {
     b.concat(&[g, &row], r - 2, "attention/g_padded")
 }
 
-fn swap_last_two(b: &mut Builder, x: &str, rank: usize, hint: &str) -> String {
+pub(super) fn swap_last_two(b: &mut Builder, x: &str, rank: usize, hint: &str) -> String {
     let mut perm: Vec<i64> = (0..rank as i64).collect();
     perm.swap(rank - 2, rank - 1);
     b.transpose(x, &perm, hint)

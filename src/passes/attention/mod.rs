@@ -6,6 +6,7 @@
 //! backward does, in standard ONNX ops.
 
 mod find;
+mod fused;
 pub mod lower;
 pub mod node;
 
@@ -28,6 +29,9 @@ pub enum Mode {
     Auto,
     /// Blockwise everywhere: an attention-like softmax that cannot be is an error.
     Chunked,
+    /// As `Auto`, the forward written as the ONNX `Attention` operator (opset 23) where the
+    /// attention has its form (others keep the blockwise forward, listed); the backward blockwise.
+    Onnx,
     /// As exported.
     Eager,
 }
@@ -37,6 +41,7 @@ impl Mode {
         match self {
             Mode::Auto => "auto",
             Mode::Chunked => "chunked",
+            Mode::Onnx => "onnx",
             Mode::Eager => "eager",
         }
     }
@@ -76,6 +81,10 @@ pub struct Outcome {
     pub left: Vec<(String, String)>,
     /// Why `auto` left every attention as exported without looking (a step option).
     pub reason: Option<String>,
+    /// `--attention onnx`: how many forwards are the `Attention` operator.
+    pub fused: usize,
+    /// `--attention onnx`: replaced attentions whose forward stays blockwise: (node, why).
+    pub blockwise: Vec<(String, String)>,
 }
 
 impl Outcome {
@@ -97,12 +106,22 @@ impl Outcome {
                 why: why.clone(),
             })
             .collect();
+        let onnx = opts.mode == Mode::Onnx;
         contract::Attention {
             mode: opts.mode.name().into(),
             block: opts.block(),
             replaced: self.replaced,
             left,
             reason: self.reason.clone(),
+            fused: onnx.then_some(self.fused),
+            blockwise_forward: self
+                .blockwise
+                .iter()
+                .map(|(node, why)| contract::LeftAttention {
+                    node: node.clone(),
+                    why: why.clone(),
+                })
+                .collect(),
         }
     }
 }
@@ -121,6 +140,12 @@ pub fn replace(
         return Ok(Outcome::default());
     }
     let opset = default_opset(model).unwrap_or(ntl_ops::builder::MIN_OPSET);
+    if opts.mode == Mode::Onnx && opset < fused::MIN_OPSET {
+        return Err(Error::Usage(format!(
+            "--attention onnx writes the ONNX Attention operator (opset {m}), but the model's default opset is {opset}: re-export it with opset_version={m} or newer, or use --attention chunked (the same blockwise attention in standard ops of any opset)",
+            m = fused::MIN_OPSET
+        )));
+    }
     let graph = model.graph.as_ref().expect("loaded models have a graph");
     let index = GraphIndex::new(graph);
     let types = crate::graph::elem_types::ElemTypes::infer(graph);
@@ -143,9 +168,17 @@ pub fn replace(
     }
     let mut patch = Patch::default();
     let mut infos = Vec::new();
+    let mut blockwise = Vec::new();
+    let exact_types = (opts.mode == Mode::Onnx).then(|| fused::types(model));
     for site in &sites {
         let mut attn = site.attn.clone();
         attn.block = opts.block();
+        if let Some(exact) = &exact_types {
+            match fused::check(&attn, &index, &shapes, exact) {
+                Ok(same_batch) => (attn.fused, attn.same_batch) = (true, same_batch),
+                Err(why) => blockwise.push((softmax_of(graph, site), why)),
+            }
+        }
         let out = graph.node[site.value_product].output[0].clone();
         let name = b.fresh(node::FORWARD);
         // the product's proven shape, declared while the step is built: the backward then knows
@@ -172,6 +205,8 @@ pub fn replace(
         replaced: sites.len(),
         left: left.into_iter().map(|l| (l.softmax, l.why)).collect(),
         reason: None,
+        fused: sites.len() - blockwise.len(),
+        blockwise,
     };
     drop(index);
     if outcome.replaced > 0 {
@@ -184,6 +219,15 @@ pub fn replace(
         apply(model, patch)?;
     }
     Ok(outcome)
+}
+
+/// The name of a site's Softmax node.
+fn softmax_of(graph: &crate::onnx::GraphProto, site: &find::Site) -> String {
+    site.nodes
+        .iter()
+        .map(|&at| &graph.node[at])
+        .find(|n| n.op_type() == "Softmax")
+        .map_or_else(String::new, |n| n.name().to_string())
 }
 
 /// `t`'s dims as the graph proves them (symbols kept), unknown where it does not.

@@ -86,6 +86,11 @@ pub struct Attn {
     /// The output's shape was declared by the pass, for the backward only: its symbols are the
     /// graph inputs' names, which a runtime given concrete shapes cannot unify (tract).
     pub declared_here: bool,
+    /// `--attention onnx`: the forward is the ONNX `Attention` operator (`fused`), not a `Scan`.
+    pub fused: bool,
+    /// The query, keys and values provably share their batch and head axes (`fused` needs no
+    /// `Expand` to the scores' batch shape).
+    pub same_batch: bool,
 }
 
 impl Attn {
@@ -126,6 +131,8 @@ impl Attn {
             ),
             int_attr("block", self.block),
             int_attr("declared_here", self.declared_here as i64),
+            int_attr("fused", self.fused as i64),
+            int_attr("same_batch", self.same_batch as i64),
         ]
     }
 
@@ -166,6 +173,8 @@ impl Attn {
             rank: rank(4),
             block: attr_i(node, "block").unwrap_or(1024),
             declared_here: attr_i(node, "declared_here") == Some(1),
+            fused: attr_i(node, "fused") == Some(1),
+            same_batch: attr_i(node, "same_batch") == Some(1),
         }
     }
 

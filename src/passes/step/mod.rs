@@ -448,6 +448,12 @@ fn replace_attention(ctx: &mut StepCtx) -> Result<(), Error> {
             attended.left.len()
         ));
     }
+    if let Some((node, why)) = attended.blockwise.first() {
+        ctx.warnings.push(format!(
+            "--attention onnx: {} attention(s) keep the blockwise forward in standard ops (e.g. at Softmax node '{node}': {why})",
+            attended.blockwise.len()
+        ));
+    }
     ctx.attended = attended;
     graph_mut(ctx.model).initializer.append(&mut b.initializers);
     Ok(())

@@ -1,0 +1,206 @@
+//! `--attention onnx`: the forward as the ONNX `Attention` operator (opset 23), which a runtime
+//! may run as one fused kernel (onnxruntime's CUDA provider: flash or memory-efficient
+//! attention); the backward stays the blockwise recomputation in standard ops (`lower`), since
+//! the operator has no gradient. `check` says whether a recognised attention has the operator's
+//! form, `forward` writes it.
+//!
+//! The operator computes `softmax(Q·Kᵀ·scale + mask)·V` over `[batch, heads, T, head_size]`
+//! operands. The export's scalar scale multiplies the query (in float32, as the blockwise
+//! forward does) and the operator's `scale` is 1; its masks become one additive float mask,
+//! term by term in the graph's order: a bias is added (subtracted), and a `Where` that fills the
+//! scores with −∞ or a value ≤ −1e30 (`finfo.min`) keeps the mask where it keeps the scores and
+//! takes the fill value elsewhere — `s + fill` rounds to the fill value, so the scores are the
+//! export's. A fill with any other value is not additive: that attention keeps the blockwise
+//! forward, and the step says why.
+
+use ntl_ops::Builder;
+
+use super::lower::{batch_shape, scale_op, swap_last_two};
+use super::node::{Attn, TermKind};
+use crate::graph::elem_types::TypeNames;
+use crate::graph::shapes::{Dim, Shapes};
+use crate::graph::GraphIndex;
+use crate::onnx::{float_attr, int_attr, NodeProto, FLOAT};
+
+/// The opset that has the `Attention` operator.
+pub const MIN_OPSET: i64 = 23;
+
+/// A fill value at or below this is −∞ to the softmax: `s + fill` rounds to `fill` for any
+/// score below 1e22 in magnitude (float32's spacing at 1e30 is 2^76).
+const FILL_AT_MOST: f64 = -1e30;
+
+/// Whether `a` has the operator's form; Ok(same_batch) where it does, the reason where not.
+/// `types`: the op schemas' types (exact where the passes' rule guesses past a second output).
+pub fn check(
+    a: &Attn,
+    index: &GraphIndex,
+    shapes: &Shapes,
+    types: &TypeNames,
+) -> Result<bool, String> {
+    if [a.q_rank, a.kt_rank, a.v_rank, a.rank] != [4; 4] {
+        return Err(format!(
+            "the Attention operator takes [batch, heads, T, head_size] operands; the query, keys and values here have ranks {}, {} and {}",
+            a.q_rank, a.kt_rank, a.v_rank
+        ));
+    }
+    for x in [&a.q, &a.kt, &a.v] {
+        match types.get(x) {
+            Some("float") => {}
+            other => {
+                return Err(format!(
+                    "'{x}' is of type {} where the operator is written for float32 graphs (and --precision)",
+                    other.unwrap_or("unknown")
+                ))
+            }
+        }
+    }
+    if !a.scale.is_empty() && a.scale_rank != 0 {
+        return Err(format!(
+            "the scores' scale '{}' has axes (the operator's scale is one number)",
+            a.scale
+        ));
+    }
+    if !a.terms.is_empty() && a.terms.iter().flat_map(|t| &t.ranks).all(|&r| r < 2) {
+        return Err(
+            "the masks have no row and key axes (the operator's mask has at least two)".into(),
+        );
+    }
+    for t in &a.terms {
+        if !matches!(t.kind, TermKind::Keep | TermKind::Fill) {
+            continue;
+        }
+        let value = &t.inputs[1];
+        let fills = crate::ce::forms::constant_numbers(index, value);
+        match fills {
+            Some(v) if !v.is_empty() && v.iter().all(|&x| x <= FILL_AT_MOST) => {}
+            _ => {
+                return Err(format!(
+                    "a Where fills the scores with '{value}', not a constant of −∞ or at most −1e30 (the operator's mask adds to the scores)"
+                ))
+            }
+        }
+    }
+    Ok(same_batch(a, shapes))
+}
+
+/// Whether the query, keys and values provably share their batch and head axes.
+fn same_batch(a: &Attn, shapes: &Shapes) -> bool {
+    let dims = [&a.q, &a.kt, &a.v].map(|x| shapes.get(x));
+    let [Some(q), Some(k), Some(v)] = dims else {
+        return false;
+    };
+    (0..2).all(|i| {
+        let d = q.get(i);
+        d.is_some_and(|d| *d != Dim::Unknown) && k.get(i) == d && v.get(i) == d
+    })
+}
+
+/// The exact types `check` reads.
+pub fn types(model: &crate::onnx::ModelProto) -> TypeNames {
+    let opsets: std::collections::HashMap<String, i64> = model
+        .opset_import
+        .iter()
+        .map(|o| {
+            (
+                ntl_ops::schema::canonical_domain(o.domain()).to_string(),
+                o.version(),
+            )
+        })
+        .collect();
+    let graph = model.graph.as_ref().expect("loaded models have a graph");
+    TypeNames::infer(graph, &opsets, ntl_ops::schema::schemas())
+}
+
+/// Writes the `Attention` node (and what feeds it) for the internal forward `node`.
+pub fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
+    let a = Attn::of(node);
+    let compute = |b: &mut Builder, x: &str| match half {
+        Some(h) => b.cast(x, h, "attention/half"),
+        None => x.to_string(),
+    };
+    let q = if a.scale.is_empty() {
+        a.q.clone()
+    } else {
+        // in float32 (a half query arrives as it is): the scale itself is not rounded
+        let q = match half {
+            Some(_) => b.cast(&a.q, FLOAT, "attention/q_f"),
+            None => a.q.clone(),
+        };
+        b.binary(scale_op(&a), &q, &a.scale, "attention/q_scaled")
+    };
+    let mut q = compute(b, &q);
+    let kt = compute(b, &a.kt);
+    let mut k = swap_last_two(b, &kt, 4, "attention/k");
+    let mut v = compute(b, &a.v);
+    if !a.same_batch {
+        // the operator does not broadcast its operands' batch and head axes
+        let batch = batch_shape(b, &a);
+        for x in [&mut q, &mut k, &mut v] {
+            let shape = b.node("Shape", &[x], "attention/operand_shape", vec![]);
+            let tail = b.slice(&shape, 2, 4, 0, "attention/operand_tail");
+            let target = b.concat(&[&batch, &tail], 0, "attention/operand_target");
+            *x = b.node("Expand", &[x, &target], "attention/operand", vec![]);
+        }
+    }
+    let mask = additive_mask(b, &a).map(|m| compute(b, &m));
+    let mut attrs = vec![float_attr("scale", 1.0)];
+    if half.is_some() {
+        // the softmax in float32, as autocast's eager attention computes it
+        attrs.push(int_attr("softmax_precision", FLOAT as i64));
+    }
+    let inputs = [
+        q.as_str(),
+        k.as_str(),
+        v.as_str(),
+        mask.as_deref().unwrap_or(""),
+    ];
+    let inputs = if mask.is_some() {
+        &inputs[..]
+    } else {
+        &inputs[..3]
+    };
+    let out = &node.output[0];
+    if half.is_none() && !a.nan_to_zero {
+        b.node_to("Attention", inputs, &[out], attrs);
+        return;
+    }
+    let mut y = b.node("Attention", inputs, "attention/fused", attrs);
+    if half.is_some() {
+        if !a.nan_to_zero {
+            b.node_to("Cast", &[&y], &[out], vec![int_attr("to", FLOAT as i64)]);
+            return;
+        }
+        y = b.cast(&y, FLOAT, "attention/fused_f");
+    }
+    // a row with every key masked: torch's SDPA export (and the blockwise forward) gives zeros
+    let nan = b.unary("IsNaN", &y, "attention/fused_nan");
+    let zero = b.scalar_f32("attention/fused_zero", 0.0);
+    b.node_to("Where", &[&nan, &zero, &y], &[out], vec![]);
+}
+
+/// The export's masks as one float32 mask added to the scores (None without masks).
+fn additive_mask(b: &mut Builder, a: &Attn) -> Option<String> {
+    let mut mask: Option<String> = None;
+    for t in &a.terms {
+        let x = &t.inputs[0];
+        let so_far = |b: &mut Builder, m: &Option<String>| match m {
+            Some(m) => m.clone(),
+            None => b.scalar_f32("attention/mask_zero", 0.0),
+        };
+        mask = Some(match (t.kind, &mask) {
+            (TermKind::Add, None) => x.clone(),
+            (TermKind::Add, Some(m)) => b.binary("Add", m, x, "attention/mask"),
+            (TermKind::Sub, None) => b.unary("Neg", x, "attention/mask"),
+            (TermKind::Sub, Some(m)) => b.binary("Sub", m, x, "attention/mask"),
+            (TermKind::Keep, m) => {
+                let m = so_far(b, m);
+                b.where_(x, &m, &t.inputs[1], "attention/mask")
+            }
+            (TermKind::Fill, m) => {
+                let m = so_far(b, m);
+                b.where_(x, &t.inputs[1], &m, "attention/mask")
+            }
+        });
+    }
+    mask
+}
