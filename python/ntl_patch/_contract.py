@@ -252,19 +252,21 @@ class Attention:
     # --attention onnx: forwards written as the ONNX Attention operator, and those that kept the
     # blockwise forward (with why)
     fused: int | None = None
-    blockwise_forward: list[LeftAttention] = ()
+    blockwise_forward: list[LeftAttention] | None = None
 
     @classmethod
     def parse(cls, d: dict) -> Attention:
         w = "attention."
 
-        def listed(key: str, default=...) -> list[LeftAttention]:
-            return [LeftAttention(_get(x, "node", str, w + key + "."), _get(x, "why", str, w + key + "."))
-                    for x in _get(d, key, list, w, default)]
+        def listed(key: str, default=...) -> list[LeftAttention] | None:
+            items = _get(d, key, list, w, default)
+            return None if items is None else [
+                LeftAttention(_get(x, "node", str, w + key + "."), _get(x, "why", str, w + key + "."))
+                for x in items]
 
         return cls(_get(d, "mode", str, w), _get(d, "block", int, w), _get(d, "replaced", int, w),
                    listed("left"), _get(d, "reason", str, w, None), _get(d, "fused", int, w, None),
-                   listed("blockwise_forward", []))
+                   listed("blockwise_forward", None))
 
 
 @dataclass(frozen=True)

@@ -317,3 +317,210 @@ def test_validate_runs_it_in_onnxruntime(built):
     r = run_patch(["validate", path, "--tokenizer", TOKENIZER])
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode != 0 and len(lines) == 1 and "--runtime ort" in lines[0], r.stderr
+
+
+# ---------------------------------------------------------------------------- the operator exported
+
+
+def _exported_operator(src: Path, out: Path, variant: str) -> Path:
+    """The Llama fixture (opset 23) with each attention written as the ONNX Attention operator,
+    as torch's dynamo exporter writes SDPA at opset 23: Q, and K and V before GQA's repeat (2
+    query heads, 1 key/value head), the model's mask as `attn_mask` — float (`float_mask`), or
+    bool, true where it is 0 (`bool_mask`) —, or no mask and `is_causal=1` (`causal`: the
+    reference batches have no padding, so the model's mask is causal); the scale as an attribute,
+    or left to the operator's default 1/√16 (`bool_mask`). The replaced nodes and what only they
+    read are removed."""
+    m = onnx.load(str(src))
+    g = m.graph
+    prod = {o: n for n in g.node for o in n.output}
+    readers: dict = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+
+    def before_repeat(t: str) -> str:
+        while prod[t].op_type != "Unsqueeze":
+            t = prod[t].input[0]
+        return prod[t].input[0]
+
+    drop, at_value_product, made = set(), {}, set()
+    for sm in [n for n in g.node if n.op_type == "Softmax"]:
+        add = prod[sm.input[0]]            # scores + mask
+        mul = prod[add.input[0]]           # product · scale
+        qk = prod[mul.input[0]]
+        scale = float(numpy_helper.to_array(prod[mul.input[1]].attribute[0].t))
+        chain, p = [qk, mul, add, sm], sm
+        while p.op_type != "MatMul" or p is sm:
+            p = readers[p.output[0]][0]
+            chain.append(p)
+        pv = chain[-1]
+        q, k, v, mask = qk.input[0], before_repeat(qk.input[1]), before_repeat(pv.input[1]), add.input[1]
+        attrs = {} if variant == "bool_mask" else {"scale": scale}
+        inputs, nodes = [q, k, v], []
+        if variant == "float_mask":
+            inputs.append(mask)
+        elif variant == "bool_mask":
+            zero, keep = mask + "_zero", mask + "_keep"
+            if keep not in made:
+                made.add(keep)
+                g.initializer.append(numpy_helper.from_array(np.array(0, np.float32), zero))
+                nodes.append(onnx.helper.make_node("Equal", [mask, zero], [keep]))
+            inputs.append(keep)
+        else:
+            attrs["is_causal"] = 1
+        nodes.append(onnx.helper.make_node("Attention", inputs, [pv.output[0]], name=sm.name + "_sdpa", **attrs))
+        at_value_product[id(pv)] = nodes
+        drop |= {id(n) for n in chain}
+    nodes = []
+    for n in g.node:
+        if id(n) in at_value_product:
+            nodes.extend(at_value_product[id(n)])
+        elif id(n) not in drop:
+            nodes.append(n)
+    outputs = {o.name for o in g.output}
+    while True:  # what only the replaced nodes read
+        read = {i for n in nodes for i in n.input}
+        alive = [n for n in nodes if any(o in read or o in outputs for o in n.output)]
+        if len(alive) == len(nodes):
+            break
+        nodes = alive
+    del g.node[:]
+    g.node.extend(nodes)
+    onnx.save(m, str(out))
+    return out
+
+
+@pytest.mark.parametrize("variant", ["float_mask", "bool_mask", "causal"])
+def test_exported_operator_trains(variant, tmp_path):
+    """An exported Attention operator keeps its forward and gets the blockwise gradient (GQA's
+    heads summed per group, the causal and the bool mask as −∞ fills, the default scale): the
+    gradients equal those of the fixture's eager graph (the same model, decomposed as torch's
+    opset-18 export writes it) and torch's float64 ones within 1e-5. Can fail: checked with the
+    causal mask's comparison reversed (`Less(cols, rows)`: `causal` 1.4 apart)."""
+    src = _opset_23("llama_dynamo", tmp_path / "llama.onnx")
+    model = _exported_operator(src, tmp_path / f"{variant}.onnx", variant)
+    assert [n.op_type for n in onnx.load(str(model)).graph.node].count("Attention") == LAYERS
+    out, eager = tmp_path / "o.grad.onnx", tmp_path / "e.grad.onnx"
+    s = _step(model, out, "--split", "--attention-block", "3")
+    _step(src, eager, "--split", *EAGER)
+    assert _ops(out).count("Attention") == LAYERS, "the exported operator keeps its forward"
+    assert s["attention"]["replaced"] == 0, s["attention"]
+    ref = _hf_reference("llama_dynamo")
+    batch = [(ref["batch/input_ids"], ref["batch/labels"])]
+    le, ge = _run(eager, batch, tmp_path)
+    lo, go = _run(out, batch, tmp_path)
+    worst, err = _grad_err(ge, go)
+    print(f"{variant}: losses {_loss_err(le, lo):.2e}, gradients worst {worst} {err:.2e}")
+    assert _loss_err(le, lo) <= RTOL and err <= RTOL, (le, lo, worst, err)
+    want = {p: ref[f"grad/wasserstein/float64/{p}"] for p in go}
+    worst, err = _grad_err(want, go)
+    assert err <= RTOL, ("vs torch float64", worst, err)
+
+
+def _one_layer_gqa(out: Path, operator: bool) -> Path:
+    """A one-layer LM over the fixtures' 48-token vocabulary with grouped-query attention, 4
+    query heads over 2 key/value heads (head size 4), causal: as the ONNX Attention operator
+    (`operator`, the default scale), or decomposed as Hugging Face's eager attention writes it
+    (each key/value head repeated for the 2 query heads of its group — query head h reads key
+    head h ÷ 2 —, the scores scaled by 1/√4, an additive finfo.min mask above the diagonal,
+    Softmax, ·V). The same random weights in both."""
+    from onnx import helper as h, TensorProto as TP
+    rng = np.random.default_rng(7)
+    w = {"emb": rng.normal(0, 0.5, (48, 16)), "wq": rng.normal(0, 0.3, (16, 16)),
+         "wk": rng.normal(0, 0.3, (16, 8)), "wv": rng.normal(0, 0.3, (16, 8)),
+         "wo": rng.normal(0, 0.3, (16, 16)), "head": rng.normal(0, 0.3, (16, 48))}
+    inits = [numpy_helper.from_array(v.astype(np.float32), k) for k, v in w.items()]
+
+    def const(name, v):
+        inits.append(numpy_helper.from_array(np.array(v, np.int64), name))
+    const("heads_q", [0, 0, 4, 4]), const("heads_kv", [0, 0, 2, 4]), const("merged", [0, 0, 16])
+    const("flat_logits", [-1, 48]), const("flat_labels", [-1])
+    n = [h.make_node("Gather", ["emb", "input_ids"], ["x"]),
+         h.make_node("MatMul", ["x", "wq"], ["q0"]), h.make_node("Reshape", ["q0", "heads_q"], ["q1"]),
+         h.make_node("Transpose", ["q1"], ["q"], perm=[0, 2, 1, 3])]
+    for t in "kv":
+        n += [h.make_node("MatMul", ["x", f"w{t}"], [f"{t}0"]),
+              h.make_node("Reshape", [f"{t}0", "heads_kv"], [f"{t}1"]),
+              h.make_node("Transpose", [f"{t}1"], [t], perm=[0, 2, 1, 3])]
+    if operator:
+        n.append(h.make_node("Attention", ["q", "k", "v"], ["y"], is_causal=1))
+    else:
+        const("group_axis", [2]), const("group", [1, 1, 2, 1, 1]), const("zero", 0), const("one", 1)
+        const("row_axis", [1])
+        inits.append(numpy_helper.from_array(np.array(0.5, np.float32), "scale"))
+        inits.append(numpy_helper.from_array(np.array(np.finfo(np.float32).min, np.float32), "min"))
+        inits.append(numpy_helper.from_array(np.array(0, np.float32), "fzero"))
+        n += [h.make_node("Shape", ["q"], ["q_shape"])]
+        for t in "kv":
+            n += [h.make_node("Unsqueeze", [t, "group_axis"], [f"{t}_wide"]),
+                  h.make_node("Expand", [f"{t}_wide", "group"], [f"{t}_rep5"]),
+                  h.make_node("Reshape", [f"{t}_rep5", "q_shape"], [f"{t}_rep"])]
+        n += [h.make_node("Transpose", ["k_rep"], ["kt"], perm=[0, 1, 3, 2]),
+              h.make_node("MatMul", ["q", "kt"], ["s0"]), h.make_node("Mul", ["s0", "scale"], ["s1"]),
+              h.make_node("Shape", ["input_ids"], ["ids_shape"], start=1, end=2),
+              h.make_node("Squeeze", ["ids_shape"], ["t"]),
+              h.make_node("Range", ["zero", "t", "one"], ["pos"]),
+              h.make_node("Unsqueeze", ["pos", "row_axis"], ["rows"]),
+              h.make_node("Less", ["rows", "pos"], ["future"]),
+              h.make_node("Where", ["future", "min", "fzero"], ["mask"]),
+              h.make_node("Add", ["s1", "mask"], ["s"]), h.make_node("Softmax", ["s"], ["p"], axis=-1),
+              h.make_node("MatMul", ["p", "v_rep"], ["y"])]
+    n += [h.make_node("Transpose", ["y"], ["y1"], perm=[0, 2, 1, 3]),
+          h.make_node("Reshape", ["y1", "merged"], ["y2"]), h.make_node("MatMul", ["y2", "wo"], ["o"]),
+          h.make_node("Add", ["x", "o"], ["x2"]), h.make_node("MatMul", ["x2", "head"], ["logits"]),
+          h.make_node("Reshape", ["logits", "flat_logits"], ["logits2"]),
+          h.make_node("Reshape", ["labels", "flat_labels"], ["labels2"]),
+          h.make_node("SoftmaxCrossEntropyLoss", ["logits2", "labels2"], ["loss"], ignore_index=-100)]
+    ids = [h.make_tensor_value_info(x, TP.INT64, ["B", "T"]) for x in ("input_ids", "labels")]
+    graph = h.make_graph(n, "gqa", ids, [h.make_tensor_value_info("loss", TP.FLOAT, [])], inits)
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 23)])
+    model.ir_version = 10
+    onnx.save(model, str(out))
+    return out
+
+
+def test_exported_operator_groups_query_heads_as_onnx_does(tmp_path):
+    """4 query heads over 2 key/value heads, 7 positions in blocks of 4: the operator's
+    gradients equal the decomposed model's (eager), so query head h reads key head h ÷ 2 (not
+    h mod 2) in the backward too, and each key/value head's gradient sums its group's. Can fail:
+    checked with the heads repeated as a tile (`Unsqueeze` at axis 1 in `repeat_heads`: 1.6 apart)."""
+    op = _one_layer_gqa(tmp_path / "op.onnx", operator=True)
+    eager = _one_layer_gqa(tmp_path / "eager.onnx", operator=False)
+    out, ref = tmp_path / "o.grad.onnx", tmp_path / "e.grad.onnx"
+    _step(op, out, "--split", "--attention-block", "4")
+    s = _step(eager, ref, "--split", *EAGER)
+    assert s["attention"]["replaced"] == 0
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 48, (2, 7)).astype(np.int64)
+    y = np.roll(x, -1, axis=1)
+    y[:, -1] = -100
+    le, ge = _run(ref, [(x, y)], tmp_path)
+    lo, go = _run(out, [(x, y)], tmp_path)
+    worst, err = _grad_err(ge, go)
+    print(f"GQA 4/2: losses {_loss_err(le, lo):.2e}, gradients worst {worst} {err:.2e}")
+    assert _loss_err(le, lo) <= RTOL and err <= RTOL, (le, lo, worst, err)
+
+
+@pytest.mark.parametrize("case", ["softcap", "past_key", "present_key"])
+def test_exported_operator_it_cannot_differentiate_is_refused(case, tmp_path):
+    """An Attention node the blockwise gradient does not cover (a softcap; a key/value cache
+    input; a present key/value output read) is a one-line error naming the node and the fix,
+    exit 1, nothing written."""
+    m = onnx.load(str(_one_layer_gqa(tmp_path / "op.onnx", operator=True)))
+    node = next(n for n in m.graph.node if n.op_type == "Attention")
+    node.name = "sdpa"
+    if case == "softcap":
+        node.attribute.append(onnx.helper.make_attribute("softcap", 30.0))
+    elif case == "past_key":
+        node.input.extend(["", "k", "v"])
+    else:
+        node.output.append("present")
+        m.graph.output.append(onnx.helper.make_tensor_value_info("present", onnx.TensorProto.FLOAT, None))
+    src = tmp_path / f"{case}.onnx"
+    onnx.save(m, str(src))
+    out = tmp_path / "out" / "m.step.onnx"
+    out.parent.mkdir()
+    r = _step(src, out, ok=False)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 1 and len(lines) == 1 and "'sdpa'" in lines[0], r.stderr
+    assert list(out.parent.iterdir()) == []

@@ -48,6 +48,8 @@ pub struct Ctx<'a> {
     /// off where autocast will make it half (onnxruntime's CPU Gemm loses precision in
     /// float16 that its MatMul keeps).
     pub weight_grads_by_gemm: bool,
+    /// Query rows per block of an exported `Attention` operator's blockwise gradient.
+    pub attention_block: i64,
 }
 
 /// A gradient that is zero except at a few places along one axis: `updates` belong at
@@ -81,6 +83,7 @@ impl<'a> Ctx<'a> {
             gradient_of: HashMap::new(),
             sparse_rows: HashSet::new(),
             weight_grads_by_gemm: true,
+            attention_block: crate::passes::attention::DEFAULT_BLOCK,
         }
     }
 

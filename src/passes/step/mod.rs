@@ -514,6 +514,7 @@ fn differentiate(ctx: &mut StepCtx) -> Result<(), Error> {
     let b = builder(&mut ctx.b);
     let mut gctx = Ctx::new(b, &mut ctx.ranks, &ctx.shapes, &ctx.types, ctx.opset);
     gctx.weight_grads_by_gemm = ctx.precision.half_type().is_none();
+    gctx.attention_block = ctx.req.attention.block.unwrap_or(attention::DEFAULT_BLOCK);
     let seed = ctx.scale_state.as_ref().map(|s| s.scale.as_str());
     ctx.grads = grad::differentiate(
         &mut gctx,

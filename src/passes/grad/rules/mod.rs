@@ -110,6 +110,7 @@ pub fn rule(op: &str) -> Option<Rule> {
         "Pad" => r(first, shape::pad),
         crate::passes::fused_head::node::FORWARD => r(fused::inputs, fused::fused_head),
         crate::passes::attention::node::FORWARD => r(attention::inputs, attention::attention),
+        "Attention" => r(attention::onnx_inputs, attention::onnx_attention),
         _ => None,
     }
 }
