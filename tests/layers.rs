@@ -1,7 +1,8 @@
 //! The layering of `src/` (ARCHITECTURE.md): each stage imports only itself and the stages
 //! below it, and no module of a stage imports a module that imports it back (no circles).
 //! Inside `src/passes/` the same holds for its parts, in the order `PASSES` gives. Read from the
-//! source text: every `crate::stage::module` path and every `super::module`.
+//! source text: every `crate::stage::module` path and every `super::module`. And no code outside
+//! `src/graph/` splices a node list by hand: `graph::patch` is the one way to edit a graph.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -380,4 +381,114 @@ fn the_detector_sees_an_arrow_back_up_and_a_circle() {
             "passes::step imports jobs",
         ]
     );
+}
+
+/// A node list changed in place: the `Vec` methods that add, remove or reorder nodes, and the
+/// whole list taken, replaced or assigned. Matched on the code with its whitespace removed
+/// (rustfmt breaks `graph\n.node\n.retain(` over lines). Editing one node's fields is not
+/// splicing and is not matched.
+const NODE_LIST_EDITS: [&str; 19] = [
+    ".node.push(",
+    ".node.insert(",
+    ".node.extend(",
+    ".node.append(",
+    ".node.retain(",
+    ".node.retain_mut(",
+    ".node.remove(",
+    ".node.swap_remove(",
+    ".node.splice(",
+    ".node.drain(",
+    ".node.truncate(",
+    ".node.clear(",
+    ".node.split_off(",
+    ".node.pop(",
+    ".node.sort",
+    ".node.reverse(",
+    ".node.swap(",
+    ".node.dedup",
+    ".node.resize",
+];
+
+/// Where a file's code splices a node list by hand, one line per kind of edit.
+fn node_list_edits(text: &str) -> Vec<String> {
+    let flat: String = code(text).chars().filter(|c| !c.is_whitespace()).collect();
+    let mut found: Vec<String> = NODE_LIST_EDITS
+        .iter()
+        .filter(|e| flat.contains(*e))
+        .map(|e| e.to_string())
+        .collect();
+    // `.node = nodes` (not `.node == x`)
+    if flat
+        .match_indices(".node=")
+        .any(|(i, _)| !flat[i + 6..].starts_with('='))
+    {
+        found.push(".node =".into());
+    }
+    // `std::mem::take(&mut graph.node)`, `mem::replace(&mut g.node, …)`, `mem::swap`
+    for f in ["mem::take(&mut", "mem::replace(&mut", "mem::swap(&mut"] {
+        for (i, _) in flat.match_indices(f) {
+            let arg = &flat[i + f.len()..];
+            let arg = &arg[..arg.find([')', ',']).unwrap_or(arg.len())];
+            if arg.ends_with(".node") {
+                found.push(format!("{f} ….node)"));
+            }
+        }
+    }
+    found
+}
+
+/// Code outside `src/graph/` that still edits a node list itself: the file, the edit, and why.
+const SPLICES_OUTSIDE_GRAPH: [(&str, &str, &str); 1] = [(
+    "src/passes/step/mod.rs",
+    ".node =",
+    "`set_nodes`: autocast returns the whole forward and backward retyped, a new list, not edits",
+)];
+
+#[test]
+fn only_graph_patch_splices_nodes() {
+    let mut files = Vec::new();
+    rust_files(Path::new("src"), &mut files);
+    files.sort();
+    let mut wrong = Vec::new();
+    for f in files.iter().filter(|f| !f.starts_with("src/graph")) {
+        let path = f.to_string_lossy().to_string();
+        let allowed: Vec<&str> = SPLICES_OUTSIDE_GRAPH
+            .iter()
+            .filter(|(p, _, _)| *p == path)
+            .map(|(_, edit, _)| *edit)
+            .collect();
+        let edits = node_list_edits(&std::fs::read_to_string(f).unwrap());
+        let by_hand: Vec<&String> = edits
+            .iter()
+            .filter(|e| !allowed.contains(&e.as_str()))
+            .collect();
+        if !by_hand.is_empty() {
+            let by_hand: Vec<&str> = by_hand.iter().map(|e| e.as_str()).collect();
+            wrong.push(format!("{path}: {}", by_hand.join(", ")));
+        }
+        for edit in allowed.iter().filter(|a| !edits.iter().any(|e| e == *a)) {
+            wrong.push(format!(
+                "{path} no longer does '{edit}': take it off SPLICES_OUTSIDE_GRAPH"
+            ));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "node lists spliced outside src/graph/ (build a graph::patch::Splice and call splice):\n{}",
+        wrong.join("\n")
+    );
+}
+
+#[test]
+fn the_splice_detector_sees_hand_splices() {
+    let by_hand = "let old = std::mem::take(&mut graph.node);\n\
+                   graph\n    .node\n    .retain(|n| keep(n));\n\
+                   model.graph.node = nodes; // a comment: graph.node.push(x)\n\
+                   if g.node == other.node {}";
+    assert_eq!(
+        node_list_edits(by_hand),
+        [".node.retain(", ".node =", "mem::take(&mut ….node)"]
+    );
+    assert!(node_list_edits("for n in &mut graph.node { n.name = None; }").is_empty());
+    assert!(node_list_edits("b.nodes.push(n); let x = std::mem::take(&mut b.nodes);").is_empty());
 }

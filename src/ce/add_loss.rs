@@ -8,6 +8,7 @@
 //! take it unchanged.
 
 use crate::error::Error;
+use crate::graph::patch::{splice, Splice};
 use crate::graph::GraphIndex;
 use crate::onnx::proto::type_proto;
 use crate::onnx::{
@@ -101,7 +102,7 @@ pub fn add_loss(model: &mut ModelProto, shift: bool) -> Result<String, Error> {
             string_attr("reduction", "mean"),
         ],
     );
-    graph.node.extend(b.nodes);
+    splice(graph, Splice::append(b.nodes));
     graph.initializer.extend(b.initializers);
     graph.input.push(labels_input(&logits_vi));
     graph.output.insert(0, scalar_value_info(LOSS, elem));

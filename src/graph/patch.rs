@@ -1,10 +1,12 @@
-//! A patch is a value: the nodes, initializers and outputs a loss adds, and the one node it
-//! replaces. Applying it is the only place the model is changed, and every application ends
-//! with a consistency check of the whole graph.
+//! The one place a graph's node list changes. A patch is a value: the nodes, initializers and
+//! outputs a loss adds, and the nodes it replaces; applying it ends with a consistency check of
+//! the whole graph. A [`Splice`] is its node part, which the passes that build the step graph
+//! apply on their own (the graph is checked once it is whole).
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 
 use super::hash::{map_with_capacity, HashMap};
+use super::reads::{outer_reads, rename_reads};
 
 use crate::error::Error;
 use crate::onnx::{
@@ -25,24 +27,105 @@ pub struct Patch {
     pub metadata: Vec<(String, String)>,
 }
 
-pub fn apply(model: &mut ModelProto, patch: Patch) -> Result<(), Error> {
-    let graph = model.graph.as_mut().expect("loaded models have a graph");
-    // One pass over the nodes from the first replaced one, linear in the graph (splicing each
-    // replacement in turn is quadratic for graphs with many cross-entropies); the nodes before
-    // stay where they are (a loss is usually near the end of a graph of millions of nodes).
-    let mut replacements: std::collections::BTreeMap<usize, Vec<NodeProto>> =
-        patch.replacements.into_iter().collect();
-    let first = replacements.keys().next().map_or(graph.node.len(), |&i| i);
-    let tail = graph.node.split_off(first.min(graph.node.len()));
-    graph
-        .node
-        .reserve(tail.len() + replacements.values().map(Vec::len).sum::<usize>());
-    for (i, node) in (first..).zip(tail) {
-        match replacements.remove(&i) {
-            Some(nodes) => graph.node.extend(nodes),
-            None => graph.node.push(node),
+/// Node edits by position in the node list as it is: the one way nodes enter, leave or
+/// move in a graph (`apply` for a model's patch, the passes for the step graph they build).
+#[derive(Debug, Default)]
+pub struct Splice {
+    /// The node at a position is replaced by these nodes (none: it is removed).
+    pub replace: BTreeMap<usize, Vec<NodeProto>>,
+    /// Nodes inserted before the node at a position (before a replacement's nodes); at the
+    /// node count or past it, appended.
+    pub before: BTreeMap<usize, Vec<NodeProto>>,
+    /// Each kept node's reads of a key, inside its subgraphs too, read the value instead
+    /// (not the nodes the splice adds: they are written with the names they read).
+    pub renames: std::collections::HashMap<String, String>,
+}
+
+impl Splice {
+    /// `nodes` inserted before the node at `at` (`usize::MAX`: appended).
+    pub fn insert(at: usize, nodes: Vec<NodeProto>) -> Splice {
+        Splice {
+            before: BTreeMap::from([(at, nodes)]),
+            ..Default::default()
         }
     }
+
+    /// `nodes` appended after the last node.
+    pub fn append(nodes: Vec<NodeProto>) -> Splice {
+        Splice::insert(usize::MAX, nodes)
+    }
+
+    /// The nodes of `graph` that `gone` picks, removed.
+    pub fn remove(graph: &GraphProto, gone: impl Fn(&NodeProto) -> bool) -> Splice {
+        let picked = graph.node.iter().enumerate().filter(|(_, n)| gone(n));
+        Splice {
+            replace: picked.map(|(i, _)| (i, Vec::new())).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// Each node at a position replaced by its nodes.
+    pub fn replace(replace: impl IntoIterator<Item = (usize, Vec<NodeProto>)>) -> Splice {
+        Splice {
+            replace: replace.into_iter().collect(),
+            ..Default::default()
+        }
+    }
+}
+
+/// Applies `edits` to `graph`'s nodes in one pass from the first edited one (the nodes before
+/// stay where they are: a loss is usually near the end of a graph of millions of nodes), so
+/// any number of edits costs one walk.
+pub fn splice(graph: &mut GraphProto, edits: Splice) {
+    let Splice {
+        mut replace,
+        mut before,
+        renames,
+    } = edits;
+    let first = if renames.is_empty() {
+        let first_key = |m: &BTreeMap<usize, Vec<NodeProto>>| m.keys().next().copied();
+        [first_key(&replace), first_key(&before)]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(graph.node.len())
+    } else {
+        0
+    }
+    .min(graph.node.len());
+    let tail = graph.node.split_off(first);
+    let added = replace
+        .values()
+        .chain(before.values())
+        .map(Vec::len)
+        .sum::<usize>();
+    graph.node.reserve(tail.len() + added);
+    for (i, mut node) in (first..).zip(tail) {
+        if let Some(nodes) = before.remove(&i) {
+            graph.node.extend(nodes);
+        }
+        match replace.remove(&i) {
+            Some(nodes) => graph.node.extend(nodes),
+            None => {
+                if !renames.is_empty() {
+                    rename_reads(&mut node, &renames);
+                }
+                graph.node.push(node)
+            }
+        }
+    }
+    for nodes in before.into_values() {
+        graph.node.extend(nodes);
+    }
+}
+
+pub fn apply(model: &mut ModelProto, patch: Patch) -> Result<(), Error> {
+    let graph = model.graph.as_mut().expect("loaded models have a graph");
+    let edits = Splice {
+        replace: patch.replacements.into_iter().collect(),
+        ..Default::default()
+    };
+    splice(graph, edits);
     graph.initializer.extend(patch.initializers);
     graph.output.extend(patch.outputs);
     model.metadata_props.extend(
@@ -140,7 +223,7 @@ pub fn topological_sort(graph: &mut GraphProto) {
                 .input
                 .iter()
                 .all(|i| i.is_empty() || defined.contains(i))
-                && outer_references(&node).iter().all(|i| defined.contains(*i));
+                && outer_reads(&node).iter().all(|i| defined.contains(*i));
             if ready {
                 defined.extend(node.output.iter().cloned());
                 graph.node.push(node);
@@ -157,58 +240,6 @@ pub fn topological_sort(graph: &mut GraphProto) {
     }
 }
 
-/// Every name a node's subgraphs mention as an input or a body output, nested bodies included:
-/// a superset of `outer_references` (a body's own names count too) for passes that only ask
-/// whether some outer tensor is read in there.
-pub fn names_read_by_subgraphs(node: &NodeProto) -> Vec<String> {
-    let mut out = Vec::new();
-    for a in &node.attribute {
-        for g in a.g.iter().chain(a.graphs.iter()) {
-            for n in &g.node {
-                out.extend(n.input.iter().cloned());
-                out.extend(names_read_by_subgraphs(n));
-            }
-            out.extend(g.output.iter().map(|o| o.name().to_string()));
-        }
-    }
-    out
-}
-
-/// The enclosing graph's tensors a node's subgraphs (`Scan`, `Loop`, `If` bodies) read: names
-/// their nodes use that the bodies do not define themselves.
-pub fn outer_references(node: &NodeProto) -> Vec<&str> {
-    fn walk<'g>(g: &'g GraphProto, outer: &mut Vec<&'g str>) {
-        let own: HashSet<&str> = g
-            .input
-            .iter()
-            .map(|v| v.name())
-            .chain(g.initializer.iter().map(|t| t.name()))
-            .chain(
-                g.node
-                    .iter()
-                    .flat_map(|n| n.output.iter().map(String::as_str)),
-            )
-            .collect();
-        for n in &g.node {
-            let mut inner = Vec::new();
-            for sub in n.attribute.iter().flat_map(|a| a.g.iter().chain(&a.graphs)) {
-                walk(sub, &mut inner);
-            }
-            let used = n.input.iter().map(String::as_str).chain(inner);
-            outer.extend(used.filter(|i| !i.is_empty() && !own.contains(i)));
-        }
-    }
-    let mut outer = Vec::new();
-    for sub in node
-        .attribute
-        .iter()
-        .flat_map(|a| a.g.iter().chain(&a.graphs))
-    {
-        walk(sub, &mut outer);
-    }
-    outer
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -219,6 +250,72 @@ mod tests {
             name: Some(name.into()),
             ..Default::default()
         }
+    }
+
+    fn identity(input: &str, output: &str) -> NodeProto {
+        NodeProto {
+            op_type: Some("Identity".into()),
+            input: vec![input.into()],
+            output: vec![output.into()],
+            ..Default::default()
+        }
+    }
+
+    fn outputs(graph: &GraphProto) -> Vec<&str> {
+        graph.node.iter().map(|n| n.output[0].as_str()).collect()
+    }
+
+    /// Insertions go before a replacement at the same position, past the end they are
+    /// appended, and an empty replacement removes the node.
+    #[test]
+    fn splice_inserts_replaces_and_removes_in_one_walk() {
+        let mut graph = GraphProto {
+            node: vec![identity("x", "a"), identity("a", "b"), identity("b", "c")],
+            ..Default::default()
+        };
+        let mut edits = Splice::replace([(1, vec![identity("a", "b")]), (2, Vec::new())]);
+        edits.before.insert(1, vec![identity("x", "i")]);
+        edits.before.insert(usize::MAX, vec![identity("b", "z")]);
+        splice(&mut graph, edits);
+        assert_eq!(outputs(&graph), ["a", "i", "b", "z"]);
+        splice(&mut graph, Splice::append(vec![identity("z", "last")]));
+        assert_eq!(outputs(&graph), ["a", "i", "b", "z", "last"]);
+        let gone = Splice::remove(&graph, |n| n.input[0] == "z");
+        splice(&mut graph, gone);
+        splice(&mut graph, Splice::insert(0, vec![identity("x", "first")]));
+        let gone = Splice::remove(&graph, |n| n.input[0] == "b");
+        splice(&mut graph, gone);
+        assert_eq!(outputs(&graph), ["first", "a", "i", "b"]);
+    }
+
+    /// Renames reach the kept nodes' inputs and their subgraphs' reads, not the nodes the
+    /// splice adds.
+    #[test]
+    fn splice_renames_the_kept_readers_only() {
+        use crate::onnx::proto::AttributeProto;
+        let mut branch = identity("unused", "o");
+        branch.attribute.push(AttributeProto {
+            name: Some("then_branch".into()),
+            g: Some(GraphProto {
+                node: vec![identity("w", "inner")],
+                output: vec![value_info("inner")],
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let mut graph = GraphProto {
+            node: vec![identity("w", "a"), branch],
+            ..Default::default()
+        };
+        let edits = Splice {
+            before: BTreeMap::from([(0, vec![identity("w", "wide")])]),
+            renames: [("w".to_string(), "wide".to_string())].into(),
+            ..Default::default()
+        };
+        splice(&mut graph, edits);
+        assert_eq!(graph.node[0].input, ["w"]);
+        assert_eq!(graph.node[1].input, ["wide"]);
+        assert_eq!(outer_reads(&graph.node[2]), ["wide"]);
     }
 
     /// `apply` keeps the declarations of exactly what its consistency check counts as defined:

@@ -15,7 +15,7 @@ use ntl_ops::Builder;
 use crate::ce::site::CeSite;
 use crate::error::Error;
 use crate::graph::elem_types::ElemTypes;
-use crate::graph::patch::{apply, Patch, METADATA_KEY};
+use crate::graph::patch::{apply, splice, Patch, Splice, METADATA_KEY};
 use crate::graph::ranks::Ranks;
 use crate::graph::shapes::Shapes;
 use crate::graph::GraphIndex;
@@ -228,7 +228,7 @@ fn number_loss_gradient(
 ) -> Result<grad::Parts, Error> {
     // ranks, shapes and types of the loss's tensors: the training graph with its nodes after it
     let mut graph = index.graph.clone();
-    graph.node.extend(forward.nodes.iter().cloned());
+    splice(&mut graph, Splice::append(forward.nodes.clone()));
     graph.initializer.extend(b.initializers.iter().cloned());
     let scratch = GraphIndex::new(&graph);
     let mut ranks = Ranks::infer(&scratch);

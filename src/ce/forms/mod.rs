@@ -23,6 +23,7 @@ mod match_ops;
 use std::collections::BTreeSet;
 
 use crate::error::Error;
+use crate::graph::patch::{splice, Splice};
 use crate::graph::GraphIndex;
 use crate::onnx::{int_attr, string_attr, ModelProto, NodeProto, INT64};
 use ntl_ops::names::PREFIX;
@@ -382,10 +383,14 @@ fn remove_dead(graph: &mut crate::onnx::GraphProto, removable: &BTreeSet<String>
         if dead.is_empty() {
             break;
         }
-        for i in dead.into_iter().rev() {
-            let node = graph.node.remove(i);
-            removable.extend(node.input.into_iter().filter(|x| !x.is_empty()));
+        for &i in dead.iter().rev() {
+            let inputs = graph.node[i].input.iter().filter(|x| !x.is_empty());
+            removable.extend(inputs.cloned());
         }
+        splice(
+            graph,
+            Splice::replace(dead.into_iter().map(|i| (i, Vec::new()))),
+        );
     }
     let read: BTreeSet<String> = graph
         .node

@@ -17,11 +17,13 @@
 use ntl_ops::names::PREFIX;
 use ntl_ops::Builder;
 
-use super::node::{Attn, TermKind, BACKWARD, DOMAIN, FORWARD};
+use super::node::{Attn, TermKind, DOMAIN, FORWARD};
+use crate::graph::patch::{splice, Splice};
 use crate::graph::GraphIndex;
 use crate::onnx::{default_opset, int_attr, GraphProto, ModelProto, NodeProto};
 use crate::onnx::{FLOAT, INT64};
 use crate::passes::fused_head::lower::{body, scan, Typed};
+use std::collections::BTreeMap;
 
 /// Replaces every internal attention node of the model's graph by its `Scan`.
 pub fn lower(model: &mut ModelProto, half: Option<i32>) {
@@ -44,26 +46,27 @@ pub fn lower(model: &mut ModelProto, half: Option<i32>) {
         .map(|n| n.output[0].clone())
         .collect();
     graph.value_info.retain(|v| !undeclared.contains(v.name()));
-    let old = std::mem::take(&mut graph.node);
-    for mut node in old {
-        if super::node::is_attention(&node) {
-            // q, kt, v: the half tensors themselves, not the precision pass's float32 copies
-            for x in node.input.iter_mut().take(3) {
-                if let Some(src) = widened.get(x.as_str()) {
-                    *x = src.clone();
-                }
+    // each attention node replaced by its lowering
+    let mut replace = BTreeMap::new();
+    for (i, node) in graph.node.iter().enumerate() {
+        if !super::node::is_attention(node) {
+            continue;
+        }
+        let mut node = node.clone();
+        // q, kt, v: the half tensors themselves, not the precision pass's float32 copies
+        for x in node.input.iter_mut().take(3) {
+            if let Some(src) = widened.get(x.as_str()) {
+                *x = src.clone();
             }
         }
-        match (node.domain(), node.op_type()) {
-            (DOMAIN, FORWARD) if Attn::of(&node).fused => {
-                super::fused::forward(&mut b, &node, half)
-            }
-            (DOMAIN, FORWARD) => forward(&mut b, &node, half),
-            (DOMAIN, BACKWARD) => backward(&mut b, &node, half),
-            _ => graph.node.push(node),
+        match node.op_type() {
+            FORWARD if Attn::of(&node).fused => super::fused::forward(&mut b, &node, half),
+            FORWARD => forward(&mut b, &node, half),
+            _ => backward(&mut b, &node, half),
         }
-        graph.node.append(&mut b.nodes);
+        replace.insert(i, std::mem::take(&mut b.nodes));
     }
+    splice(graph, Splice::replace(replace));
     graph.initializer.append(&mut b.initializers);
     drop_unread_casts(graph, &widened);
 }
@@ -96,7 +99,7 @@ fn drop_unread_casts(graph: &mut GraphProto, widened: &std::collections::HashMap
         .node
         .iter()
         .flat_map(|n| {
-            crate::graph::patch::outer_references(n)
+            crate::graph::reads::outer_reads(n)
                 .into_iter()
                 .map(str::to_string)
         })
@@ -107,9 +110,10 @@ fn drop_unread_casts(graph: &mut GraphProto, widened: &std::collections::HashMap
         .filter(|c| !read.contains(c.as_str()))
         .cloned()
         .collect();
-    graph
-        .node
-        .retain(|n| !(n.output.len() == 1 && unread.contains(&n.output[0])));
+    let gone = Splice::remove(graph, |n| {
+        n.output.len() == 1 && unread.contains(&n.output[0])
+    });
+    splice(graph, gone);
     graph.value_info.retain(|v| !unread.contains(v.name()));
 }
 

@@ -13,11 +13,13 @@ use ntl_ops::names::PREFIX;
 use ntl_ops::Builder;
 
 use super::node::{Head, BACKWARD, DOMAIN, FORWARD};
+use crate::graph::patch::{splice, Splice};
 use crate::graph::GraphIndex;
 use crate::onnx::{
     default_opset, graph_attr, int_attr, string_attr, GraphProto, ModelProto, NodeProto, FLOAT,
     INT64,
 };
+use std::collections::BTreeMap;
 
 /// Replaces every fused node of the model's graph by its `Scan` expansion: one `Scan` for the
 /// forward and the gradient together where the gradient's dense part is known before the
@@ -35,29 +37,32 @@ pub fn lower(model: &mut ModelProto, half: Option<i32>) {
         GraphIndex::new(graph).taken_names(PREFIX, &[]),
     );
     let merged = one_pass(graph);
-    let old = std::mem::take(&mut graph.node);
-    let forward_nodes: Vec<NodeProto> = old
+    let forward_nodes: Vec<&NodeProto> = graph
+        .node
         .iter()
         .filter(|n| (n.domain(), n.op_type()) == (DOMAIN, FORWARD))
-        .cloned()
         .collect();
-    for node in old {
+    // each fused node replaced by its lowering (a merged forward by nothing: its backward
+    // computes both)
+    let mut replace = BTreeMap::new();
+    for (i, node) in graph.node.iter().enumerate() {
         match (node.domain(), node.op_type()) {
             (DOMAIN, FORWARD) if merged.contains(&node.output[0]) => {}
-            (DOMAIN, FORWARD) => forward(&mut b, &node, half),
+            (DOMAIN, FORWARD) => forward(&mut b, node, half),
             (DOMAIN, BACKWARD) => {
                 let fwd = forward_nodes
                     .iter()
                     .find(|f| node.input.contains(&f.output[0]));
                 match fwd.filter(|f| merged.contains(&f.output[0])) {
-                    Some(f) => forward_and_backward(&mut b, f, &node, half),
-                    None => backward(&mut b, &node, half),
+                    Some(f) => forward_and_backward(&mut b, f, node, half),
+                    None => backward(&mut b, node, half),
                 }
             }
-            _ => graph.node.push(node),
+            _ => continue,
         }
-        graph.node.append(&mut b.nodes);
+        replace.insert(i, std::mem::take(&mut b.nodes));
     }
+    splice(graph, Splice::replace(replace));
     graph.initializer.append(&mut b.initializers);
     if !merged.is_empty() {
         // the forward's readers now wait for the merged Scan, placed where the gradient was

@@ -8,6 +8,7 @@
 
 use std::collections::BTreeSet;
 
+use crate::graph::patch::{splice, Splice};
 use crate::graph::GraphIndex;
 use crate::onnx::{attr_i, GraphProto, NodeProto};
 use ntl_ops::Builder;
@@ -100,16 +101,11 @@ pub fn split_to_sequence_as_slices(graph: &mut GraphProto, b: &mut Builder) {
                 && !index.is_graph_output(out)
         })
         .collect();
-    let mut new_nodes = Vec::with_capacity(graph.node.len());
-    let mut replaced = replaced.into_iter().peekable();
-    for (i, node) in std::mem::take(&mut graph.node).into_iter().enumerate() {
-        if replaced.peek().is_some_and(|(at, _)| *at == i) {
-            new_nodes.extend(replaced.next().expect("peeked").1);
-        } else if !dead.contains(&i) {
-            new_nodes.push(node);
-        }
+    let mut edits = Splice::replace(replaced);
+    for i in dead {
+        edits.replace.entry(i).or_default();
     }
-    graph.node = new_nodes;
+    splice(graph, edits);
 }
 
 fn pad_integers_through_double(graph: &mut GraphProto, b: &mut Builder) {
@@ -125,10 +121,9 @@ fn pad_integers_through_double(graph: &mut GraphProto, b: &mut Builder) {
         return;
     }
     let pending = std::mem::take(&mut b.nodes);
-    let mut nodes = Vec::with_capacity(graph.node.len());
-    for node in std::mem::take(&mut graph.node) {
-        let Some(t) = int_pad(&node) else {
-            nodes.push(node);
+    let mut replace = std::collections::BTreeMap::new();
+    for (i, node) in graph.node.iter().enumerate() {
+        let Some(t) = int_pad(node) else {
             continue;
         };
         let mut pad = node.clone();
@@ -145,9 +140,9 @@ fn pad_integers_through_double(graph: &mut GraphProto, b: &mut Builder) {
             &[&node.output[0]],
             vec![crate::onnx::int_attr("to", t as i64)],
         );
-        nodes.append(&mut b.nodes);
+        replace.insert(i, std::mem::take(&mut b.nodes));
     }
-    graph.node = nodes;
+    splice(graph, Splice::replace(replace));
     b.nodes = pending;
 }
 

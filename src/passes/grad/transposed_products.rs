@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use crate::graph::patch::names_read_by_subgraphs;
+use crate::graph::reads::outer_reads;
 use crate::onnx::{attr_i, attr_ints, NodeProto};
 
 /// Folds each such pair among `nodes[from..]` (the backward just emitted) whose product has
@@ -24,9 +24,9 @@ pub fn fold(
         for i in &n.input {
             *readers.entry(i.clone()).or_default() += 1;
         }
-        for i in names_read_by_subgraphs(n) {
+        for i in outer_reads(n) {
             // a product a subgraph reads is never folded
-            *readers.entry(i).or_default() += 2;
+            *readers.entry(i.to_string()).or_default() += 2;
         }
     }
     let producer: HashMap<&str, usize> = nodes[from..]

@@ -13,7 +13,7 @@ pub mod linear;
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::error::Error;
-use crate::graph::GraphIndex;
+use crate::graph::{patch, GraphIndex};
 use crate::onnx::{default_opset, ints_attr, ModelProto, NodeProto};
 use crate::passes::contract;
 use linear::{linear_layers, Linear};
@@ -322,17 +322,21 @@ pub fn insert(model: &mut ModelProto, o: &LoraOptions) -> Result<Adapted, Error>
         b.node_to("Add", &[&base, &scaled], &[&y], vec![]);
         after.insert(end, b.nodes.drain(start..).collect());
     }
-    let graph = model.graph.as_mut().expect("graph");
+    // each adapted layer writes its base output; the adapter's Add writes the name it wrote
+    let graph = model.graph.as_ref().expect("graph");
+    let mut replace = BTreeMap::new();
     for (i, base) in renamed {
-        graph.node[i].output[0] = base;
+        let mut node = graph.node[i].clone();
+        node.output[0] = base;
+        let mut nodes = vec![node];
+        nodes.extend(after.remove(&i).unwrap_or_default());
+        replace.insert(i, nodes);
     }
-    let old = std::mem::take(&mut graph.node);
-    for (i, node) in old.into_iter().enumerate() {
-        graph.node.push(node);
-        if let Some(mut extra) = after.remove(&i) {
-            graph.node.append(&mut extra);
-        }
-    }
+    patch::splice(
+        model.graph.as_mut().expect("graph"),
+        patch::Splice::replace(replace),
+    );
+    let graph = model.graph.as_mut().expect("graph");
     graph.initializer.append(&mut b.initializers);
     Ok(Adapted {
         targets,

@@ -32,7 +32,7 @@ mod symmetric;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use crate::error::Error;
-use crate::graph::patch::METADATA_KEY;
+use crate::graph::patch::{splice, Splice, METADATA_KEY};
 use crate::graph::GraphIndex;
 use crate::onnx::{
     default_opset, int_attr, ints_attr, proto::tensor_proto::DataType, ModelProto, NodeProto,
@@ -479,9 +479,7 @@ pub fn quantize(model: &mut ModelProto, o: &QuantizeOptions) -> Result<Quantized
     graph.initializer.retain(|t| !done.contains(t.name()));
     graph.input.retain(|i| !done.contains(i.name()));
     graph.initializer.append(&mut b.initializers);
-    let mut nodes = std::mem::take(&mut b.nodes);
-    nodes.append(&mut graph.node);
-    graph.node = nodes;
+    splice(graph, Splice::insert(0, std::mem::take(&mut b.nodes)));
     // int4 tensors exist from IR version 10 on; older versions are raised, nothing else changes
     let ir = model.ir_version.unwrap_or(0);
     let raised_ir = (o.scheme == Scheme::Int4 && ir < INT4_IR).then(|| {

@@ -16,7 +16,8 @@
 //! with its own `DequantizeLinear` of the stored codes, which onnxruntime (1.19, 1.31) does not
 //! merge (test_qlora_int.py checks the optimised graph).
 
-use crate::graph::patch::names_read_by_subgraphs;
+use crate::graph::patch::{splice, Splice};
+use crate::graph::reads::{outer_reads, rename_reads};
 use std::collections::{BTreeSet, HashMap, HashSet};
 
 use super::{is_chain_node, QuantizedBase};
@@ -52,15 +53,13 @@ pub fn dequantize_per_use(
         .iter()
         .flat_map(|w| w.chain.iter().map(String::as_str))
         .collect();
-    let mut producer: HashMap<String, NodeProto> = HashMap::new();
-    let mut rest = Vec::with_capacity(graph.node.len());
-    for n in std::mem::take(&mut graph.node) {
-        if is_chain_node(&n, &chain_tensors) {
-            producer.insert(n.output[0].clone(), n);
-        } else {
-            rest.push(n);
-        }
-    }
+    let is_chain = |n: &NodeProto| is_chain_node(n, &chain_tensors);
+    let producer: HashMap<String, NodeProto> = graph
+        .node
+        .iter()
+        .filter(|n| is_chain(n))
+        .map(|n| (n.output[0].clone(), n.clone()))
+        .collect();
     // each weight's recipe: its chain's nodes in order
     let mut recipes: HashMap<String, Vec<NodeProto>> = HashMap::new();
     for w in &q.weights {
@@ -73,7 +72,9 @@ pub fn dequantize_per_use(
             recipes.insert(w.weight.clone(), nodes);
         }
     }
-    graph.node = rest;
+    // the shared chains go: each reader gets a copy of its own
+    let shared = Splice::remove(graph, is_chain);
+    splice(graph, shared);
     let types = ElemTypes::infer(graph);
     let inits: HashSet<String> = graph
         .initializer
@@ -82,26 +83,28 @@ pub fn dequantize_per_use(
         .collect();
     let outputs: HashSet<String> = graph.output.iter().map(|o| o.name().to_string()).collect();
     let mut b = Builder::new(ntl_ops::names::PREFIX, opset, taken);
-    let mut nodes = Vec::with_capacity(graph.node.len());
+    // each reader of a chain's tensor replaced by its own copy of the chain and itself; a
+    // node joining a chain by nothing
+    let mut replace = std::collections::BTreeMap::new();
     let mut gone: BTreeSet<String> = recipes.keys().cloned().collect();
-    for mut node in std::mem::take(&mut graph.node) {
-        if joins_chain(&node, &recipes, &outputs) {
+    for (at, node) in graph.node.iter().enumerate() {
+        if joins_chain(node, &recipes, &outputs) {
             let mut recipe = recipes[&node.input[0]].clone();
             let out = node.output[0].clone();
-            recipe.push(node);
+            recipe.push(node.clone());
             gone.insert(out.clone());
             recipes.insert(out, recipe);
+            replace.insert(at, Vec::new());
             continue;
         }
         let wanted: BTreeSet<String> = node
             .input
             .iter()
             .cloned()
-            .chain(names_read_by_subgraphs(&node))
+            .chain(outer_reads(node).into_iter().map(str::to_string))
             .filter(|i| recipes.contains_key(i))
             .collect();
         if wanted.is_empty() {
-            nodes.push(node);
             continue;
         }
         let like = node
@@ -115,15 +118,18 @@ pub fn dequantize_per_use(
             })
             .cloned();
         let mut renames = HashMap::new();
+        let mut nodes = Vec::new();
         for t in wanted {
             let (mut copy, mine) = instantiate(&recipes[&t], like.as_deref(), &mut b);
             nodes.append(&mut copy);
             renames.insert(t, mine);
         }
-        rename_node_inputs(&mut node, &renames);
+        let mut node = node.clone();
+        rename_reads(&mut node, &renames);
         nodes.push(node);
+        replace.insert(at, nodes);
     }
-    graph.node = nodes;
+    splice(graph, Splice::replace(replace));
     graph.value_info.retain(|v| !gone.contains(v.name()));
 }
 
@@ -183,24 +189,4 @@ fn instantiate(
     }
     let last = out.last().expect("a chain has nodes").output[0].clone();
     (out, last)
-}
-
-fn rename_node_inputs(node: &mut NodeProto, renames: &HashMap<String, String>) {
-    for i in &mut node.input {
-        if let Some(w) = renames.get(i.as_str()) {
-            *i = w.clone();
-        }
-    }
-    for a in &mut node.attribute {
-        for g in a.g.iter_mut().chain(a.graphs.iter_mut()) {
-            for n in &mut g.node {
-                rename_node_inputs(n, renames);
-            }
-            for o in &mut g.output {
-                if let Some(w) = renames.get(o.name()) {
-                    o.name = Some(w.clone());
-                }
-            }
-        }
-    }
 }

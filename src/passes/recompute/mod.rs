@@ -20,7 +20,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::error::Error;
 use crate::graph::hash::{HashMap, HashSet};
+use crate::graph::patch;
 use crate::graph::ranks::Ranks;
+use crate::graph::reads::outer_reads;
 use crate::graph::GraphIndex;
 use crate::onnx::{GraphProto, NodeProto, ValueInfoProto, BOOL, DOUBLE, FLOAT, FLOAT16, INT64};
 use crate::passes::contract;
@@ -301,7 +303,8 @@ impl<'g> View<'g> {
         let outputs: HashSet<&str> = graph.output.iter().map(|o| o.name()).collect();
         let clonable = |n: &NodeProto| clonable(n, index);
         let types = crate::graph::elem_types::ElemTypes::infer(graph);
-        let in_subgraphs = subgraph_reads(graph);
+        // outer-scope reads keep their tensors as they are
+        let in_subgraphs: HashSet<&str> = graph.node.iter().flat_map(outer_reads).collect();
         let (read_elsewhere, first_backward_read) = self.block_readers(&producer, &block_at);
         let mut per_block: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
         for &p in &self.forward {
@@ -321,7 +324,7 @@ impl<'g> View<'g> {
                         && self.data.contains(*o)
                         && !read_elsewhere.contains(o)
                         && !outputs.contains(o)
-                        && !in_subgraphs.contains(*o)
+                        && !in_subgraphs.contains(o)
                         && first_backward_read.contains_key(o)
                 })
                 .collect();
@@ -422,25 +425,6 @@ fn clonable(n: &NodeProto, index: &GraphIndex) -> bool {
 /// masks are read as they are: a runtime must still see a shape's value.
 fn is_float(t: Option<i32>) -> bool {
     matches!(t, Some(FLOAT | DOUBLE | FLOAT16 | BFLOAT16))
-}
-
-/// Names read inside any node's subgraphs (outer-scope reads keep their tensors as they are).
-fn subgraph_reads(graph: &GraphProto) -> HashSet<String> {
-    fn walk(g: &GraphProto, out: &mut HashSet<String>) {
-        for n in &g.node {
-            for a in &n.attribute {
-                for sub in a.g.iter().chain(&a.graphs) {
-                    for m in &sub.node {
-                        out.extend(m.input.iter().cloned());
-                    }
-                    walk(sub, out);
-                }
-            }
-        }
-    }
-    let mut out = HashSet::default();
-    walk(graph, &mut out);
-    out
 }
 
 pub(crate) struct Plan {
@@ -549,24 +533,28 @@ fn apply(graph: &mut GraphProto, b: &mut Builder, plan: Plan) -> Result<Outcome,
         let emitted: Vec<NodeProto> = b.nodes.drain(emitted_before..).collect();
         inserts.entry(block.insert_at).or_default().extend(emitted);
     }
-    let old = std::mem::take(&mut graph.node);
-    let mut nodes = Vec::with_capacity(old.len() + inserts.values().map(Vec::len).sum::<usize>());
-    for (p, mut n) in old.into_iter().enumerate() {
-        if let Some(copies) = inserts.remove(&p) {
-            nodes.extend(copies);
+    // the backward reads the copies; the forward keeps reading what it computed
+    let mut replace = BTreeMap::new();
+    for (p, n) in graph.node.iter().enumerate() {
+        if plan.is_forward[p] || !n.input.iter().any(|i| renamed.contains_key(i.as_str())) {
+            continue;
         }
-        if !plan.is_forward[p] {
-            for i in n.input.iter_mut() {
-                if let Some(r) = renamed.get(i.as_str()) {
-                    *i = r.clone();
-                }
+        let mut n = n.clone();
+        for i in n.input.iter_mut() {
+            if let Some(r) = renamed.get(i.as_str()) {
+                *i = r.clone();
             }
         }
-        nodes.push(n);
+        replace.insert(p, vec![n]);
     }
-    graph.node = nodes;
+    let edits = patch::Splice {
+        replace,
+        before: inserts,
+        ..Default::default()
+    };
+    patch::splice(graph, edits);
     graph.value_info.extend(new_values);
     graph.initializer.append(&mut b.initializers);
-    crate::graph::patch::topological_sort(graph);
+    patch::topological_sort(graph);
     Ok(outcome)
 }

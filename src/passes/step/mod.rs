@@ -16,6 +16,7 @@ use std::path::PathBuf;
 
 use crate::error::Error;
 use crate::graph::elem_types::ElemTypes;
+use crate::graph::patch::{splice, Splice};
 use crate::graph::ranks::Ranks;
 use crate::graph::shapes::Shapes;
 use crate::graph::GraphIndex;
@@ -878,7 +879,7 @@ fn set_nodes(graph: &mut GraphProto, mixed: Option<precision::Mixed>, b: &mut Bu
         mixed.retype(&mut graph.value_info);
         graph.node = mixed.nodes;
     }
-    graph.node.extend(std::mem::take(&mut b.nodes));
+    splice(graph, Splice::append(std::mem::take(&mut b.nodes)));
     graph
         .initializer
         .extend(std::mem::take(&mut b.initializers));

@@ -8,6 +8,7 @@
 use std::collections::HashSet;
 
 use crate::error::Error;
+use crate::graph::patch::{splice, Splice};
 use crate::graph::GraphIndex;
 use crate::onnx::{
     attr_i, i64_tensor, value_info_shape, GraphProto, ModelProto, NodeProto, ValueInfoProto, FLOAT,
@@ -187,10 +188,11 @@ pub fn build(
             graph.initializer.push(i64_tensor(like, &[], &[0]));
         }
     }
-    for i in replaced.into_iter().rev() {
-        graph.node.remove(i);
-    }
-    graph.node.append(&mut e.nodes);
+    let mut edits = Splice::replace(replaced.into_iter().map(|i| (i, Vec::new())));
+    edits
+        .before
+        .insert(usize::MAX, std::mem::take(&mut e.nodes));
+    splice(graph, edits);
     graph.initializer.append(&mut e.initializers);
     // The replacement reads the flat tensors, which the patch computes after the CE node, so
     // it cannot simply take the node's place: restore a topological order instead.
@@ -291,8 +293,8 @@ pub fn ce_loss_type(graph: &GraphProto) -> i32 {
 /// quadratically on long chains of them.
 fn bypass_identities(graph: &mut GraphProto) {
     let outputs: HashSet<String> = graph.output.iter().map(|o| o.name().to_string()).collect();
-    let mut source: std::collections::HashMap<String, String> = std::collections::HashMap::new();
-    graph.node.retain(|n| {
+    let mut edits = Splice::default();
+    for (at, n) in graph.node.iter().enumerate() {
         let bypass = n.op_type() == "Identity"
             && n.input.len() == 1
             && n.output.len() == 1
@@ -300,22 +302,15 @@ fn bypass_identities(graph: &mut GraphProto) {
             && !outputs.contains(&n.output[0]);
         if bypass {
             // nodes are in topological order: the input's own source is already known
-            let root = source
+            let root = edits
+                .renames
                 .get(&n.input[0])
                 .cloned()
                 .unwrap_or_else(|| n.input[0].clone());
-            source.insert(n.output[0].clone(), root);
-        }
-        !bypass
-    });
-    if source.is_empty() {
-        return;
-    }
-    for n in &mut graph.node {
-        for i in n.input.iter_mut() {
-            if let Some(root) = source.get(i.as_str()) {
-                *i = root.clone();
-            }
+            edits.renames.insert(n.output[0].clone(), root);
+            edits.replace.insert(at, Vec::new());
         }
     }
+    // the other nodes read each bypassed output's source
+    splice(graph, edits);
 }

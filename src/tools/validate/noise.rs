@@ -13,6 +13,7 @@
 use std::collections::HashSet;
 
 use crate::error::Error;
+use crate::graph::patch::{splice, Splice};
 use crate::onnx::{GraphProto, NodeProto};
 use ntl_ops::names::PREFIX;
 
@@ -104,9 +105,7 @@ pub fn remove_patch_noise(graph: &mut GraphProto) -> Result<Removed, Error> {
             "the graph draws random numbers but validate finds no place where noise is added to the logits; validate a graph patched with --gumbel-noise 0".into(),
         ));
     }
-    let mut keep = noise_path.iter().map(|&noise| !noise);
-    graph
-        .node
-        .retain(|_| keep.next().expect("one flag per node"));
+    let noisy = noise_path.iter().enumerate().filter(|(_, &noise)| noise);
+    splice(graph, Splice::replace(noisy.map(|(i, _)| (i, Vec::new()))));
     Ok(removed)
 }

@@ -4,6 +4,7 @@
 //! end", how exporters write `x[a:]`) on a symbolic dim, so such ends become the dim itself,
 //! read from the data's shape. tract's Celu misses its factor α: spelled out in primitives.
 
+use crate::graph::patch::{splice, Splice};
 use crate::graph::shapes::{Shapes, SLICE_TO_THE_END};
 use crate::graph::GraphIndex;
 use crate::onnx::{GraphProto, NodeProto};
@@ -18,18 +19,16 @@ pub fn rewrite(graph: &mut GraphProto, b: &mut Builder) {
 /// tract 0.23 computes Celu as `max(0, x) + min(0, exp(x/α) − 1)`, without the factor α:
 /// the validation copy spells out ONNX's `max(0, x) + min(0, α·(exp(x/α) − 1))`.
 fn celu_as_primitives(graph: &mut GraphProto, b: &mut Builder) {
-    let old = std::mem::take(&mut graph.node);
-    for node in old {
+    let mut replace = std::collections::BTreeMap::new();
+    for (at, node) in graph.node.iter().enumerate() {
         let (Some(x), Some(y)) = (node.input.first(), node.output.first()) else {
-            graph.node.push(node);
             continue;
         };
         if node.op_type() != "Celu" {
-            graph.node.push(node);
             continue;
         }
         let (x, y) = (x.clone(), y.clone());
-        let alpha = crate::onnx::attr(&node, "alpha").map_or(1.0, |a| a.f());
+        let alpha = crate::onnx::attr(node, "alpha").map_or(1.0, |a| a.f());
         let (zero, one) = (b.scalar_f32("tract/c", 0.0), b.scalar_f32("tract/c", 1.0));
         let a = b.scalar_f32("tract/celu_alpha", alpha);
         let t = b.binary("Div", &x, &a, "tract/celu_t");
@@ -39,8 +38,9 @@ fn celu_as_primitives(graph: &mut GraphProto, b: &mut Builder) {
         let low = b.binary("Min", &neg, &zero, "tract/celu_low");
         let high = b.binary("Max", &x, &zero, "tract/celu_high");
         b.node_to("Add", &[&high, &low], &[&y], vec![]);
-        graph.node.append(&mut b.nodes);
+        replace.insert(at, std::mem::take(&mut b.nodes));
     }
+    splice(graph, Splice::replace(replace));
 }
 
 fn slice_ends_from_shapes(graph: &mut GraphProto, b: &mut Builder) {
@@ -93,12 +93,5 @@ fn slice_ends_from_shapes(graph: &mut GraphProto, b: &mut Builder) {
     if rewrites.is_empty() {
         return;
     }
-    let mut rewrites = rewrites.into_iter().peekable();
-    let old = std::mem::take(&mut graph.node);
-    for (i, node) in old.into_iter().enumerate() {
-        match rewrites.peek() {
-            Some((at, _)) if *at == i => graph.node.extend(rewrites.next().expect("peeked").1),
-            _ => graph.node.push(node),
-        }
-    }
+    splice(graph, Splice::replace(rewrites));
 }

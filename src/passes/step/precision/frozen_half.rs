@@ -22,10 +22,11 @@
 //! default value, which onnxruntime never folds: `declare_frozen` in `step/mod.rs`); then one
 //! Cast per reading node survives its optimiser.
 
-use crate::graph::patch::names_read_by_subgraphs;
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use crate::graph::elem_types::ElemTypes;
+use crate::graph::patch::{splice, Splice};
+use crate::graph::reads::{outer_reads, rename_reads};
 use crate::onnx::{GraphProto, NodeProto, FLOAT};
 use ntl_ops::schema::schemas;
 use ntl_ops::Builder;
@@ -83,31 +84,6 @@ const LAYOUT_OPS: &[&str] = &[
     "Flatten",
 ];
 
-fn rename_inputs(graph: &mut GraphProto, renames: &HashMap<String, String>) {
-    for node in &mut graph.node {
-        rename_node_inputs(node, renames);
-    }
-}
-
-fn rename_node_inputs(node: &mut NodeProto, renames: &HashMap<String, String>) {
-    for i in &mut node.input {
-        if let Some(w) = renames.get(i.as_str()) {
-            *i = w.clone();
-        }
-    }
-    for a in &mut node.attribute {
-        for g in a.g.iter_mut().chain(a.graphs.iter_mut()) {
-            rename_inputs(g, renames);
-            // a subgraph output may be an outer tensor itself (subgraph_reads counts it)
-            for o in &mut g.output {
-                if let Some(w) = renames.get(o.name()) {
-                    o.name = Some(w.clone());
-                }
-            }
-        }
-    }
-}
-
 fn cast(b: &mut Builder, input: &str, output: &str) -> NodeProto {
     NodeProto {
         name: Some(b.fresh("Cast")),
@@ -141,22 +117,24 @@ pub fn keep_half(graph: &mut GraphProto, kept: &[(String, i32)], b: &mut Builder
             },
         );
     }
-    rename_inputs(graph, &renames);
+    // every reader reads the widened tensor, the Casts first
+    let mut widen = Splice::insert(0, casts);
+    widen.renames = renames;
+    splice(graph, widen);
     // layout ops on a widened weight alone run on the half tensor, widened after them
-    let mut nodes = Vec::with_capacity(graph.node.len() + casts.len());
-    nodes.append(&mut casts);
-    for mut node in std::mem::take(&mut graph.node) {
-        if !is_layout_of_widened(&node, &set) {
-            nodes.push(node);
+    let mut replace = BTreeMap::new();
+    for (i, node) in graph.node.iter().enumerate() {
+        if !is_layout_of_widened(node, &set) {
             continue;
         }
+        let mut node = node.clone();
         let w = set.by_wide[&node.input[0]].clone();
         node.input[0] = w.half.clone();
         let out = node.output[0].clone();
         let half_out = b.fresh("amp/frozen_half");
         node.output[0] = half_out.clone();
-        nodes.push(node);
-        nodes.push(cast(b, &half_out, &out));
+        let widened = cast(b, &half_out, &out);
+        replace.insert(i, vec![node, widened]);
         set.by_wide.insert(
             out,
             Widened {
@@ -165,7 +143,7 @@ pub fn keep_half(graph: &mut GraphProto, kept: &[(String, i32)], b: &mut Builder
             },
         );
     }
-    graph.node = nodes;
+    splice(graph, Splice::replace(replace));
     drop_unread_casts(graph, &mut set);
     set
 }
@@ -184,7 +162,7 @@ fn read_names(nodes: &[NodeProto]) -> HashSet<String> {
     let mut read = HashSet::new();
     for n in nodes {
         read.extend(n.input.iter().cloned());
-        read.extend(names_read_by_subgraphs(n));
+        read.extend(outer_reads(n).into_iter().map(str::to_string));
     }
     read
 }
@@ -199,9 +177,11 @@ fn drop_unread_casts(graph: &mut GraphProto, set: &mut WidenedSet) {
         .filter(|w| !read.contains(w.as_str()) && !outputs.contains(w.as_str()))
         .cloned()
         .collect();
-    graph.node.retain(|n| {
-        !(n.op_type() == "Cast" && n.output.len() == 1 && unread.contains(&n.output[0]))
-    });
+    let is_unread = |n: &NodeProto| {
+        n.op_type() == "Cast" && n.output.len() == 1 && unread.contains(&n.output[0])
+    };
+    let gone = Splice::remove(graph, is_unread);
+    splice(graph, gone);
     set.by_wide.retain(|w, _| !unread.contains(w));
 }
 
@@ -213,23 +193,26 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
     }
     let mut set = set.clone();
     // the shared Casts go; each reader gets its own
-    graph
-        .node
-        .retain(|n| !(n.op_type() == "Cast" && n.output.len() == 1 && set.contains(&n.output[0])));
+    let is_shared =
+        |n: &NodeProto| n.op_type() == "Cast" && n.output.len() == 1 && set.contains(&n.output[0]);
+    let gone = Splice::remove(graph, is_shared);
+    splice(graph, gone);
     let types = ElemTypes::infer(graph);
     let inits: HashSet<&str> = graph.initializer.iter().map(|t| t.name()).collect();
     let mut b = Builder::new(ntl_ops::names::PREFIX, opset, taken);
-    let mut nodes = Vec::with_capacity(graph.node.len());
-    for mut node in std::mem::take(&mut graph.node) {
+    // each reader of a widened tensor replaced by what it becomes (its own Casts first)
+    let mut replace = BTreeMap::new();
+    for (at, node) in graph.node.iter().enumerate() {
         // a layout op (the backward's transposes) runs on the half tensor; its output is
         // widened where it is read
-        if is_layout_of_widened(&node, &set) {
+        if is_layout_of_widened(node, &set) {
+            let mut node = node.clone();
             let w = set.by_wide[&node.input[0]].clone();
             let out = node.output[0].clone();
             let half_out = b.fresh("amp/frozen_half");
             node.input[0] = w.half;
             node.output[0] = half_out.clone();
-            nodes.push(node);
+            replace.insert(at, vec![node]);
             set.by_wide.insert(
                 out,
                 Widened {
@@ -240,14 +223,15 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
             continue;
         }
         // a cast of the widened tensor back to its own type reads the half tensor itself
-        let to = crate::onnx::attr_i(&node, "to").map(|t| t as i32);
+        let to = crate::onnx::attr_i(node, "to").map(|t| t as i32);
         if node.op_type() == "Cast" && node.domain().is_empty() {
             if let Some(w) = node.input.first().and_then(|i| set.by_wide.get(i)) {
                 if Some(w.half_type) == to {
+                    let mut node = node.clone();
                     node.op_type = Some("Identity".into());
                     node.input[0] = w.half.clone();
                     node.attribute.clear();
-                    nodes.push(node);
+                    replace.insert(at, vec![node]);
                     continue;
                 }
             }
@@ -255,24 +239,25 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
         // an embedding: gather the half rows, widen them
         if node.op_type() == "Gather" && node.domain().is_empty() {
             if let Some(w) = node.input.first().and_then(|i| set.by_wide.get(i)) {
+                let mut node = node.clone();
                 let out = node.output[0].clone();
                 let rows = b.fresh("amp/frozen_rows");
                 node.input[0] = w.half.clone();
                 node.output[0] = rows.clone();
-                nodes.push(node);
-                nodes.push(cast(&mut b, &rows, &out));
+                let widened = cast(&mut b, &rows, &out);
+                replace.insert(at, vec![node, widened]);
                 continue;
             }
         }
         let direct: Vec<usize> = (0..node.input.len())
             .filter(|&i| set.contains(&node.input[i]))
             .collect();
-        let nested: BTreeSet<String> = names_read_by_subgraphs(&node)
+        let nested: BTreeSet<String> = outer_reads(node)
             .into_iter()
             .filter(|n| set.contains(n))
+            .map(str::to_string)
             .collect();
         if direct.is_empty() && nested.is_empty() {
-            nodes.push(node);
             continue;
         }
         // an activation of this node (computed at run time) that is float32: known so, or
@@ -296,6 +281,7 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
             .map(|&i| node.input[i].clone())
             .chain(nested)
             .collect::<BTreeSet<_>>();
+        let mut nodes = Vec::with_capacity(wanted.len() + 1);
         for wide in wanted {
             let w = &set.by_wide[&wide];
             let mine = b.fresh("amp/frozen_f32");
@@ -311,9 +297,11 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
             });
             renames.insert(wide, mine);
         }
-        rename_node_inputs(&mut node, &renames);
+        let mut node = node.clone();
+        rename_reads(&mut node, &renames);
         nodes.push(node);
+        replace.insert(at, nodes);
     }
-    graph.node = nodes;
+    splice(graph, Splice::replace(replace));
     graph.value_info.retain(|v| !set.contains(v.name()));
 }

@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 
 use crate::error::Error;
+use crate::graph::patch::{splice, Splice};
 use crate::onnx::proto::tensor_proto::DataType;
 use crate::onnx::proto::type_proto;
 use crate::onnx::{GraphProto, NodeProto, TensorProto, ValueInfoProto, FLOAT};
@@ -140,15 +141,10 @@ fn to_float32(
         }
     }
     if !renames.is_empty() {
-        for node in &mut graph.node {
-            for i in &mut node.input {
-                if let Some(w) = renames.get(i.as_str()) {
-                    *i = w.clone();
-                }
-            }
-        }
-        casts.append(&mut graph.node);
-        graph.node = casts;
+        // every reader reads the widened input, the Casts first
+        let mut widen = Splice::insert(0, casts);
+        widen.renames = renames;
+        splice(graph, widen);
     }
     Ok(())
 }
