@@ -14,7 +14,9 @@
 //!   Casts of one weight back into one (whose copy then lives from the forward to the
 //!   backward), and its constant folding turns a Cast of an initializer into a float32
 //!   initializer. A `Gather` (an embedding) gathers from the half table and widens the rows
-//!   it took.
+//!   it took. A loop body reading a large weight in a product (the fused head's `Scan`s)
+//!   reads it in blocks, each widened in the body (`blocked_reads.rs`); smaller ones are
+//!   widened once before the loop.
 //!
 //! Measured with onnxruntime 1.19 and 1.31 (`ORT_ENABLE_ALL`, tests/python/test_lora_half.py):
 //! a Cast (or CastLike) of a constant half initializer is folded into a float32 initializer
@@ -22,6 +24,7 @@
 //! default value, which onnxruntime never folds: `declare_frozen` in `step/mod.rs`); then one
 //! Cast per reading node survives its optimiser.
 
+use super::blocked_reads;
 use crate::graph::patch::names_read_by_subgraphs;
 use std::collections::{BTreeSet, HashMap, HashSet};
 
@@ -218,6 +221,12 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
         .retain(|n| !(n.op_type() == "Cast" && n.output.len() == 1 && set.contains(&n.output[0])));
     let types = ElemTypes::infer(graph);
     let inits: HashSet<&str> = graph.initializer.iter().map(|t| t.name()).collect();
+    let dims: HashMap<String, Vec<i64>> = graph
+        .initializer
+        .iter()
+        .filter(|t| set.is_kept(t.name()))
+        .map(|t| (t.name().to_string(), t.dims.clone()))
+        .collect();
     let mut b = Builder::new(ntl_ops::names::PREFIX, opset, taken);
     let mut nodes = Vec::with_capacity(graph.node.len());
     for mut node in std::mem::take(&mut graph.node) {
@@ -264,6 +273,8 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
                 continue;
             }
         }
+        // a loop body's product with a large weight reads it in blocks (blocked_reads.rs)
+        blocked_reads::block_bodies(&mut node, &set.by_wide, &dims, opset, &mut b);
         let direct: Vec<usize> = (0..node.input.len())
             .filter(|&i| set.contains(&node.input[i]))
             .collect();
@@ -315,5 +326,6 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
         nodes.push(node);
     }
     graph.node = nodes;
+    graph.initializer.append(&mut b.initializers);
     graph.value_info.retain(|v| !set.contains(v.name()));
 }
