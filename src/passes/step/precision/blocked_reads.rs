@@ -120,3 +120,84 @@ fn emit_blocked(b: &mut Builder, node: &NodeProto, half: &str, rows: i64, per: i
     };
     b.node_to(op, &parts, &[&node.output[0]], attrs);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{block_bodies, MIN_BLOCKS};
+    use crate::onnx::{graph_attr, int_attr, GraphProto, NodeProto};
+    use crate::passes::step::precision::frozen_half::Widened;
+    use ntl_ops::Builder;
+    use std::collections::{HashMap, HashSet};
+
+    fn gemm(a: &str, w: &str, out: &str, trans_b: i64) -> NodeProto {
+        NodeProto {
+            op_type: Some("Gemm".into()),
+            input: vec![a.into(), w.into()],
+            output: vec![out.into()],
+            attribute: vec![int_attr("transB", trans_b)],
+            ..Default::default()
+        }
+    }
+
+    /// A Scan whose body multiplies by the widened weight both ways, as the fused head's
+    /// backward does; the half weight is `[rows, 1024]`.
+    fn blocked(rows: i64) -> GraphProto {
+        let body = GraphProto {
+            node: vec![gemm("h", "w_f32", "z", 1), gemm("dz", "w_f32", "dh", 0)],
+            ..Default::default()
+        };
+        let mut scan = NodeProto {
+            op_type: Some("Scan".into()),
+            attribute: vec![graph_attr("body", body)],
+            ..Default::default()
+        };
+        let widened = HashMap::from([(
+            "w_f32".to_string(),
+            Widened {
+                half: "w".into(),
+                half_type: 10,
+            },
+        )]);
+        let dims = HashMap::from([("w".to_string(), vec![rows, 1024])]);
+        let mut b = Builder::new("ntl", 17, HashSet::new());
+        block_bodies(&mut scan, &widened, &dims, 17, &mut b);
+        scan.attribute[0].g.clone().unwrap()
+    }
+
+    fn count(g: &GraphProto, op: &str) -> usize {
+        g.node.iter().filter(|n| n.op_type() == op).count()
+    }
+
+    #[test]
+    fn a_large_weight_is_read_in_blocks_each_widened_in_the_body() {
+        let body = blocked(65536); // 256 MiB as float32: 8 blocks per use
+        let blocks = MIN_BLOCKS as usize;
+        assert_eq!(count(&body, "Gemm"), 2 * blocks);
+        assert_eq!(count(&body, "CastLike"), 2 * blocks);
+        let reads_half = body
+            .node
+            .iter()
+            .filter(|n| n.op_type() == "Slice" && n.input[0] == "w")
+            .count();
+        assert_eq!(reads_half, 2 * blocks);
+        assert!(body
+            .node
+            .iter()
+            .all(|n| !n.input.iter().any(|i| i == "w_f32")));
+        // the logits' blocks are concatenated, dz·W's summed, into the same outputs
+        let concat = body.node.iter().find(|n| n.op_type() == "Concat").unwrap();
+        assert_eq!(
+            (concat.output[0].as_str(), concat.input.len()),
+            ("z", blocks)
+        );
+        let sum = body.node.iter().find(|n| n.op_type() == "Sum").unwrap();
+        assert_eq!((sum.output[0].as_str(), sum.input.len()), ("dh", blocks));
+    }
+
+    #[test]
+    fn a_weight_within_one_block_keeps_its_widening_before_the_loop() {
+        let body = blocked(8192); // 32 MiB as float32
+        assert_eq!(count(&body, "Gemm"), 2);
+        assert!(body.node.iter().all(|n| n.input[1] == "w_f32"));
+    }
+}
