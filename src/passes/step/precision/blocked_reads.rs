@@ -76,14 +76,18 @@ fn blocks_of<'a>(
         return None;
     }
     let w = widened.get(&node.input[1])?;
-    let shape = dims.get(&w.half)?;
+    let (rows, per) = plan(dims.get(&w.half)?)?;
+    Some((w.half.as_str(), rows, per))
+}
+
+/// A 2-D weight's rows and rows per block, where it is over `BLOCK_BYTES` as float32.
+pub(super) fn plan(shape: &[i64]) -> Option<(i64, i64)> {
     let [rows, cols] = shape[..] else { return None };
     let bytes = rows * cols * 4;
     let blocks = MIN_BLOCKS
         .max((bytes + BLOCK_BYTES - 1) / BLOCK_BYTES)
         .min(rows);
-    (bytes > BLOCK_BYTES && blocks > 1)
-        .then(|| (w.half.as_str(), rows, (rows + blocks - 1) / blocks))
+    (bytes > BLOCK_BYTES && blocks > 1).then(|| (rows, (rows + blocks - 1) / blocks))
 }
 
 /// `node`'s product over row blocks of `half` (module doc), writing `node`'s output.

@@ -15,8 +15,8 @@
 //!   backward), and its constant folding turns a Cast of an initializer into a float32
 //!   initializer. A `Gather` (an embedding) gathers from the half table and widens the rows
 //!   it took. A loop body reading a large weight in a product (the fused head's `Scan`s)
-//!   reads it in blocks, each widened in the body (`blocked_reads.rs`); smaller ones are
-//!   widened once before the loop.
+//!   reads it in blocks, each widened in the body (`blocked_reads.rs`; under `--precision`
+//!   its half products too, `blocked_half.rs`); smaller ones are widened once before the loop.
 //!
 //! Measured with onnxruntime 1.19 and 1.31 (`ORT_ENABLE_ALL`, tests/python/test_lora_half.py):
 //! a Cast (or CastLike) of a constant half initializer is folded into a float32 initializer
@@ -24,6 +24,7 @@
 //! default value, which onnxruntime never folds: `declare_frozen` in `step/mod.rs`); then one
 //! Cast per reading node survives its optimiser.
 
+use super::blocked_half::{self, HalfAlias};
 use super::blocked_reads;
 use crate::graph::patch::names_read_by_subgraphs;
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -228,6 +229,8 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
         .map(|t| (t.name().to_string(), t.dims.clone()))
         .collect();
     let mut b = Builder::new(ntl_ops::names::PREFIX, opset, taken);
+    // the kept weights' Identity copies in their own type (read by `--precision`'s half ops)
+    let mut aliases: HashMap<String, HalfAlias> = HashMap::new();
     let mut nodes = Vec::with_capacity(graph.node.len());
     for mut node in std::mem::take(&mut graph.node) {
         // a layout op (the backward's transposes) runs on the half tensor; its output is
@@ -253,6 +256,14 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
         if node.op_type() == "Cast" && node.domain().is_empty() {
             if let Some(w) = node.input.first().and_then(|i| set.by_wide.get(i)) {
                 if Some(w.half_type) == to {
+                    if let Some(d) = dims.get(&w.half) {
+                        let alias = HalfAlias {
+                            half: w.half.clone(),
+                            half_type: w.half_type,
+                            dims: d.clone(),
+                        };
+                        aliases.insert(node.output[0].clone(), alias);
+                    }
                     node.op_type = Some("Identity".into());
                     node.input[0] = w.half.clone();
                     node.attribute.clear();
@@ -275,6 +286,7 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
         }
         // a loop body's product with a large weight reads it in blocks (blocked_reads.rs)
         blocked_reads::block_bodies(&mut node, &set.by_wide, &dims, opset, &mut b);
+        blocked_half::block_half_bodies(&mut node, &aliases, &mut b);
         let direct: Vec<usize> = (0..node.input.len())
             .filter(|&i| set.contains(&node.input[i]))
             .collect();
