@@ -13,6 +13,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use crate::graph::patch::names_read_by_subgraphs;
 use crate::onnx::{attr_ints, int_attr, GraphProto, NodeProto, FLOAT};
 use ntl_ops::Builder;
 
@@ -82,7 +83,9 @@ fn transposes_read_once(
             reads.entry(x.as_str()).or_default().push((n, i));
         }
     }
-    let outputs: HashSet<&str> = body.output.iter().map(|o| o.name()).collect();
+    // read elsewhere: the body's outputs, a nested body
+    let mut outputs: HashSet<String> = body.output.iter().map(|o| o.name().to_string()).collect();
+    outputs.extend(body.node.iter().flat_map(names_read_by_subgraphs));
     body.node
         .iter()
         .filter(|n| n.op_type() == "Transpose" && n.domain().is_empty() && n.output.len() == 1)
@@ -93,7 +96,7 @@ fn transposes_read_once(
                 .is_some_and(|x| plan(&x.dims).is_some())
         })
         .filter(|n| attr_ints(n, "perm").as_deref() == Some(&[1, 0][..]))
-        .filter(|n| !outputs.contains(n.output[0].as_str()))
+        .filter(|n| !outputs.contains(&n.output[0]))
         .filter(|n| {
             matches!(reads.get(n.output[0].as_str()).map(Vec::as_slice),
                 Some([(m, 1)]) if m.op_type() == "MatMul" && m.domain().is_empty())
