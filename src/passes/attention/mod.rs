@@ -9,7 +9,6 @@ mod find;
 mod fused;
 pub mod lower;
 pub mod node;
-mod operands;
 
 use std::collections::HashSet;
 
