@@ -15,8 +15,8 @@
 
 use ntl_ops::Builder;
 
-use super::lower::{batch_shape, scale_op, swap_last_two};
 use super::node::{Attn, TermKind};
+use super::operands::{batch_shape, scale_op, swap_last_two};
 use crate::graph::elem_types::TypeNames;
 use crate::graph::shapes::{Dim, Shapes};
 use crate::graph::GraphIndex;

@@ -18,6 +18,7 @@ use ntl_ops::names::PREFIX;
 use ntl_ops::Builder;
 
 use super::node::{Attn, TermKind, DOMAIN, FORWARD};
+use super::operands::{batch_shape, scale_op, swap_last_two};
 use crate::graph::patch::{splice, Splice};
 use crate::graph::GraphIndex;
 use crate::onnx::{default_opset, int_attr, GraphProto, ModelProto, NodeProto};
@@ -255,14 +256,6 @@ fn outer(b: &mut Builder, a: &Attn, half: Option<i32>) -> Outer {
     }
 }
 
-pub(super) fn scale_op(a: &Attn) -> &'static str {
-    if a.scale_divides {
-        "Div"
-    } else {
-        "Mul"
-    }
-}
-
 /// `x`'s rows of the block (along axis rank − 2), or `x` itself where it has no rows.
 fn rows_of(b: &mut Builder, rows: &BodyRows, x: &str, rank: usize) -> String {
     match rows.masks.iter().find(|(t, _)| t == x) {
@@ -384,30 +377,6 @@ fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     unblock(b, &o_stack, r, &bl.rows, &node.output[0]);
 }
 
-/// `[.., 1, 1]` slices of the products' operands added: their broadcast batch shape `[..]`.
-pub(super) fn batch_shape(b: &mut Builder, a: &Attn) -> String {
-    let corner = |b: &mut Builder, x: &str| {
-        let zeros = b.const_i64("attention/corner_start", &[2], &[0, 0]);
-        let ones = b.const_i64("attention/corner_end", &[2], &[1, 1]);
-        let axes = b.const_i64("attention/corner_axes", &[2], &[-2, -1]);
-        let c = b.node(
-            "Slice",
-            &[x, &zeros, &ones, &axes],
-            "attention/corner",
-            vec![],
-        );
-        // q, kt and v may differ in type (a half one arrives as it is)
-        b.cast(&c, FLOAT, "attention/corner_f")
-    };
-    let q = corner(b, &a.q);
-    let k = corner(b, &a.kt);
-    let v = corner(b, &a.v);
-    let qk = b.binary("Add", &q, &k, "attention/corner_qk");
-    let all = b.binary("Add", &qk, &v, "attention/corner_all");
-    let shape = b.node("Shape", &[&all], "attention/corner_shape", vec![]);
-    b.slice(&shape, 0, a.rank as i64 - 2, 0, "attention/batch")
-}
-
 /// Zeros of the batch shape followed by `x`'s last two dims.
 fn accumulator(b: &mut Builder, batch: &str, x: &str, rank: usize) -> String {
     let shape = b.node("Shape", &[x], "attention/acc_of", vec![]);
@@ -429,12 +398,6 @@ fn zero_row_after(b: &mut Builder, g: &str, rank: usize) -> String {
     let zero = b.scalar_f32("attention/zero_row_value", 0.0);
     let row = b.node("Expand", &[&zero, &row_shape], "attention/zero_row", vec![]);
     b.concat(&[g, &row], r - 2, "attention/g_padded")
-}
-
-pub(super) fn swap_last_two(b: &mut Builder, x: &str, rank: usize, hint: &str) -> String {
-    let mut perm: Vec<i64> = (0..rank as i64).collect();
-    perm.swap(rank - 2, rank - 1);
-    b.transpose(x, &perm, hint)
 }
 
 fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {

@@ -9,6 +9,7 @@ mod find;
 mod fused;
 pub mod lower;
 pub mod node;
+mod operands;
 
 use std::collections::HashSet;
 
