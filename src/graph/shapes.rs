@@ -60,6 +60,17 @@ impl Shapes {
         }
     }
 
+    /// True when every tensor of `xs` provably has rank `rank` and, on `axes`, the first one's
+    /// dims (each known or symbolic).
+    pub fn same_axes(&self, xs: &[&str], rank: usize, axes: std::ops::Range<usize>) -> bool {
+        let shapes: Option<Vec<&Shape>> = xs.iter().map(|x| self.shape.get(*x)).collect();
+        let Some(shapes) = shapes.filter(|s| s.iter().all(|s| s.len() == rank)) else {
+            return false;
+        };
+        axes.into_iter()
+            .all(|i| shapes.iter().all(|s| s[i].proven_eq(&shapes[0][i])))
+    }
+
     /// The axes of `y` (the output of a broadcasting op) that the operand `x` was broadcast
     /// along, where the shapes prove them: the leading axes `x` lacks, and the axes where `x`
     /// has size 1 and `y` may not. None where any axis is in doubt.

@@ -98,6 +98,18 @@ def _run(path: Path, batches, tmp: Path, optimise: bool = True):
     return got["losses"], {k[2:]: got[k] for k in got.files if k.startswith("p/")}
 
 
+def _gradients_equal(eager: Path, other: Path, batch, tmp_path: Path, label: str, optimise: bool = True):
+    """Runs both --split graphs on `batch` and asserts `other`'s losses and gradients within
+    RTOL of `eager`'s; returns (eager's, other's) gradients."""
+    le, ge = _run(eager, batch, tmp_path, optimise)
+    lo, go = _run(other, batch, tmp_path, optimise)
+    worst, err = _grad_err(ge, go)
+    print(f"{label}: losses {_loss_err(le, lo):.2e}, gradients worst {worst} {err:.2e}")
+    assert _loss_err(le, lo) <= RTOL, (le, lo)
+    assert err <= RTOL, (worst, err)
+    return ge, go
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """(model, options) → (path, summary), each written once; the opset-23 copies once."""
@@ -141,12 +153,7 @@ def test_gradients_equal_eager(model, built, tmp_path):
     assert _ops(onnx_path).count("Attention") == LAYERS and "Attention" not in _ops(eager)
     assert so["parameters"] == se["parameters"]
     for optimise in (False, True):
-        le, ge = _run(eager, batch, tmp_path, optimise)
-        lo, go = _run(onnx_path, batch, tmp_path, optimise)
-        worst, err = _grad_err(ge, go)
-        print(f"{model} optimise={optimise}: losses {_loss_err(le, lo):.2e}, gradients worst {worst} {err:.2e}")
-        assert _loss_err(le, lo) <= RTOL, (le, lo)
-        assert err <= RTOL, (worst, err)
+        ge, go = _gradients_equal(eager, onnx_path, batch, tmp_path, f"{model} optimise={optimise}", optimise)
     # the opset-23 copy is the fixture's model: its eager graph equals torch's float64 gradients
     want = {p: ref[f"grad/wasserstein/float64/{p}"] for p in ge}
     worst, err = _grad_err(want, ge)
@@ -270,11 +277,7 @@ def test_where_masks(fill, tmp_path):
         assert "Attention" not in _ops(out)
     ref = _hf_reference("gpt2_ts")
     batch = [(ref["batch/input_ids"], ref["batch/labels"])]
-    le, ge = _run(eager, batch, tmp_path)
-    lo, go = _run(out, batch, tmp_path)
-    worst, err = _grad_err(ge, go)
-    print(f"fill {fill}: losses {_loss_err(le, lo):.2e}, gradients worst {worst} {err:.2e}")
-    assert _loss_err(le, lo) <= RTOL and err <= RTOL, (le, lo, worst, err)
+    _gradients_equal(eager, out, batch, tmp_path, f"fill {fill}")
 
 
 def test_single_head_attention_keeps_the_blockwise_forward(tmp_path):
@@ -407,11 +410,7 @@ def test_exported_operator_trains(variant, tmp_path):
     assert s["attention"]["replaced"] == 0, s["attention"]
     ref = _hf_reference("llama_dynamo")
     batch = [(ref["batch/input_ids"], ref["batch/labels"])]
-    le, ge = _run(eager, batch, tmp_path)
-    lo, go = _run(out, batch, tmp_path)
-    worst, err = _grad_err(ge, go)
-    print(f"{variant}: losses {_loss_err(le, lo):.2e}, gradients worst {worst} {err:.2e}")
-    assert _loss_err(le, lo) <= RTOL and err <= RTOL, (le, lo, worst, err)
+    _, go = _gradients_equal(eager, out, batch, tmp_path, variant)
     want = {p: ref[f"grad/wasserstein/float64/{p}"] for p in go}
     worst, err = _grad_err(want, go)
     assert err <= RTOL, ("vs torch float64", worst, err)
@@ -494,11 +493,7 @@ def test_exported_operator_groups_query_heads_as_onnx_does(tmp_path):
     x = rng.integers(0, 48, (2, 7)).astype(np.int64)
     y = np.roll(x, -1, axis=1)
     y[:, -1] = -100
-    le, ge = _run(ref, [(x, y)], tmp_path)
-    lo, go = _run(out, [(x, y)], tmp_path)
-    worst, err = _grad_err(ge, go)
-    print(f"GQA 4/2: losses {_loss_err(le, lo):.2e}, gradients worst {worst} {err:.2e}")
-    assert _loss_err(le, lo) <= RTOL and err <= RTOL, (le, lo, worst, err)
+    _gradients_equal(ref, out, [(x, y)], tmp_path, "GQA 4/2")
 
 
 @pytest.mark.parametrize("case", ["softcap", "past_key", "present_key"])

@@ -18,7 +18,7 @@ use ntl_ops::Builder;
 use super::node::{Attn, TermKind};
 use super::operands::{batch_shape, scale_op, swap_last_two};
 use crate::graph::elem_types::TypeNames;
-use crate::graph::shapes::{Dim, Shapes};
+use crate::graph::shapes::Shapes;
 use crate::graph::GraphIndex;
 use crate::onnx::{float_attr, int_attr, NodeProto, FLOAT};
 
@@ -80,19 +80,7 @@ pub fn check(
             }
         }
     }
-    Ok(same_batch(a, shapes))
-}
-
-/// Whether the query, keys and values provably share their batch and head axes.
-fn same_batch(a: &Attn, shapes: &Shapes) -> bool {
-    let dims = [&a.q, &a.kt, &a.v].map(|x| shapes.get(x));
-    let [Some(q), Some(k), Some(v)] = dims else {
-        return false;
-    };
-    (0..2).all(|i| {
-        let d = q.get(i);
-        d.is_some_and(|d| *d != Dim::Unknown) && k.get(i) == d && v.get(i) == d
-    })
+    Ok(a.proven_same_batch(shapes))
 }
 
 /// The exact types `check` reads.

@@ -178,6 +178,12 @@ impl Attn {
         }
     }
 
+    /// Whether the query, keys and values provably share their batch axes (all but the last two).
+    pub fn proven_same_batch(&self, shapes: &crate::graph::shapes::Shapes) -> bool {
+        let r = self.rank;
+        r >= 2 && shapes.same_axes(&[&self.q, &self.kt, &self.v], r, 0..r - 2)
+    }
+
     /// The number of inputs the forward node has.
     pub fn forward_inputs(&self) -> usize {
         4 + self.terms.iter().map(|t| t.inputs.len()).sum::<usize>()

@@ -25,18 +25,8 @@ pub fn attention(
     let g = g0(node, gy)?.to_string();
     let a = Attn::of(node);
     // the gradients in the scores' broadcast batch shape, then summed down to each input's
-    let full: Vec<String> = ["grad/attention_q", "grad/attention_kt", "grad/attention_v"]
-        .iter()
-        .map(|hint| {
-            let name = ctx.b.fresh(hint);
-            ctx.ranks.set(&name, a.rank);
-            name
-        })
-        .collect();
-    let name = ctx.b.fresh(BACKWARD);
-    let outputs = [full[0].as_str(), full[1].as_str(), full[2].as_str()];
-    ctx.b.nodes.push(a.backward_node(&name, &g, outputs));
-    let same = same_batch(ctx, &a);
+    let full = backward(ctx, &a, &g);
+    let same = a.proven_same_batch(ctx.shapes);
     let mut gx: Grads = vec![None; node.input.len()];
     for (k, x) in [&a.q, &a.kt, &a.v].into_iter().enumerate() {
         if wants.get(k).copied().unwrap_or(false) {
@@ -50,18 +40,18 @@ pub fn attention(
     Ok(gx)
 }
 
-/// Whether the query, keys and values provably share their batch axes (nothing to sum).
-fn same_batch(ctx: &Ctx, a: &Attn) -> bool {
-    use crate::graph::shapes::Dim;
-    let shapes = [&a.q, &a.kt, &a.v].map(|x| ctx.shapes.get(x));
-    let [Some(q), Some(k), Some(v)] = shapes else {
-        return false;
-    };
-    let r = a.rank;
-    if q.len() != r || k.len() != r || v.len() != r {
-        return false;
-    }
-    (0..r - 2).all(|i| q[i] != Dim::Unknown && q[i] == k[i] && q[i] == v[i])
+/// One `BlockAttentionGrad` node for `a` and the output's gradient `g`: the gradients of q, kᵀ
+/// and v in the scores' broadcast batch shape.
+fn backward(ctx: &mut Ctx, a: &Attn, g: &str) -> [String; 3] {
+    let full = ["grad/attention_q", "grad/attention_kt", "grad/attention_v"].map(|hint| {
+        let name = ctx.b.fresh(hint);
+        ctx.ranks.set(&name, a.rank);
+        name
+    });
+    let name = ctx.b.fresh(BACKWARD);
+    let outputs = [full[0].as_str(), full[1].as_str(), full[2].as_str()];
+    ctx.b.nodes.push(a.backward_node(&name, g, outputs));
+    full
 }
 
 /// The ONNX `Attention` operator as exported (opset 23: torch's dynamo exporter writes SDPA so)
@@ -119,7 +109,7 @@ pub fn onnx_attention(
         }
     };
     ctx.ranks.set(&scale, 0);
-    let grouped = !same_heads(ctx, q, k) || !same_heads(ctx, q, v);
+    let grouped = !ctx.shapes.same_axes(&[q, k, v], 4, 1..2);
     let (k_rep, v_rep) = if grouped {
         (repeat_heads(ctx, k, q), repeat_heads(ctx, v, q))
     } else {
@@ -171,17 +161,7 @@ pub fn onnx_attention(
         fused: false,
         same_batch: false,
     };
-    let full: Vec<String> = ["grad/attention_q", "grad/attention_kt", "grad/attention_v"]
-        .iter()
-        .map(|hint| {
-            let name = ctx.b.fresh(hint);
-            ctx.ranks.set(&name, 4);
-            name
-        })
-        .collect();
-    let name = ctx.b.fresh(BACKWARD);
-    let outputs = [full[0].as_str(), full[1].as_str(), full[2].as_str()];
-    ctx.b.nodes.push(a.backward_node(&name, &g, outputs));
+    let full = backward(ctx, &a, &g);
     let mut gx: Grads = vec![None; node.input.len()];
     if wants.first().copied().unwrap_or(false) {
         gx[0] = Some(ctx.unbroadcast(&full[0], q, Some(4)));
@@ -205,15 +185,6 @@ pub fn onnx_attention(
         gx[2] = Some(ctx.unbroadcast(&g_v, v, Some(4)));
     }
     Ok(gx)
-}
-
-/// Whether `x` provably has the query's number of heads.
-fn same_heads(ctx: &Ctx, q: &str, x: &str) -> bool {
-    use crate::graph::shapes::Dim;
-    match (ctx.shapes.get(q), ctx.shapes.get(x)) {
-        (Some(q), Some(x)) => q.get(1).is_some_and(|d| *d != Dim::Unknown) && q.get(1) == x.get(1),
-        _ => false,
-    }
 }
 
 /// `x` `[B, Hk, S, d]` with each head repeated for the query heads of its group:
