@@ -14,7 +14,9 @@
 //!   Casts of one weight back into one (whose copy then lives from the forward to the
 //!   backward), and its constant folding turns a Cast of an initializer into a float32
 //!   initializer. A `Gather` (an embedding) gathers from the half table and widens the rows
-//!   it took.
+//!   it took. A loop body reading a large weight in a product (the fused head's `Scan`s)
+//!   reads it in blocks, each widened in the body (`blocked_reads.rs`; under `--precision`
+//!   its half products too, `blocked_half.rs`); smaller ones are widened once before the loop.
 //!
 //! Measured with onnxruntime 1.19 and 1.31 (`ORT_ENABLE_ALL`, tests/python/test_lora_half.py):
 //! a Cast (or CastLike) of a constant half initializer is folded into a float32 initializer
@@ -24,6 +26,9 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
+use super::blocked_half::{self, HalfAlias};
+use super::blocked_reads;
+
 use crate::graph::elem_types::ElemTypes;
 use crate::graph::patch::{splice, Splice};
 use crate::graph::reads::{outer_reads, rename_reads};
@@ -31,12 +36,7 @@ use crate::onnx::{GraphProto, NodeProto, FLOAT};
 use ntl_ops::schema::schemas;
 use ntl_ops::Builder;
 
-/// A float32 tensor of the step graph that is a kept half tensor, widened.
-#[derive(Debug, Clone)]
-pub struct Widened {
-    pub half: String,
-    pub half_type: i32,
-}
+pub use super::widened::Widened;
 
 /// The kept tensors, by their widened name.
 #[derive(Debug, Clone, Default)]
@@ -199,7 +199,15 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
     splice(graph, gone);
     let types = ElemTypes::infer(graph);
     let inits: HashSet<&str> = graph.initializer.iter().map(|t| t.name()).collect();
+    let dims: HashMap<String, Vec<i64>> = graph
+        .initializer
+        .iter()
+        .filter(|t| set.is_kept(t.name()))
+        .map(|t| (t.name().to_string(), t.dims.clone()))
+        .collect();
     let mut b = Builder::new(ntl_ops::names::PREFIX, opset, taken);
+    // the kept weights' Identity copies in their own type (read by `--precision`'s half ops)
+    let mut aliases: HashMap<String, HalfAlias> = HashMap::new();
     // each reader of a widened tensor replaced by what it becomes (its own Casts first)
     let mut replace = BTreeMap::new();
     for (at, node) in graph.node.iter().enumerate() {
@@ -227,6 +235,14 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
         if node.op_type() == "Cast" && node.domain().is_empty() {
             if let Some(w) = node.input.first().and_then(|i| set.by_wide.get(i)) {
                 if Some(w.half_type) == to {
+                    if let Some(d) = dims.get(&w.half) {
+                        let alias = HalfAlias {
+                            half: w.half.clone(),
+                            half_type: w.half_type,
+                            dims: d.clone(),
+                        };
+                        aliases.insert(node.output[0].clone(), alias);
+                    }
                     let mut node = node.clone();
                     node.op_type = Some("Identity".into());
                     node.input[0] = w.half.clone();
@@ -249,6 +265,12 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
                 continue;
             }
         }
+        // a loop body's product with a large weight reads it in blocks (blocked_reads.rs)
+        let mut blocked = node.clone();
+        blocked_reads::block_bodies(&mut blocked, &set.by_wide, &dims, opset, &mut b);
+        blocked_half::block_half_bodies(&mut blocked, &aliases, &mut b);
+        let changed = blocked != *node;
+        let node = &blocked;
         let direct: Vec<usize> = (0..node.input.len())
             .filter(|&i| set.contains(&node.input[i]))
             .collect();
@@ -258,6 +280,9 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
             .map(str::to_string)
             .collect();
         if direct.is_empty() && nested.is_empty() {
+            if changed {
+                replace.insert(at, vec![node.clone()]);
+            }
             continue;
         }
         // an activation of this node (computed at run time) that is float32: known so, or
@@ -303,5 +328,7 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
         replace.insert(at, nodes);
     }
     splice(graph, Splice::replace(replace));
+    // the blocked reads' Slice bounds: outer-graph constants the loop bodies read
+    graph.initializer.append(&mut b.initializers);
     graph.value_info.retain(|v| !set.contains(v.name()));
 }

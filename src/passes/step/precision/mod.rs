@@ -7,12 +7,16 @@
 //!   node by node, as torch's autocast would;
 //! - `loss_scale::emit_scaled_update` — fp16's GradScaler around the optimizer update;
 //! - `frozen_half::cast_per_use` — on the finished step graph, each reader of a frozen half
-//!   weight gets a widening Cast of its own.
+//!   weight gets a widening Cast of its own (a loop body's product with a large one reads it
+//!   in blocks: `blocked_reads`, `blocked_half`).
 
 mod autocast;
+mod blocked_half;
+mod blocked_reads;
 pub(super) mod frozen_half;
 pub mod loss_scale;
 pub(super) mod upcast;
+mod widened;
 
 use crate::onnx::proto::tensor_proto::DataType;
 

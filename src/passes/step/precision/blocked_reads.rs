@@ -1,0 +1,204 @@
+//! A loop body's `Gemm` that reads a large frozen half weight whole (the fused head's `h·Wᵀ`
+//! and `dz·W` in its `Scan`s, W the `[V, d]` head or tied embedding) reads it in row blocks:
+//! per block a `Slice` of the half weight, widened by its own `CastLike`, and a `Gemm` of its
+//! own; the blocks' products are concatenated (`transB`: the rows are output columns) or
+//! summed (the rows are the contraction).
+//!
+//! Without it the body reads the widened weight from the outer graph, so `cast_per_use` widens
+//! all of it before the `Scan` and that float32 copy lives through the whole loop: at the
+//! Qwen2 vocabulary (151 936 × 1536) 890 MiB, more than the half base saves on the head
+//! (bench/README.md, "Half base: where the float copies are"). Blocked, one block's float16
+//! and float32 copies exist at a time. The logits are the same products; `dz·W` sums the
+//! blocks' partial products in float32 (a different order of the same sum: float32 rounding).
+
+use std::collections::HashMap;
+
+use crate::onnx::{attr_i, int_attr, GraphProto, NodeProto, FLOAT};
+use ntl_ops::Builder;
+
+use super::widened::Widened;
+
+/// The most bytes of one block's float32 copy; weights up to this size keep one widening
+/// before the loop (cheaper than a cast per iteration, and no bigger).
+pub const BLOCK_BYTES: i64 = 32 << 20;
+/// Blocks of a weight over `BLOCK_BYTES` at least: each block's copies (float16 and float32,
+/// 1.5x the block's float32 bytes) stay well under the half it saves.
+pub const MIN_BLOCKS: i64 = 8;
+
+/// Rewrites, in each body of `node`, the Gemms that read a widened weight of `widened` from
+/// the outer graph whole (`dims`: the half tensors' shapes where known).
+pub fn block_bodies(
+    node: &mut NodeProto,
+    widened: &HashMap<String, Widened>,
+    dims: &HashMap<String, Vec<i64>>,
+    opset: i64,
+    b: &mut Builder,
+) {
+    for a in &mut node.attribute {
+        for g in a.g.iter_mut().chain(a.graphs.iter_mut()) {
+            block_body(g, widened, dims, opset, b);
+        }
+    }
+}
+
+fn block_body(
+    body: &mut GraphProto,
+    widened: &HashMap<String, Widened>,
+    dims: &HashMap<String, Vec<i64>>,
+    opset: i64,
+    b: &mut Builder,
+) {
+    let mut replace = std::collections::BTreeMap::new();
+    for (at, node) in body.node.iter().enumerate() {
+        if let Some((half, rows, per)) = blocks_of(node, widened, dims) {
+            let before = b.nodes.len();
+            emit_blocked(b, node, half, rows, per, opset);
+            replace.insert(at, b.nodes.drain(before..).collect());
+        }
+    }
+    crate::graph::patch::splice(body, crate::graph::patch::Splice::replace(replace));
+}
+
+/// The half weight a body `Gemm(a, W)` reads whole, its rows and the rows per block, where
+/// W is widened, 2-D and over `BLOCK_BYTES` as float32 (no `C`, `transA`, `alpha`, `beta`).
+fn blocks_of<'a>(
+    node: &NodeProto,
+    widened: &'a HashMap<String, Widened>,
+    dims: &HashMap<String, Vec<i64>>,
+) -> Option<(&'a str, i64, i64)> {
+    if node.op_type() != "Gemm" || !node.domain().is_empty() || node.input.len() != 2 {
+        return None;
+    }
+    if node.attribute.iter().any(|a| a.name() != "transB") {
+        return None;
+    }
+    let w = widened.get(&node.input[1])?;
+    let (rows, per) = plan(dims.get(&w.half)?)?;
+    Some((w.half.as_str(), rows, per))
+}
+
+/// A 2-D weight's rows and rows per block, where it is over `BLOCK_BYTES` as float32.
+pub(super) fn plan(shape: &[i64]) -> Option<(i64, i64)> {
+    let [rows, cols] = shape[..] else { return None };
+    let bytes = rows * cols * 4;
+    let blocks = MIN_BLOCKS
+        .max((bytes + BLOCK_BYTES - 1) / BLOCK_BYTES)
+        .min(rows);
+    (bytes > BLOCK_BYTES && blocks > 1).then(|| (rows, (rows + blocks - 1) / blocks))
+}
+
+/// `node`'s product over row blocks of `half` (module doc), writing `node`'s output.
+fn emit_blocked(b: &mut Builder, node: &NodeProto, half: &str, rows: i64, per: i64, opset: i64) {
+    let trans_b = attr_i(node, "transB").unwrap_or(0) == 1;
+    // the two uses in one body (z's recomputation and dh) slice with differently written
+    // axes, so onnxruntime's constant sharing and CSE cannot merge their slices into blocks
+    // that live from the first use to the second
+    let axis = if trans_b { 0 } else { -2 };
+    let mut parts = Vec::new();
+    let mut start = 0;
+    while start < rows {
+        let end = (start + per).min(rows);
+        let block = b.slice(half, start, end, axis, "amp/frozen_block");
+        let a = if trans_b {
+            node.input[0].clone()
+        } else {
+            b.slice(&node.input[0], start, end, 1, "amp/block_rows")
+        };
+        let wide = if opset >= 15 {
+            b.node("CastLike", &[&block, &a], "amp/frozen_block_f32", vec![])
+        } else {
+            b.cast(&block, FLOAT, "amp/frozen_block_f32")
+        };
+        let attrs = vec![int_attr("transB", trans_b as i64)];
+        parts.push(b.node("Gemm", &[&a, &wide], "amp/block_product", attrs));
+        start = end;
+    }
+    let parts: Vec<&str> = parts.iter().map(String::as_str).collect();
+    let (op, attrs) = if trans_b {
+        ("Concat", vec![int_attr("axis", 1)])
+    } else {
+        ("Sum", vec![])
+    };
+    b.node_to(op, &parts, &[&node.output[0]], attrs);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{block_bodies, MIN_BLOCKS};
+    use crate::onnx::{graph_attr, int_attr, GraphProto, NodeProto};
+    use crate::passes::step::precision::widened::Widened;
+    use ntl_ops::Builder;
+    use std::collections::{HashMap, HashSet};
+
+    fn gemm(a: &str, w: &str, out: &str, trans_b: i64) -> NodeProto {
+        NodeProto {
+            op_type: Some("Gemm".into()),
+            input: vec![a.into(), w.into()],
+            output: vec![out.into()],
+            attribute: vec![int_attr("transB", trans_b)],
+            ..Default::default()
+        }
+    }
+
+    /// A Scan whose body multiplies by the widened weight both ways, as the fused head's
+    /// backward does; the half weight is `[rows, 1024]`.
+    fn blocked(rows: i64) -> GraphProto {
+        let body = GraphProto {
+            node: vec![gemm("h", "w_f32", "z", 1), gemm("dz", "w_f32", "dh", 0)],
+            ..Default::default()
+        };
+        let mut scan = NodeProto {
+            op_type: Some("Scan".into()),
+            attribute: vec![graph_attr("body", body)],
+            ..Default::default()
+        };
+        let widened = HashMap::from([(
+            "w_f32".to_string(),
+            Widened {
+                half: "w".into(),
+                half_type: 10,
+            },
+        )]);
+        let dims = HashMap::from([("w".to_string(), vec![rows, 1024])]);
+        let mut b = Builder::new("ntl", 17, HashSet::new());
+        block_bodies(&mut scan, &widened, &dims, 17, &mut b);
+        scan.attribute[0].g.clone().unwrap()
+    }
+
+    fn count(g: &GraphProto, op: &str) -> usize {
+        g.node.iter().filter(|n| n.op_type() == op).count()
+    }
+
+    #[test]
+    fn a_large_weight_is_read_in_blocks_each_widened_in_the_body() {
+        let body = blocked(65536); // 256 MiB as float32: 8 blocks per use
+        let blocks = MIN_BLOCKS as usize;
+        assert_eq!(count(&body, "Gemm"), 2 * blocks);
+        assert_eq!(count(&body, "CastLike"), 2 * blocks);
+        let reads_half = body
+            .node
+            .iter()
+            .filter(|n| n.op_type() == "Slice" && n.input[0] == "w")
+            .count();
+        assert_eq!(reads_half, 2 * blocks);
+        assert!(body
+            .node
+            .iter()
+            .all(|n| !n.input.iter().any(|i| i == "w_f32")));
+        // the logits' blocks are concatenated, dz·W's summed, into the same outputs
+        let concat = body.node.iter().find(|n| n.op_type() == "Concat").unwrap();
+        assert_eq!(
+            (concat.output[0].as_str(), concat.input.len()),
+            ("z", blocks)
+        );
+        let sum = body.node.iter().find(|n| n.op_type() == "Sum").unwrap();
+        assert_eq!((sum.output[0].as_str(), sum.input.len()), ("dh", blocks));
+    }
+
+    #[test]
+    fn a_weight_within_one_block_keeps_its_widening_before_the_loop() {
+        let body = blocked(8192); // 32 MiB as float32
+        assert_eq!(count(&body, "Gemm"), 2);
+        assert!(body.node.iter().all(|n| n.input[1] == "w_f32"));
+    }
+}
