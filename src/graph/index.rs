@@ -4,6 +4,7 @@
 use std::collections::HashSet;
 
 use super::hash::{map_with_capacity, HashMap};
+use super::names::NameIds;
 
 use super::elem_types::ElemTypes;
 use super::ranks::{self, Ranks};
@@ -11,8 +12,15 @@ use crate::onnx::{value_info_shape, GraphProto, NodeProto};
 
 pub struct GraphIndex<'g> {
     pub graph: &'g GraphProto,
-    producer: HashMap<&'g str, usize>,
-    consumers: HashMap<&'g str, Readers>,
+    /// The tensors the nodes read and write, numbered (`names.rs`: the tables below are
+    /// plain vectors by that number, compact enough to stay in cache at a million nodes).
+    tensors: NameIds<'g>,
+    /// Per tensor the node writing it (`NO_NODE`: none).
+    producer: Vec<u32>,
+    /// Per tensor its readers: `readers[reader_start[t]..reader_start[t + 1]]`, in node order
+    /// (a node once per input it reads the tensor as).
+    reader_start: Vec<usize>,
+    readers: Vec<usize>,
     /// Initializers and value infos (`value_info`, inputs, outputs) by name: walks back through
     /// a long chain ask at every step, so this is a map, not a search of the lists.
     declared: HashMap<&'g str, Declared<'g>>,
@@ -32,25 +40,30 @@ pub struct GraphIndex<'g> {
 
 impl<'g> GraphIndex<'g> {
     pub fn new(graph: &'g GraphProto) -> Self {
-        // sized once: growing a map of a million names rehashes every one of them several times
-        let tensors = graph.node.iter().map(|n| n.output.len()).sum();
-        let mut producer = map_with_capacity(tensors);
-        let mut consumers: HashMap<&str, Readers> = map_with_capacity(tensors);
+        // sized once: growing the table of a million names renumbers every one several times
+        let written = graph.node.iter().map(|n| n.output.len()).sum();
+        let mut tensors = NameIds::with_capacity(written);
+        let mut producer = Vec::with_capacity(written);
+        // the tensor number of each input read, in node order (the readers' second pass)
+        let mut reads = Vec::with_capacity(graph.node.iter().map(|n| n.input.len()).sum());
         for (i, node) in graph.node.iter().enumerate() {
-            for out in node.output.iter().filter(|o| !o.is_empty()) {
-                producer.insert(out.as_str(), i);
-            }
             for inp in node.input.iter().filter(|i| !i.is_empty()) {
-                consumers
-                    .entry(inp.as_str())
-                    .and_modify(|r| r.push(i))
-                    .or_insert(Readers::One(i));
+                reads.push(tensors.intern(inp) as u32);
+            }
+            for out in node.output.iter().filter(|o| !o.is_empty()) {
+                let t = tensors.intern(out);
+                producer.resize(tensors.len(), NO_NODE);
+                producer[t] = i as u32;
             }
         }
+        producer.resize(tensors.len(), NO_NODE);
+        let (reader_start, readers) = readers_by_tensor(graph, &reads, tensors.len());
         GraphIndex {
             graph,
+            tensors,
             producer,
-            consumers,
+            reader_start,
+            readers,
             declared: declarations(graph),
             ranks: std::cell::OnceCell::new(),
             types: std::cell::OnceCell::new(),
@@ -65,11 +78,15 @@ impl<'g> GraphIndex<'g> {
     }
 
     pub fn producer(&self, tensor: &str) -> Option<(usize, &'g NodeProto)> {
-        self.producer.get(tensor).map(|&i| (i, &self.graph.node[i]))
+        let t = self.tensors.get(tensor)?;
+        let i = self.producer[t];
+        (i != NO_NODE).then(|| (i as usize, &self.graph.node[i as usize]))
     }
 
     pub fn consumers(&self, tensor: &str) -> &[usize] {
-        self.consumers.get(tensor).map_or(&[], Readers::as_slice)
+        self.tensors.get(tensor).map_or(&[], |t| {
+            &self.readers[self.reader_start[t]..self.reader_start[t + 1]]
+        })
     }
 
     pub fn is_graph_output(&self, tensor: &str) -> bool {
@@ -423,28 +440,30 @@ enum Declared<'g> {
     Info(&'g crate::onnx::ValueInfoProto),
 }
 
-/// The nodes that read a tensor, in node order (a node once per input it reads it as). Most
-/// tensors have one reader, held without a vector of its own: a million-node graph would
-/// otherwise allocate a million of them.
-enum Readers {
-    One(usize),
-    Many(Vec<usize>),
-}
+/// No node writes the tensor.
+const NO_NODE: u32 = u32::MAX;
 
-impl Readers {
-    fn push(&mut self, node: usize) {
-        match self {
-            Readers::One(first) => *self = Readers::Many(vec![*first, node]),
-            Readers::Many(nodes) => nodes.push(node),
+/// The readers of each of `count` tensors in one vector, tensor by tensor in node order
+/// (`reads`: the tensor number of every non-empty input, in node order).
+fn readers_by_tensor(graph: &GraphProto, reads: &[u32], count: usize) -> (Vec<usize>, Vec<usize>) {
+    let mut start = vec![0usize; count + 1];
+    for &t in reads {
+        start[t as usize + 1] += 1;
+    }
+    for t in 0..count {
+        start[t + 1] += start[t];
+    }
+    let mut next = start[..count].to_vec();
+    let mut readers = vec![0usize; reads.len()];
+    let mut read = reads.iter();
+    for (i, node) in graph.node.iter().enumerate() {
+        for _ in node.input.iter().filter(|i| !i.is_empty()) {
+            let t = *read.next().expect("one number per input read") as usize;
+            readers[next[t]] = i;
+            next[t] += 1;
         }
     }
-
-    fn as_slice(&self) -> &[usize] {
-        match self {
-            Readers::One(node) => std::slice::from_ref(node),
-            Readers::Many(nodes) => nodes,
-        }
-    }
+    (start, readers)
 }
 
 /// The last value of a small int64 or int32 constant (tf2onnx builds shapes in int32).

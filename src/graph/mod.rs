@@ -6,6 +6,7 @@
 pub mod elem_types;
 pub mod hash;
 pub mod index;
+pub mod names;
 pub mod patch;
 pub mod ranks;
 pub mod reads;

@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use super::hash::{map_with_capacity, HashMap};
+use super::names::NameIds;
 use super::reads::{outer_reads, rename_reads};
 
 use crate::error::Error;
@@ -143,7 +143,7 @@ pub fn apply(model: &mut ModelProto, patch: Patch) -> Result<(), Error> {
     let keep: Vec<bool> = {
         let defined = defined_tensors(graph).map_err(Error::Inconsistent)?;
         let declared = graph.value_info.iter();
-        declared.map(|v| defined.contains_key(v.name())).collect()
+        declared.map(|v| defined.get(v.name()).is_some()).collect()
     };
     let mut keep = keep.into_iter();
     let graph = model.graph.as_mut().expect("loaded models have a graph");
@@ -175,14 +175,19 @@ pub fn check_consistency(model: &ModelProto) -> Result<(), String> {
 }
 
 /// The consistency check's walk: every tensor the graph defines (before its first node, and
-/// the nodes' outputs), each mapped to whether a node produces it; or what is inconsistent.
-fn defined_tensors(graph: &GraphProto) -> Result<HashMap<&str, bool>, String> {
+/// the nodes' outputs); or what is inconsistent.
+fn defined_tensors(graph: &GraphProto) -> Result<NameIds<'_>, String> {
     let mut defined =
-        map_with_capacity(graph.input.len() + graph.initializer.len() + graph.node.len());
-    defined.extend(defined_before_nodes(graph).map(|t| (t, false)));
+        NameIds::with_capacity(graph.input.len() + graph.initializer.len() + graph.node.len());
+    // per tensor number: whether a node wrote it
+    let mut written = Vec::new();
+    for t in defined_before_nodes(graph) {
+        defined.intern(t);
+    }
+    written.resize(defined.len(), false);
     for node in &graph.node {
         for input in node.input.iter().filter(|i| !i.is_empty()) {
-            if !defined.contains_key(input.as_str()) {
+            if defined.get(input).is_none() {
                 return Err(format!(
                     "node '{}' reads '{}' before it is defined",
                     node.name(),
@@ -192,13 +197,15 @@ fn defined_tensors(graph: &GraphProto) -> Result<HashMap<&str, bool>, String> {
         }
         for out in node.output.iter().filter(|o| !o.is_empty()) {
             // a node may write a tensor defined before the nodes, not one another node wrote
-            if defined.insert(out.as_str(), true) == Some(true) {
+            let t = defined.intern(out);
+            written.resize(defined.len(), false);
+            if std::mem::replace(&mut written[t], true) {
                 return Err(format!("tensor '{out}' is produced twice"));
             }
         }
     }
     for out in &graph.output {
-        if !defined.contains_key(out.name()) {
+        if defined.get(out.name()).is_none() {
             return Err(format!("graph output '{}' is never produced", out.name()));
         }
     }
