@@ -11,6 +11,10 @@
 //! `Cast(codes → int32) → Gather([256, 2] byte → code-pair table) → Reshape [blocks, block]
 //!  → Mul absmax → Reshape [out, in] (→ Transpose where the export stores [in, out])`
 //!
+//! `--double-quant` (`double_quant.rs`, bitsandbytes' `compress_statistics`) stores the absmax
+//! quantised again (`<W>.absmax_codes` uint8, `<W>.absmax_scales`, `<W>.absmax_offset`), and the
+//! chain starts with their dequantisation (`emit_absmax_chain`), which feeds the `Mul`.
+//!
 //! int8/int4 (`symmetric.rs`) store `ntl/qlora/<W>.codes` as int8/int4 `[blocks, block]` and
 //! `ntl/qlora/<W>.scales` (float32 `[blocks]`), and the chain is
 //!
@@ -150,7 +154,8 @@ pub struct QuantizedWeight {
     pub layout: Layout,
     /// Every tensor the shared chain computes, the weight last.
     pub chain: Vec<String>,
-    /// `--double-quant`: the absmax are stored quantised (`scales` is then not stored).
+    /// `--double-quant`: the absmax are stored quantised (`scales` then names their codes, as
+    /// `nested.codes`; no float32 absmax is stored).
     pub nested: Option<NestedAbsmax>,
 }
 
