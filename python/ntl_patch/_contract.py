@@ -180,10 +180,12 @@ class QuantizedLayer:
     weight: str
     module: str | None
     codes: str
-    absmax: str | None  # nf4
+    absmax: str | None  # nf4 (double_quant: the absmax' uint8 codes)
     scales: str | None  # int8 / int4
     shape: tuple[int, int]
     weight_layout: str
+    absmax_scales: str | None = None  # nf4 double_quant: float32 [ceil(blocks / 256), 1]
+    absmax_offset: str | None = None  # nf4 double_quant: float32 scalar
 
     @classmethod
     def parse(cls, d: dict) -> QuantizedLayer:
@@ -196,7 +198,8 @@ class QuantizedLayer:
             raise ValueError(f"'{METADATA_KEY}' metadata: {w}block scales must be named by "
                              f"exactly one of 'absmax' (nf4) and 'scales' (int8/int4)")
         return cls(_get(d, "weight", str, w), _get(d, "module", str, w, None), _get(d, "codes", str, w),
-                   absmax, scales, (shape[0], shape[1]), _get(d, "weight_layout", str, w))
+                   absmax, scales, (shape[0], shape[1]), _get(d, "weight_layout", str, w),
+                   _get(d, "absmax_scales", str, w, None), _get(d, "absmax_offset", str, w, None))
 
 
 @dataclass(frozen=True)
@@ -209,6 +212,8 @@ class QuantizeBase:
     bytes_before: int
     bytes_after: int
     layers: list[QuantizedLayer]
+    absmax_code: list[float] | None = None  # double_quant: the absmax codes' table (256)
+    absmax_blocksize: int | None = None  # double_quant: absmax codes per scale (256)
 
     @classmethod
     def parse(cls, d: dict) -> QuantizeBase:
@@ -218,7 +223,9 @@ class QuantizeBase:
                    _floats(_get(d, "code", list, w, None)), _get(d, "qmax", int, w, None),
                    _get(d, "bytes_before", int, w),
                    _get(d, "bytes_after", int, w),
-                   [QuantizedLayer.parse(x) for x in _get(d, "layers", list, w)])
+                   [QuantizedLayer.parse(x) for x in _get(d, "layers", list, w)],
+                   _floats(_get(d, "absmax_code", list, w, None)),
+                   _get(d, "absmax_blocksize", int, w, None))
 
 
 @dataclass(frozen=True)

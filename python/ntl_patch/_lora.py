@@ -244,19 +244,28 @@ def _read_weight(original: Path, name: str) -> tuple[np.ndarray, int]:
 def dequantised_bases(step_graph, quantized: _contract.QuantizeBase) -> dict:
     """Each quantised base weight of a QLoRA step graph (its ``quantize_base`` metadata),
     dequantised as the graph does it, in float32 and in the original weight's layout: nf4 the
-    code pair of each byte (high nibble first) times its block's absmax; int8/int4 the integer
-    values (int4 two a byte, low nibble first) times their block's scale."""
+    code pair of each byte (high nibble first) times its block's absmax (double_quant: the
+    absmax themselves ``absmax_code[q] · scale + offset``, blocks of 256 codes a scale);
+    int8/int4 the integer values (int4 two a byte, low nibble first) times their block's
+    scale."""
     step_graph = Path(os.fspath(step_graph))
     kind = quantized.quant_type
-    if kind not in ("nf4", "int8", "int4") or quantized.double_quant:
+    nested = quantized.double_quant
+    if kind not in ("nf4", "int8", "int4") or (nested and kind != "nf4"):
         raise ValueError(f"{step_graph}: cannot dequantise a {kind!r} base "
-                         f"(double_quant={quantized.double_quant}); nf4, int8 and int4 merge")
+                         f"(double_quant={nested}); nf4 (with or without double_quant), int8 "
+                         f"and int4 merge")
+    if nested and (quantized.absmax_code is None or quantized.absmax_blocksize is None):
+        raise ValueError(f"{step_graph}: its double_quant metadata lacks absmax_code / "
+                         f"absmax_blocksize; re-run ntl-patch step")
     block = quantized.blocksize
     scales_of = {layer.weight: layer.absmax if kind == "nf4" else layer.scales
                  for layer in quantized.layers}
     wanted = {}
     for layer in quantized.layers:
         wanted[layer.codes] = wanted[scales_of[layer.weight]] = None
+        if nested:
+            wanted[layer.absmax_scales] = wanted[layer.absmax_offset] = None
     mm, buf = _onnx_wire._map(step_graph)
     try:
         for t in _onnx_wire.initializers(buf):
@@ -273,6 +282,8 @@ def dequantised_bases(step_graph, quantized: _contract.QuantizeBase) -> dict:
         if codes is None or scales is None:
             raise ValueError(f"{step_graph}: the quantised weight {layer.weight!r} has no "
                              f"{layer.codes!r} / {scales_name!r} initializer")
+        if nested:
+            scales = _nested_absmax(step_graph, layer, scales, wanted, quantized)
         if kind == "nf4":
             packed = np.asarray(codes, dtype=np.uint8).reshape(-1)
             values = np.asarray(quantized.code, dtype=np.float32)[
@@ -287,6 +298,19 @@ def dequantised_bases(step_graph, quantized: _contract.QuantizeBase) -> dict:
         w = values.reshape(*layer.shape)  # [out, in]
         out[layer.weight] = w.T.copy() if layer.weight_layout == "in_out" else w
     return out
+
+
+def _nested_absmax(step_graph, layer, codes, wanted: dict, quantized) -> np.ndarray:
+    """A double-quantised layer's float32 absmax, as its graph computes them: the dynamic-map
+    value of each code times its block of 256's scale (a product), plus the offset (a sum)."""
+    scales, offset = wanted[layer.absmax_scales], wanted[layer.absmax_offset]
+    if scales is None or offset is None:
+        raise ValueError(f"{step_graph}: the quantised weight {layer.weight!r} has no "
+                         f"{layer.absmax_scales!r} / {layer.absmax_offset!r} initializer")
+    q = np.asarray(codes, dtype=np.uint8).reshape(-1)
+    per = np.asarray(scales, np.float32).reshape(-1)[np.arange(q.size) // quantized.absmax_blocksize]
+    values = np.asarray(quantized.absmax_code, dtype=np.float32)[q] * per
+    return values + np.asarray(offset, np.float32).reshape(())
 
 
 def merged_values(original, lora: dict, parameters: dict, bases: dict | None = None) -> dict:

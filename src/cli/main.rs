@@ -151,7 +151,9 @@ struct StepArgs {
     /// LM head, as bitsandbytes' load_in_4bit].
     #[arg(long, value_name = "NAMES")]
     quantize_targets: Option<String>,
-    /// QLoRA: quantise the block scales too (bitsandbytes' compress_statistics).
+    /// QLoRA nf4: store the blocks' absmax quantised too, as bitsandbytes'
+    /// compress_statistics (8-bit codes in blocks of 256 with a float32 scale each, plus their
+    /// mean): about 0.516 bytes a value instead of 0.5625 at blocks of 64.
     #[arg(long)]
     double_quant: bool,
     /// Compute the forward and backward in float16 or bfloat16 where torch's autocast does

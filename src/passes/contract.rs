@@ -173,6 +173,12 @@ pub struct QuantizeBase {
     /// The code table (16 values for NF4; int8/int4 have none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub code: Option<Vec<f32>>,
+    /// `double_quant`: the absmax codes' table (bitsandbytes' dynamic map, 256 values).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub absmax_code: Option<Vec<f32>>,
+    /// `double_quant`: absmax codes per scale (256).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub absmax_blocksize: Option<i64>,
     /// int8/int4: the largest code (127, 7); NF4 has none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub qmax: Option<i64>,
@@ -186,9 +192,16 @@ pub struct QuantizedLayer {
     pub weight: String,
     pub module: Option<String>,
     pub codes: String,
-    /// NF4's per-block absmax (bitsandbytes' name).
+    /// NF4's per-block absmax (bitsandbytes' name): float32 `[blocks, 1]`, or with
+    /// `double_quant` their uint8 codes `[blocks]` (as bitsandbytes' nested `QuantState.absmax`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub absmax: Option<String>,
+    /// `double_quant`: the absmax codes' float32 scales `[ceil(blocks / 256), 1]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub absmax_scales: Option<String>,
+    /// `double_quant`: the float32 scalar added back (the absmax' mean).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub absmax_offset: Option<String>,
     /// int8/int4's per-block scales.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scales: Option<String>,

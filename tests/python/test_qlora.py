@@ -3,15 +3,20 @@ and torch + PEFT 0.21.2.
 
 Reference: fixtures/reference/nf4/*.npz, written by fixtures/generate_nf4.py with bitsandbytes'
 `quantize_4bit(W, blocksize=64, quant_type="nf4")` / `dequantize_4bit` on every linear weight
-(torch's [out, in] order). Checked:
-  - the step graph's codes and absmax are bit-equal to bitsandbytes' on the tiny LM and the
-    GPT-2 / Llama fixtures from both exporters; every linear layer but the LM head is quantised
-    and no float copy of a quantised weight is left among the initializers;
+(torch's [out, in] order), and the same with `compress_statistics=True` (`--double-quant`, keys
+`<module>/dq_*`). Checked, with and without `--double-quant`:
+  - the step graph's codes and absmax (double-quant: the absmax' codes, their scales and the
+    offset) are bit-equal to bitsandbytes' on the tiny LM and the GPT-2 / Llama fixtures from
+    both exporters; every linear layer but the LM head is quantised and no float copy of a
+    quantised weight is left among the initializers; the bytes before and after;
+  - the graph's own dequantisation chain, run by onnxruntime, gives bitsandbytes' dequantised
+    weights bit for bit;
   - 10 AdamW steps of StepRunner equal torch + PEFT (float64) on the model whose quantised
     weights are bitsandbytes' dequantised NF4 weights: 1e-5 relative in the losses, 1e-4
     norm-relative in A and B (test_lora.py's harness and tolerances);
   - onnxruntime's optimised graph (ORT_ENABLE_ALL, the .venv's onnxruntime) holds no float
-    initializer of a quantised weight's shape that the export did not have besides;
+    initializer of a quantised weight's shape (double-quant: nor of its absmax') that the
+    export did not have besides, and one dequantisation per reader;
   - bad input: one line, exit 1, nothing written.
 """
 
@@ -38,9 +43,13 @@ def reference(fixture: str) -> dict[str, np.ndarray]:
     return dict(np.load(NF4 / f"{tl._arch(fixture)}.npz"))
 
 
-def build(fixture: str, out: Path, *extra) -> dict:
+def build(fixture: str, out: Path, *extra, dq: bool = False) -> dict:
     targets = ["--lora-targets", "q,v,fc1"] if fixture == "lm_flat" else []
-    return tl.build_step(fixture, out, "--lora-r", "4", *targets, "--quantize-base", "nf4", *extra)
+    return tl.build_step(fixture, out, "--lora-r", "4", *targets, "--quantize-base", "nf4",
+                         *(["--double-quant"] if dq else []), *extra)
+
+
+DQ = pytest.mark.parametrize("dq", [False, True], ids=["nf4", "nf4-dq"])
 
 
 def initializers(path: Path) -> dict[str, np.ndarray]:
@@ -48,37 +57,124 @@ def initializers(path: Path) -> dict[str, np.ndarray]:
     return {t.name: onnx.numpy_helper.to_array(t) for t in m.graph.initializer}
 
 
+def bits(a: np.ndarray) -> np.ndarray:
+    assert a.dtype == np.float32, a.dtype
+    return a.reshape(-1).view(np.uint32)
+
+
+@DQ
 @pytest.mark.parametrize("fixture", FIXTURES)
-def test_codes_bit_equal_bitsandbytes(fixture, tmp_path):
+def test_codes_bit_equal_bitsandbytes(fixture, dq, tmp_path):
     out = tmp_path / "q.onnx"
-    build(fixture, out)
+    build(fixture, out, dq=dq)
     meta = tl._meta(out)["quantize_base"]
     ref = reference(fixture)
     inits = initializers(out)
-    assert meta["quant_type"] == "nf4" and meta["blocksize"] == 64
+    assert meta["quant_type"] == "nf4" and meta["blocksize"] == 64 and meta["double_quant"] == dq
     modules = {la["module"] for la in meta["layers"]}
-    all_linear = {k.rsplit("/", 1)[0] for k in ref if not k.startswith("adversarial/")}
+    all_linear = {k.rsplit("/", 1)[0] for k in ref if not k.startswith(("adversarial/", "dq/"))}
     assert modules == all_linear - {HEAD[tl._arch(fixture)]}, "every linear layer but the head"
+    after = 0
     for la in meta["layers"]:
         m = la["module"]
         np.testing.assert_array_equal(inits[la["codes"]], ref[f"{m}/codes"], err_msg=m)
-        got = inits[la["absmax"]].reshape(-1)
-        assert got.dtype == np.float32
-        np.testing.assert_array_equal(got.view(np.uint32), ref[f"{m}/absmax"].view(np.uint32), err_msg=m)
+        blocks = la["shape"][0] * la["shape"][1] // 64
+        if dq:  # the absmax' codes (bitsandbytes' nested QuantState.absmax), scales, offset
+            assert inits[la["absmax"]].dtype == np.uint8
+            np.testing.assert_array_equal(inits[la["absmax"]], ref[f"{m}/dq_absmax_codes"], err_msg=m)
+            np.testing.assert_array_equal(bits(inits[la["absmax_scales"]]), bits(ref[f"{m}/dq_absmax_scales"]),
+                                          err_msg=m)
+            assert inits[la["absmax_scales"]].shape == (-(-blocks // 256), 1)
+            assert inits[la["absmax_offset"]].shape == ()
+            assert bits(inits[la["absmax_offset"]]) == bits(ref[f"{m}/dq_offset"]), m
+            assert not any(n.endswith(f"{la['weight']}.absmax") for n in inits), "no float32 absmax stored"
+            after += blocks * 32 + blocks + 4 * -(-blocks // 256) + 4
+        else:
+            np.testing.assert_array_equal(bits(inits[la["absmax"]]), bits(ref[f"{m}/absmax"]), err_msg=m)
+            assert "absmax_scales" not in la and "absmax_offset" not in la
+            after += blocks * 32 + blocks * 4
         assert la["weight"] not in inits, "the float weight is gone"
-    assert meta["bytes_after"] * 6 < meta["bytes_before"]
+    assert meta["bytes_after"] == after
+    assert meta["bytes_before"] == sum(la["shape"][0] * la["shape"][1] * 4 for la in meta["layers"])
+    if dq:
+        assert meta["absmax_blocksize"] == 256
+        np.testing.assert_array_equal(bits(np.asarray(meta["absmax_code"], np.float32)), bits(ref["dq/code"]))
+    else:
+        assert "absmax_code" not in meta and "absmax_blocksize" not in meta
 
 
-def dequantized_model(fixture: str, original):
-    """test_lora.torch_model with every quantised weight replaced by bitsandbytes' dequantised one."""
+def chain_model(step: onnx.ModelProto, codes: str) -> tuple[onnx.ModelProto, str, bool]:
+    """One per-use copy of a weight's dequantisation in the step graph, as a model: every node
+    from the stored tensors to the copy's float weight, the activation its CastLike nodes are
+    like a graph input. Returns the model, its activation input and whether the copy ends
+    transposed (a joined Transpose)."""
+    nodes = list(step.graph.node)
+    produced = {o: n for n in nodes for o in n.output}
+    readers = {}
+    for n in nodes:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    start = next(n for n in readers[codes] if n.op_type == "CastLike")
+    like = start.input[1]
+    t, transposed = start.output[0], False
+    while len(readers.get(t, [])) == 1 and readers[t][0].op_type in ("Cast", "Gather", "Reshape", "Mul", "Transpose"):
+        n = readers[t][0]
+        transposed ^= n.op_type == "Transpose"
+        t = n.output[0]
+    inits = {i.name: i for i in step.graph.initializer}
+    keep, todo, used = [], [t], []
+    seen = set()
+    while todo:
+        x = todo.pop()
+        if x in seen or x == like or x not in produced:
+            if x in inits and x not in seen:
+                used.append(inits[x])
+            seen.add(x)
+            continue
+        seen.add(x)
+        keep.append(produced[x])
+        todo.extend(i for i in produced[x].input if i)
+    order = {id(n): k for k, n in enumerate(nodes)}
+    keep.sort(key=lambda n: order[id(n)])
+    g = onnx.helper.make_graph(keep, "chain", [onnx.helper.make_tensor_value_info(like, onnx.TensorProto.FLOAT, None)],
+                               [onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None)], used)
+    return onnx.helper.make_model(g, opset_imports=list(step.opset_import), ir_version=step.ir_version), like, transposed
+
+
+@DQ
+@pytest.mark.parametrize("fixture", ["lm_flat", "gpt2_ts", "llama_dynamo"])
+def test_graph_dequantises_as_bitsandbytes(fixture, dq, tmp_path):
+    """The step graph's own chain (one per-use copy a weight, run by onnxruntime) gives
+    bitsandbytes' dequantised weights bit for bit: `dequantize_4bit` with the nested state for
+    --double-quant, the plain one without."""
+    out = tmp_path / "q.onnx"
+    build(fixture, out, dq=dq)
+    meta = tl._meta(out)["quantize_base"]
     ref = reference(fixture)
+    step = onnx.load(str(out))
+    for la in meta["layers"]:
+        model, _, transposed = chain_model(step, la["codes"])
+        if dq:
+            assert sum(n.op_type == "CastLike" for n in model.graph.node) == 2, "the absmax' chain is per use too"
+        s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        (w,) = s.run(None, {s.get_inputs()[0].name: np.zeros((1,), np.float32)})
+        w = w.T if transposed else w
+        want = ref[f"{la['module']}/{'dq_' if dq else ''}dequantized"]
+        np.testing.assert_array_equal(bits(np.ascontiguousarray(w)), bits(want), err_msg=la["module"])
+
+
+def dequantized_model(fixture: str, original, dq: bool = False):
+    """test_lora.torch_model with every quantised weight replaced by bitsandbytes' dequantised one
+    (dq: dequantised with the nested state, `compress_statistics=True`)."""
+    ref = reference(fixture)
+    wanted = "dq_dequantized" if dq else "dequantized"
 
     def model(fx, dtype=torch.float32):
         m, logits, loss = original(fx, dtype)
         mods = dict(m.named_modules())
         for key in ref:
             name, _, kind = key.rpartition("/")
-            if kind != "dequantized" or name == HEAD[tl._arch(fixture)] or name == "adversarial":
+            if kind != wanted or name == HEAD[tl._arch(fixture)] or name == "adversarial":
                 continue
             w = torch.from_numpy(ref[key])
             mod = mods[name]
@@ -94,11 +190,12 @@ CASES = {"tiny": "lm_flat", "gpt2_ts": "gpt2_ts", "llama_dynamo": "llama_dynamo"
          "llama_ts": "llama_ts", "gpt2_dynamo": "gpt2_dynamo"}
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_trains_like_peft_on_dequantized_base(case, tmp_path, monkeypatch):
+@pytest.mark.parametrize("case,dq", [(c, False) for c in CASES] + [(c, True) for c in ("tiny", "gpt2_ts", "llama_dynamo")],
+                         ids=[c for c in CASES] + [f"{c}-dq" for c in ("tiny", "gpt2_ts", "llama_dynamo")])
+def test_trains_like_peft_on_dequantized_base(case, dq, tmp_path, monkeypatch):
     fixture = CASES[case]
     path = tmp_path / "q.onnx"
-    build(fixture, path)
+    build(fixture, path, dq=dq)
     meta = tl._meta(path)
     lora = meta["lora"]
     initial = tl._onnx_wire.read_initializers(path, meta["parameters"])
@@ -106,7 +203,7 @@ def test_trains_like_peft_on_dequantized_base(case, tmp_path, monkeypatch):
     runner = tl.StepRunner(path, providers=["CPUExecutionProvider"])
     losses = np.array([runner.step({"input_ids": x, "labels": y})[0] for x, y in data])
     params = runner.parameters()
-    monkeypatch.setattr(tl, "torch_model", dequantized_model(fixture, tl.torch_model))
+    monkeypatch.setattr(tl, "torch_model", dequantized_model(fixture, tl.torch_model, dq))
     tl_case = {"lm_flat": "tiny", "gpt2_ts": "gpt2_ts", "gpt2_dynamo": "gpt2_ts",
                "llama_ts": "llama_ts", "llama_dynamo": "llama_ts"}[fixture]
     monkeypatch.setitem(tl.CASES, "qlora", (fixture, 4, None, tl.CASES[tl_case][3], False))
@@ -120,12 +217,13 @@ def test_trains_like_peft_on_dequantized_base(case, tmp_path, monkeypatch):
     assert losses[-1] != losses[0]
 
 
+@DQ
 @pytest.mark.parametrize("fixture", ["lm_flat", "gpt2_ts", "llama_dynamo"])
-def test_merged_model_is_the_dequantised_base_plus_the_update(fixture, tmp_path):
+def test_merged_model_is_the_dequantised_base_plus_the_update(fixture, dq, tmp_path):
     """save_inference_model on a QLoRA graph merges into the base the step trained on (bitsandbytes'
     dequantised weights, as merge_and_unload() on a 4-bit base), not into the original float one."""
     path = tmp_path / "q.onnx"
-    build(fixture, path)
+    build(fixture, path, dq=dq)
     meta = tl._meta(path)
     runner = tl.StepRunner(path, providers=["CPUExecutionProvider"])
     for x, y in tl.batches(fixture)[:3]:
@@ -138,7 +236,7 @@ def test_merged_model_is_the_dequantised_base_plus_the_update(fixture, tmp_path)
     adapters = {la["weight"]: la for la in meta["lora"]["layers"]}
     scaling = float(meta["lora"]["lora_alpha"]) / float(meta["lora"]["r"])  # no rsLoRA here
     for la in meta["quantize_base"]["layers"]:
-        want = ref[f"{la['module']}/dequantized"].astype(np.float64)  # [out, in]
+        want = ref[f"{la['module']}/{'dq_' if dq else ''}dequantized"].astype(np.float64)  # [out, in]
         if la["weight"] in adapters:
             a, b = params[adapters[la["weight"]]["lora_A"]], params[adapters[la["weight"]]["lora_B"]]
             assert np.abs(b).max() > 0, "B trained"
@@ -148,29 +246,37 @@ def test_merged_model_is_the_dequantised_base_plus_the_update(fixture, tmp_path)
         np.testing.assert_allclose(w, want, rtol=0, atol=1e-6, err_msg=la["module"])
 
 
-def test_inspect_lists_the_quantised_layers(tmp_path):
+@DQ
+def test_inspect_lists_the_quantised_layers(dq, tmp_path):
     out, plain = tmp_path / "q.onnx", tmp_path / "lora.onnx"
-    build("llama_dynamo", out)
+    build("llama_dynamo", out, dq=dq)
     tl.build_step("llama_dynamo", plain, "--lora-r", "4")
     meta = tl._meta(out)["quantize_base"]
     r = run_patch(["inspect", out])
     assert r.returncode == 0, r.stderr
-    head = f"quantised base: nf4 in blocks of 64, {len(meta['layers'])} layer(s), " \
-           f"{meta['bytes_before']} bytes before, {meta['bytes_after']} after:"
+    head = f"quantised base: nf4 in blocks of 64{' (double quantisation)' if dq else ''}, " \
+           f"{len(meta['layers'])} layer(s), {meta['bytes_before']} bytes before, {meta['bytes_after']} after:"
     assert head in r.stdout
+    numel = sum(la["shape"][0] * la["shape"][1] for la in meta["layers"])
+    blocks = [la["shape"][0] * la["shape"][1] // 64 for la in meta["layers"]]
+    statistics = sum(b + 4 * -(-b // 256) + 4 for b in blocks) if dq else 4 * sum(blocks)
+    assert meta["bytes_after"] == numel // 2 + statistics, "the codes and the (quantised) absmax"
     for la in meta["layers"]:
         assert f"  {la['module']} <- {la['weight']} [{la['shape'][0]} x {la['shape'][1]}]" in r.stdout
     j = json.loads(run_patch(["inspect", out, "--json"]).stdout)
-    got = j["quantize_base"]  # the code table re-printed by serde_json: equal to float32 precision
+    got = j["quantize_base"]  # the code tables re-printed by serde_json: equal to float32 precision
     np.testing.assert_allclose(got.pop("code"), meta.pop("code"), rtol=1e-15)
+    if dq:
+        np.testing.assert_allclose(got.pop("absmax_code"), meta.pop("absmax_code"), rtol=1e-15)
     assert got == meta
     assert "quantize_base" not in json.loads(run_patch(["inspect", plain, "--json"]).stdout)
     assert "quantised base" not in run_patch(["inspect", plain]).stdout
 
 
-def test_onnxruntime_keeps_no_float_copy(tmp_path):
+@DQ
+def test_onnxruntime_keeps_no_float_copy(dq, tmp_path):
     out = tmp_path / "q.onnx"
-    build("llama_dynamo", out)
+    build("llama_dynamo", out, dq=dq)
     meta = tl._meta(out)["quantize_base"]
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -178,15 +284,26 @@ def test_onnxruntime_keeps_no_float_copy(tmp_path):
     ort.InferenceSession(str(out), so, providers=["CPUExecutionProvider"])
     opt = onnx.load(str(tmp_path / "opt.onnx"))
     shapes = {tuple(la["shape"]) for la in meta["layers"]} | {tuple(la["shape"][::-1]) for la in meta["layers"]}
+    absmax_shapes = set()
+    if dq:  # a folded float32 absmax: [blocks, 1], [blocks], or padded to whole blocks of 256
+        for la in meta["layers"]:
+            b = la["shape"][0] * la["shape"][1] // 64
+            absmax_shapes |= {(b, 1), (b,), (-(-b // 256), 256), (-(-b // 256) * 256, 1), (-(-b // 256) * 256,)}
     original = {tuple(t.dims) for t in onnx.load(str(MODELS / "llama_dynamo.onnx")).graph.initializer
                 if t.name not in {la["weight"] for la in meta["layers"]}}
     float_copies = [t.name for t in opt.graph.initializer
                     if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
                     and tuple(t.dims) in shapes and tuple(t.dims) not in original]
+    stored = {t.name for t in onnx.load(str(out)).graph.initializer}  # the dynamic map is [256]
+    float_copies += [t.name for t in opt.graph.initializer
+                     if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+                     and tuple(t.dims) in absmax_shapes and t.name not in stored]
     assert not float_copies, f"onnxruntime {ort.__version__} folded float copies: {float_copies[:4]}"
     # one dequantisation per reading node: as many Gathers from the code-pair table as readers
     gathers = [n for n in opt.graph.node if n.op_type == "Gather" and "nf4_pairs" in n.input[0]]
     assert len(gathers) > len(meta["layers"]), "per-use dequantisations merged"
+    absmax_gathers = [n for n in opt.graph.node if n.op_type == "Gather" and "dynamic_map" in n.input[0]]
+    assert len(absmax_gathers) == (len(gathers) if dq else 0), "one absmax dequantisation per weight's"
 
 
 BAD = [
@@ -198,7 +315,7 @@ BAD = [
     (["--lora-r", "4", "--quant-block", "64"], "--quantize-base"),
     (["--lora-r", "4", "--quantize-base", "nf4", "--quantize-targets", "nope"], "matches no linear layer"),
     (["--lora-r", "4", "--quantize-base", "int4"], "re-export with opset_version=21"),
-    (["--lora-r", "4", "--quantize-base", "nf4", "--double-quant"], "not built yet"),
+    (["--lora-r", "4", "--double-quant"], "add --quantize-base nf4"),
 ]
 
 

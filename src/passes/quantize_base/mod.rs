@@ -11,6 +11,10 @@
 //! `Cast(codes → int32) → Gather([256, 2] byte → code-pair table) → Reshape [blocks, block]
 //!  → Mul absmax → Reshape [out, in] (→ Transpose where the export stores [in, out])`
 //!
+//! `--double-quant` (`double_quant.rs`, bitsandbytes' `compress_statistics`) stores the absmax
+//! quantised again (`<W>.absmax_codes` uint8, `<W>.absmax_scales`, `<W>.absmax_offset`), and the
+//! chain starts with their dequantisation (`emit_absmax_chain`), which feeds the `Mul`.
+//!
 //! int8/int4 (`symmetric.rs`) store `ntl/qlora/<W>.codes` as int8/int4 `[blocks, block]` and
 //! `ntl/qlora/<W>.scales` (float32 `[blocks]`), and the chain is
 //!
@@ -25,6 +29,7 @@
 //! then (last, on the finished step graph) gives each reading node a copy of the chain of its
 //! own, so no float copy of `W` lives from the forward to the backward.
 
+mod double_quant;
 mod nf4;
 pub mod per_use;
 mod symmetric;
@@ -126,9 +131,6 @@ impl QuantizeOptions {
                 self.scheme.name()
             )));
         }
-        if self.double_quant {
-            return bad("--double-quant is not built yet; drop it (the absmax stay float32, 4 bytes per block)");
-        }
         if let Some(t) = &self.targets {
             if t.is_empty() || t.iter().any(|s| s.trim().is_empty()) {
                 return bad("--quantize-targets must name modules, comma-separated (e.g. --quantize-targets q_proj,v_proj,lm_head)");
@@ -152,6 +154,20 @@ pub struct QuantizedWeight {
     pub layout: Layout,
     /// Every tensor the shared chain computes, the weight last.
     pub chain: Vec<String>,
+    /// `--double-quant`: the absmax are stored quantised (`scales` then names their codes, as
+    /// `nested.codes`; no float32 absmax is stored).
+    pub nested: Option<NestedAbsmax>,
+}
+
+/// The initializers of one weight's quantised absmax (`--double-quant`, `double_quant.rs`).
+#[derive(Debug, Clone)]
+pub struct NestedAbsmax {
+    /// uint8 `[blocks]`: one dynamic-map code per NF4 block.
+    pub codes: String,
+    /// float32 `[nested blocks, 1]`: one scale per 256 codes.
+    pub scales: String,
+    /// float32 scalar: the mean of the absmax.
+    pub offset: String,
 }
 
 /// What `quantize` did.
@@ -176,14 +192,21 @@ impl QuantizedBase {
             .iter()
             .flat_map(|w| {
                 let n = w.out_features * w.in_features;
-                match scheme {
-                    Scheme::Nf4 => [
+                let blocks = n / block;
+                match (scheme, &w.nested) {
+                    (Scheme::Nf4, None) => vec![
                         (w.codes.clone(), UINT8, vec![n / 2]),
-                        (w.scales.clone(), FLOAT, vec![n / block, 1]),
+                        (w.scales.clone(), FLOAT, vec![blocks, 1]),
                     ],
-                    Scheme::Int4 | Scheme::Int8 => [
-                        (w.codes.clone(), scheme.codes_type(), vec![n / block, block]),
-                        (w.scales.clone(), FLOAT, vec![n / block]),
+                    (Scheme::Nf4, Some(nested)) => vec![
+                        (w.codes.clone(), UINT8, vec![n / 2]),
+                        (nested.codes.clone(), UINT8, vec![blocks]),
+                        (nested.scales.clone(), FLOAT, vec![nested_blocks(blocks), 1]),
+                        (nested.offset.clone(), FLOAT, vec![]),
+                    ],
+                    (Scheme::Int4 | Scheme::Int8, _) => vec![
+                        (w.codes.clone(), scheme.codes_type(), vec![blocks, block]),
+                        (w.scales.clone(), FLOAT, vec![blocks]),
                     ],
                 }
             })
@@ -196,16 +219,20 @@ impl QuantizedBase {
             .weights
             .iter()
             .map(|w| {
-                // bitsandbytes' name where it is bitsandbytes' scheme
-                let (absmax, scales) = match self.options.scheme {
-                    Scheme::Nf4 => (Some(w.scales.clone()), None),
-                    Scheme::Int4 | Scheme::Int8 => (None, Some(w.scales.clone())),
+                // bitsandbytes' name where it is bitsandbytes' scheme; nested, its `absmax` is
+                // the uint8 codes, as `QuantState.absmax`
+                let (absmax, scales) = match (self.options.scheme, &w.nested) {
+                    (Scheme::Nf4, None) => (Some(w.scales.clone()), None),
+                    (Scheme::Nf4, Some(nested)) => (Some(nested.codes.clone()), None),
+                    (Scheme::Int4 | Scheme::Int8, _) => (None, Some(w.scales.clone())),
                 };
                 contract::QuantizedLayer {
                     weight: w.weight.clone(),
                     module: w.module.clone(),
                     codes: w.codes.clone(),
                     absmax,
+                    absmax_scales: w.nested.as_ref().map(|n| n.scales.clone()),
+                    absmax_offset: w.nested.as_ref().map(|n| n.offset.clone()),
                     scales,
                     shape: [w.out_features, w.in_features],
                     weight_layout: w.layout.name().into(),
@@ -218,6 +245,14 @@ impl QuantizedBase {
             blocksize: self.options.block,
             double_quant: self.options.double_quant,
             code: qmax.is_none().then(|| nf4::NF4.to_vec()),
+            absmax_code: self
+                .options
+                .double_quant
+                .then(|| double_quant::dynamic_map().to_vec()),
+            absmax_blocksize: self
+                .options
+                .double_quant
+                .then_some(double_quant::NESTED_BLOCK as i64),
             qmax,
             bytes_before: self.bytes_before,
             bytes_after: self.bytes_after,
@@ -410,6 +445,9 @@ pub fn quantize(model: &mut ModelProto, o: &QuantizeOptions) -> Result<Quantized
         Scheme::Nf4 => Some(b.const_f32("qlora/nf4_pairs", &[256, 2], &nf4::pair_table())),
         Scheme::Int4 | Scheme::Int8 => None,
     };
+    let dynamic_map = o
+        .double_quant
+        .then(|| b.const_f32("qlora/dynamic_map", &[256], &double_quant::dynamic_map()));
     let mut weights: Vec<QuantizedWeight> = Vec::new();
     let mut done: BTreeSet<String> = BTreeSet::new();
     let (mut before, mut after) = (0u64, 0u64);
@@ -422,6 +460,7 @@ pub fn quantize(model: &mut ModelProto, o: &QuantizeOptions) -> Result<Quantized
         check_block(o, layer, values.len())?;
         let codes = claim(&mut b, format!("{PREFIX}/qlora/{}.codes", layer.weight))?;
         let scales_name = match o.scheme {
+            Scheme::Nf4 if o.double_quant => "absmax_codes",
             Scheme::Nf4 => "absmax",
             Scheme::Int4 | Scheme::Int8 => "scales",
         };
@@ -429,6 +468,20 @@ pub fn quantize(model: &mut ModelProto, o: &QuantizeOptions) -> Result<Quantized
             &mut b,
             format!("{PREFIX}/qlora/{}.{scales_name}", layer.weight),
         )?;
+        let nested = match o.double_quant {
+            true => Some(NestedAbsmax {
+                codes: scales.clone(),
+                scales: claim(
+                    &mut b,
+                    format!("{PREFIX}/qlora/{}.absmax_scales", layer.weight),
+                )?,
+                offset: claim(
+                    &mut b,
+                    format!("{PREFIX}/qlora/{}.absmax_offset", layer.weight),
+                )?,
+            }),
+            false => None,
+        };
         let blocks = (values.len() / block) as i64;
         let (raw, scale_values, codes_dims, scale_dims) = match o.scheme.qmax() {
             None => {
@@ -450,7 +503,7 @@ pub fn quantize(model: &mut ModelProto, o: &QuantizeOptions) -> Result<Quantized
             }
         };
         before += values.len() as u64 * 4;
-        after += raw.len() as u64 + scale_values.len() as u64 * 4;
+        after += raw.len() as u64;
         b.initializers.push(TensorProto {
             name: Some(codes.clone()),
             dims: codes_dims,
@@ -458,12 +511,41 @@ pub fn quantize(model: &mut ModelProto, o: &QuantizeOptions) -> Result<Quantized
             raw_data: Some(raw.into()),
             ..Default::default()
         });
-        b.initializers
-            .push(crate::onnx::f32_tensor(&scales, &scale_dims, &scale_values));
-        let chain = match &table {
-            Some(table) => emit_nf4_chain(&mut b, layer, &codes, &scales, table, blocks, o.block),
-            None => emit_dequantize_linear_chain(&mut b, layer, &codes, &scales),
+        // the absmax the NF4 chain multiplies by: stored, or dequantised by a chain of its own
+        let mut chain = Vec::new();
+        let absmax = match (&nested, &dynamic_map) {
+            (Some(names), Some(map)) => {
+                let q = double_quant::quantize(&scale_values);
+                after += q.codes.len() as u64 + (q.scales.len() as u64 + 1) * 4;
+                let nested_dims = [q.scales.len() as i64, 1];
+                b.initializers.push(TensorProto {
+                    name: Some(names.codes.clone()),
+                    dims: vec![blocks],
+                    data_type: Some(UINT8),
+                    raw_data: Some(q.codes.into()),
+                    ..Default::default()
+                });
+                b.initializers.push(crate::onnx::f32_tensor(
+                    &names.scales,
+                    &nested_dims,
+                    &q.scales,
+                ));
+                b.initializers
+                    .push(crate::onnx::f32_tensor(&names.offset, &[], &[q.offset]));
+                chain = emit_absmax_chain(&mut b, names, map, blocks);
+                chain.last().expect("a chain has nodes").clone()
+            }
+            _ => {
+                after += scale_values.len() as u64 * 4;
+                b.initializers
+                    .push(crate::onnx::f32_tensor(&scales, &scale_dims, &scale_values));
+                scales.clone()
+            }
         };
+        chain.extend(match &table {
+            Some(table) => emit_nf4_chain(&mut b, layer, &codes, &absmax, table, blocks, o.block),
+            None => emit_dequantize_linear_chain(&mut b, layer, &codes, &scales),
+        });
         weights.push(QuantizedWeight {
             weight: layer.weight.clone(),
             module: layer.module.as_ref().map(|(m, _)| m.clone()),
@@ -473,6 +555,7 @@ pub fn quantize(model: &mut ModelProto, o: &QuantizeOptions) -> Result<Quantized
             in_features: layer.in_features,
             layout: layer.layout,
             chain,
+            nested,
         });
     }
     let graph = model.graph.as_mut().expect("graph");
@@ -546,6 +629,67 @@ fn emit_nf4_chain(
     let scaled = b.binary("Mul", &in_blocks, absmax, "qlora/scaled");
     let mut chain = vec![idx, pairs, in_blocks, scaled];
     finish_chain(b, layer, &mut chain);
+    chain
+}
+
+/// The blocks of 256 `--double-quant` stores `blocks` absmax codes in (the last possibly short).
+fn nested_blocks(blocks: i64) -> i64 {
+    (blocks as usize).div_ceil(double_quant::NESTED_BLOCK) as i64
+}
+
+/// The shared dequantisation of one weight's nested absmax (`double_quant.rs`), ending in the
+/// float32 absmax `[blocks, 1]` the NF4 chain multiplies by; returns every tensor it computes:
+///
+/// `Cast(codes → int32) → Gather(dynamic map) (→ Pad to whole blocks of 256) → Reshape
+///  [nested, 256] → Mul scales → Add offset → Reshape (→ Slice the real count) [blocks, 1]`
+fn emit_absmax_chain(
+    b: &mut Builder,
+    nested: &NestedAbsmax,
+    map: &str,
+    blocks: i64,
+) -> Vec<String> {
+    let per_block = double_quant::NESTED_BLOCK as i64;
+    let rows = nested_blocks(blocks);
+    let padded = rows * per_block;
+    let idx = b.node(
+        "Cast",
+        &[&nested.codes],
+        "qlora/absmax_idx",
+        vec![int_attr("to", INT32 as i64)],
+    );
+    let values = b.node(
+        "Gather",
+        &[map, &idx],
+        "qlora/absmax_values",
+        vec![int_attr("axis", 0)],
+    );
+    let mut chain = vec![idx, values.clone()];
+    let mut whole = values;
+    if padded > blocks {
+        let pads = b.const_i64("qlora/absmax_pads", &[2], &[0, padded - blocks]);
+        whole = b.binary("Pad", &whole, &pads, "qlora/absmax_padded");
+        chain.push(whole.clone());
+    }
+    let grid_dims = b.const_i64("qlora/absmax_grid", &[2], &[rows, per_block]);
+    let grid = b.binary("Reshape", &whole, &grid_dims, "qlora/absmax_grid");
+    let scaled = b.binary("Mul", &grid, &nested.scales, "qlora/absmax_scaled");
+    let shifted = b.binary("Add", &scaled, &nested.offset, "qlora/absmax_shifted");
+    chain.extend([grid, scaled, shifted.clone()]);
+    let column = b.const_i64("qlora/absmax_column", &[2], &[padded, 1]);
+    let flat = b.binary("Reshape", &shifted, &column, "qlora/absmax");
+    chain.push(flat.clone());
+    if padded > blocks {
+        let zero = b.const_i64("qlora/absmax_start", &[1], &[0]);
+        let end = b.const_i64("qlora/absmax_end", &[1], &[blocks]);
+        let axis = b.const_i64("qlora/absmax_axis", &[1], &[0]);
+        let real = b.node(
+            "Slice",
+            &[&flat, &zero, &end, &axis],
+            "qlora/absmax",
+            vec![],
+        );
+        chain.push(real);
+    }
     chain
 }
 

@@ -11,7 +11,9 @@
 //! (then `Cast` to int32 for the Gather): onnxruntime's common-subexpression elimination
 //! merges identical nodes of one input back into one — whose float output would then live
 //! from the forward to the backward — and an activation makes each copy's first node
-//! different. The codes and scales are declared graph inputs (by the step), so its constant
+//! different. With `--double-quant` the absmax' own dequantisation is part of the chain, so it
+//! is copied too, its codes' Cast likewise through `CastLike`: no float32 absmax outlives its
+//! reader either. The codes and scales are declared graph inputs (by the step), so its constant
 //! folding cannot turn a chain into a float32 initializer either. An int8/int4 copy starts
 //! with its own `DequantizeLinear` of the stored codes, which onnxruntime (1.19, 1.31) does not
 //! merge (test_qlora_int.py checks the optimised graph).
@@ -147,17 +149,19 @@ fn joins_chain(
         && node.input[1..].iter().all(|i| !recipes.contains_key(i))
 }
 
-/// A fresh copy of `recipe` (fresh tensor and node names); its first node, the codes' Cast to
-/// int32, goes through `CastLike(codes, like)` where there is an activation to be like.
+/// A fresh copy of `recipe` (fresh tensor and node names); each Cast of a stored tensor (the
+/// codes', the nested absmax codes') to int32 goes through `CastLike(codes, like)` where there
+/// is an activation to be like.
 fn instantiate(
     recipe: &[NodeProto],
     like: Option<&str>,
     b: &mut Builder,
 ) -> (Vec<NodeProto>, String) {
     let mut renames: HashMap<String, String> = HashMap::new();
-    let mut out = Vec::with_capacity(recipe.len() + 1);
-    for (k, template) in recipe.iter().enumerate() {
+    let mut out = Vec::with_capacity(recipe.len() + 2);
+    for template in recipe {
         let mut n = template.clone();
+        let reads_stored = n.input.first().is_some_and(|i| !renames.contains_key(i));
         for i in &mut n.input {
             if let Some(r) = renames.get(i.as_str()) {
                 *i = r.clone();
@@ -169,9 +173,9 @@ fn instantiate(
             *o = fresh;
         }
         n.name = Some(b.fresh(n.op_type()));
-        // NF4's chain starts with the codes' Cast; int8/int4's DequantizeLinear copies are
+        // NF4's chains start with the codes' Cast; int8/int4's DequantizeLinear copies are
         // left apart by onnxruntime's common-subexpression elimination as they are
-        if k == 0 && n.op_type() == "Cast" {
+        if reads_stored && n.op_type() == "Cast" {
             if let Some(x) = like {
                 let tmp = b.fresh("qlora/codes_like");
                 out.push(NodeProto {
