@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import _onnx_wire
+from ._onnx_decode import read_metadata
 
 METADATA_KEY = "ntl_step"
 # graphs written before the metadata named the step count and the loss scale: their
@@ -361,7 +361,7 @@ def _old(state, name: str) -> str | None:
 
 def read(path: Path) -> StepMetadata:
     """The graph's ``ntl_step`` metadata, parsed (ValueError naming the file and what is wrong)."""
-    raw = _onnx_wire.read_metadata(path).get(METADATA_KEY)
+    raw = read_metadata(path).get(METADATA_KEY)
     if raw is None:
         raise ValueError(f"{path}: not a step graph (no '{METADATA_KEY}' metadata); write one with "
                          f"`ntl-patch step MODEL`")

@@ -29,7 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _contract, _onnx_wire, _safetensors
+from . import _contract, _safetensors
+from ._array_bytes import ArrayBytes
+from ._atomic_write import atomic_write, temp_beside
+from ._onnx_decode import initializers, map_file, tensor_to_numpy, type_name, unmap_file
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -161,7 +164,7 @@ def _shown(names: list[str]) -> str:
 
 def _write_json(path: Path, obj) -> None:
     text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
-    _onnx_wire._atomic_write(path, [text.encode("utf-8")])
+    atomic_write(path, [text.encode("utf-8")])
 
 
 def save_adapter(directory, lora: dict, values, base_model_name_or_path: str | None = None,
@@ -220,25 +223,25 @@ def save_adapter(directory, lora: dict, values, base_model_name_or_path: str | N
 def _read_weight(original: Path, name: str) -> tuple[np.ndarray, int]:
     """(float32 value, ONNX data type) of an initializer of the original model; float16 and
     bfloat16 are widened exactly."""
-    mm, buf = _onnx_wire._map(original)
+    mm, buf = map_file(original)
     try:
-        found = next((t for t in _onnx_wire.initializers(buf) if t.name == name), None)
+        found = next((t for t in initializers(buf) if t.name == name), None)
         if found is None:
             raise ValueError(f"{original}: no initializer named {name!r}, the base weight of a LoRA "
                              f"layer; pass the model the step graph was made from")
         dtype = found.data_type
         if dtype == 16:  # bfloat16: its bits as uint16, widened to float32
             found.data_type = 4
-            bits = _onnx_wire.tensor_to_numpy(buf, found, original.parent)
+            bits = tensor_to_numpy(buf, found, original.parent)
             value = (bits.astype(np.uint32) << 16).view(np.float32)
         elif dtype in (1, 10):
-            value = _onnx_wire.tensor_to_numpy(buf, found, original.parent).astype(np.float32)
+            value = tensor_to_numpy(buf, found, original.parent).astype(np.float32)
         else:
             raise ValueError(f"{original}: LoRA base weight {name!r} is "
-                             f"{_onnx_wire.type_name(dtype)}; only float, float16 and bfloat16 merge")
+                             f"{type_name(dtype)}; only float, float16 and bfloat16 merge")
         return value, dtype
     finally:
-        _onnx_wire._unmap(mm, buf)
+        unmap_file(mm, buf)
 
 
 def dequantised_bases(step_graph, quantized: _contract.QuantizeBase) -> dict:
@@ -266,15 +269,15 @@ def dequantised_bases(step_graph, quantized: _contract.QuantizeBase) -> dict:
         wanted[layer.codes] = wanted[scales_of[layer.weight]] = None
         if nested:
             wanted[layer.absmax_scales] = wanted[layer.absmax_offset] = None
-    mm, buf = _onnx_wire._map(step_graph)
+    mm, buf = map_file(step_graph)
     try:
-        for t in _onnx_wire.initializers(buf):
+        for t in initializers(buf):
             if t.name in wanted:
                 if t.data_type == 22:  # int4: read its packed bytes
                     t.data_type, t.dims = 2, [int(np.prod(t.dims)) // 2]
-                wanted[t.name] = _onnx_wire.tensor_to_numpy(buf, t, step_graph.parent)
+                wanted[t.name] = tensor_to_numpy(buf, t, step_graph.parent)
     finally:
-        _onnx_wire._unmap(mm, buf)
+        unmap_file(mm, buf)
     out = {}
     for layer in quantized.layers:
         scales_name = scales_of[layer.weight]
@@ -358,7 +361,7 @@ def merged_values(original, lora: dict, parameters: dict, bases: dict | None = N
 
 
 def _load(value):
-    return value.load() if isinstance(value, _onnx_wire.ArrayBytes) else value
+    return value.load() if isinstance(value, ArrayBytes) else value
 
 
 # --- onnxruntime's adapter format ---------------------------------------------------------------
@@ -397,7 +400,7 @@ def save_onnx_adapter(out, lora: dict, values, adapter_version: int = 1, model_v
     fmt.set_model_version(int(model_version))
     fmt.set_parameters(params)
     out = Path(os.fspath(out))
-    fd, tmp = _onnx_wire._temp_beside(out)  # its mode as the umask asks, like every output
+    fd, tmp = temp_beside(out)  # its mode as the umask asks, like every output
     os.close(fd)
     try:
         fmt.export_adapter(tmp)

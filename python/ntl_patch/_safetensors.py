@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._onnx_wire import ArrayBytes
+from ._array_bytes import ArrayBytes
 
 DTYPES = {
     "F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2",

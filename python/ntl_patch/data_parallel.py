@@ -29,7 +29,14 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from . import _contract, _dlpack, _lora, _onnx_wire, _safetensors, _sharding, _state
+from . import _contract, _exports, _lora, _safetensors, _sharding
+from ._collective import Collective
+from ._gradient_layout import GradientLayout
+from ._replicated import Replicated
+from ._sessions import with_tf32
+from ._split_runs import GradientRun, UpdateRun
+from ._step_graph import StepGraph
+from ._training_state import TrainingState, initial_values
 
 CHECKPOINT_FORMAT = "ntl_patch.DataParallel/1"
 _GPU_PROVIDERS = {"CUDAExecutionProvider", "ROCMExecutionProvider", "MIGraphXExecutionProvider"}
@@ -51,6 +58,23 @@ def _metadata(path: Path) -> _contract.StepMetadata:
                          f"and MODEL.update.onnx with `ntl-patch step MODEL --split` (a single "
                          f"step graph trains with StepRunner)")
     return meta
+
+
+def _placement(torch, providers):
+    """(providers, device, device_id): default the CUDA provider on GPU LOCAL_RANK when both
+    onnxruntime and torch have CUDA, else CPU; the device is the first provider's."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if providers is None:
+        if "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available():
+            providers = [("CUDAExecutionProvider", {"device_id": local}), "CPUExecutionProvider"]
+        else:
+            providers = ["CPUExecutionProvider"]
+    providers = list(providers)
+    first = providers[0]
+    name, opts = (first, {}) if isinstance(first, str) else (first[0], dict(first[1]))
+    if name in _GPU_PROVIDERS:
+        return providers, "cuda", int(opts.get("device_id", local))
+    return providers, "cpu", 0
 
 
 class DataParallel:
@@ -82,7 +106,6 @@ class DataParallel:
             raise ImportError(f"ntl_patch.DataParallel needs torch ({e}); install it, e.g. "
                               f"`pip install torch` (StepRunner and the command wrappers do not)") from None
 
-        self._torch, self._dist = torch, dist
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) \
                 or accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be an int >= 1, not {accumulation_steps!r}")
@@ -94,8 +117,8 @@ class DataParallel:
             if not p.is_file():
                 raise FileNotFoundError(f"{p}: no such file (write it with `ntl-patch step MODEL --split`)")
 
-        providers, self.device, self.device_id = self._placement(providers)
-        providers = _state.with_tf32(providers, tf32)
+        providers, self.device, self.device_id = _placement(torch, providers)
+        providers = with_tf32(providers, tf32)
         self.torch_device = torch.device(self.device if self.device == "cpu" else f"cuda:{self.device_id}")
         self.group = group
         if self.device != "cpu":
@@ -107,6 +130,8 @@ class DataParallel:
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.shard = _sharding.check_mode(shard, self.world_size)
+        self._collective = Collective(torch, dist, group, self.world_size, self.rank, self.device,
+                                      self.device_id)
 
         meta = _metadata(self.grad_path)
         umeta = _metadata(self.update_path)
@@ -120,48 +145,38 @@ class DataParallel:
         self.metadata: dict = meta.raw
         state_inputs = meta.state_inputs
         # neither session keeps the state: the parameters (the gradient graph's initializers)
-        # and the optimizer state (the update graph's) live once, in self._state
-        self.grad_session = _state.session_without(self.grad_path, state_inputs, session_options, providers)
+        # and the optimizer state (the update graph's) live once, in self._training
+        self._grad_graph = StepGraph.load(self.grad_path, meta, session_options, providers)
+        self.grad_session = self._grad_graph.session
         self._check_grad_graph()
-        # the state this rank holds, and the part of it the update graph writes
-        self._sharded = _sharding.Sharded(self, self.shard) if self.shard != "none" else None
-        self._held = self._sharded.held if self._sharded else self.state_names
-        self._updated = self._sharded.updated if self._sharded else self.state_names
-        if self._sharded:
-            self.update_session = self._sharded.session(session_options, providers)
+        # replicated or sharded: the state this rank holds, the part of it the update graph
+        # writes, and the step's collective calls
+        if self.shard == "none":
+            self._strategy = Replicated(self._layout, self._collective, self.state_names, accumulation_steps)
         else:
-            self.update_session = _state.session_without(self.update_path, state_inputs,
-                                                         session_options, providers)
+            self._strategy = _sharding.Sharded(self.shard, self._layout, self._collective, meta, umeta,
+                                               self.update_path, accumulation_steps, self._scale_input,
+                                               self.torch_device)
+        self.update_session = self._strategy.update_session(self.update_path, state_inputs,
+                                                            session_options, providers)
         self._check_update_graph()
         # sharded, on CPU: each run hands its arena memory back when it ends (onnxruntime keeps
         # the largest a run ever needed otherwise), so the gradient graph's working memory and
         # the update's temporaries (of the largest tensor of the shard) are never held at once
-        self._run_options = None
-        if self._sharded and self.device == "cpu":
-            self._run_options = ort.RunOptions()
-            self._run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
-        self._state = self._initial_state()
-        self._broken: str | None = None
-        self._steps = int(np.asarray(self._state_host(self.step_input)))
+        run_options = None
+        if self.shard != "none" and self.device == "cpu":
+            run_options = ort.RunOptions()
+            run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+        self._training = self._initial_state()
+        self._gradient_run = GradientRun(torch, self.grad_session, self._layout, self._training,
+                                         self.data_inputs, self.losses, self.parameter_names,
+                                         self._scale_input, self.torch_device, run_options)
+        self._update_run = UpdateRun(torch, self.update_session, self._training, self._strategy.updated,
+                                     self.lr_input, self.skip_output, self.torch_device, run_options)
         self.skipped_steps = 0
         self.last_step_skipped = False
 
     # --- setup -------------------------------------------------------------------------------
-
-    def _placement(self, providers):
-        torch = self._torch
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if providers is None:
-            if "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available():
-                providers = [("CUDAExecutionProvider", {"device_id": local}), "CPUExecutionProvider"]
-            else:
-                providers = ["CPUExecutionProvider"]
-        providers = list(providers)
-        first = providers[0]
-        name, opts = (first, {}) if isinstance(first, str) else (first[0], dict(first[1]))
-        if name in _GPU_PROVIDERS:
-            return providers, "cuda", int(opts.get("device_id", local))
-        return providers, "cpu", 0
 
     def _check_grad_graph(self) -> None:
         meta = self.contract
@@ -174,46 +189,43 @@ class DataParallel:
         # gradients are scaled; the update graph unscales the averaged gradient and checks it
         # for inf/NaN, which an inf on any rank carries into the average: a global check)
         self.skip_output: str | None = meta.skip_output
-        gin = {i.name for i in (*self.grad_session.get_inputs(),
-                                *self.grad_session.get_overridable_initializers())}
         scale = meta.loss_scale_input
-        self._scale_input = scale if scale in gin else None
+        self._scale_input = scale if scale in self._grad_graph.inputs else None
         self.step_input = meta.step_input or self.state_names[-1][0]
-        # the update graph may write each listed tensor's next value over the tensor itself
-        # (the update graph's list, which the gradient graph's metadata repeats)
-        self._in_place: set[str] = set(self.update_contract.in_place or []) & set(meta.state_inputs)
-        outs = [o.name for o in self.grad_session.get_outputs()]
+        outs = [o.name for o in self._grad_graph.outputs]
         self.grad_names = outs[3:]
         if outs[:3] != self.losses or len(self.grad_names) != len(self.parameter_names):
             raise ValueError(f"{self.grad_path}: outputs {outs[:5]}... are not the losses then one "
                              f"gradient per parameter")
-        shapes = {o.name: o.shape for o in self.grad_session.get_outputs()}
-        self._shapes = [tuple(int(d) for d in shapes[g]) for g in self.grad_names]
-        self._spans, off = [], 0
-        for shape in self._shapes:
-            n = int(np.prod(shape, dtype=np.int64)) if shape else 1
-            self._spans.append((off, n))
-            off += n
-        self._numel = off
+        shapes = {o.name: o.shape for o in self._grad_graph.outputs}
+        self._layout = GradientLayout.of(self.grad_names,
+                                         [tuple(int(d) for d in shapes[g]) for g in self.grad_names])
 
     def _check_update_graph(self) -> None:
         uin = {i.name for i in (*self.update_session.get_inputs(),
                                 *self.update_session.get_overridable_initializers())}
-        grads = self._sharded.own_grads if self._sharded else self.grad_names
-        missing = [n for n in [*grads, *(i for i, _ in self._updated)] if n not in uin]
+        missing = [n for n in [*self._strategy.own_grads, *(i for i, _ in self._strategy.updated)]
+                   if n not in uin]
         if missing:
             raise ValueError(f"{self.update_path}: inputs {missing[:5]} missing")
 
-    def _initial_state(self) -> dict:
+    def _initial_state(self) -> TrainingState:
         params = set(self.parameter_names)
-        names = [i for i, _ in self._held]  # a sharded rank reads only its own moments
+        held = self._strategy.held
+        names = [i for i, _ in held]  # a sharded rank reads only its own moments
         try:
-            return _state.initial_state([(self.grad_path, [n for n in names if n in params]),
-                                         (self.update_path, [n for n in names if n not in params])],
-                                        self.device, self.device_id)
+            values = initial_values([(self.grad_path, [n for n in names if n in params]),
+                                     (self.update_path, [n for n in names if n not in params])],
+                                    self.device, self.device_id)
         except KeyError as e:
             raise ValueError(f"{e.args[0]}: every state tensor needs its initial value as an "
                              f"initializer (docs/STEP_GRAPH.md)") from None
+        # the update graph may write each listed tensor's next value over the tensor itself
+        # (the update graph's list, which the gradient graph's metadata repeats)
+        in_place = set(self.update_contract.in_place or []) & set(self.contract.state_inputs)
+        return TrainingState(values, held, in_place, self.device, self.device_id, self.step_input,
+                             failed=f"{self.update_path}: an update failed while it wrote the state in place",
+                             remedy="load_state() a checkpoint to go on")
 
     # --- training ----------------------------------------------------------------------------
 
@@ -221,22 +233,21 @@ class DataParallel:
     def steps_taken(self) -> int:
         """Optimizer steps taken (the state's step count; fp16 steps skipped for an inf/NaN
         gradient are not counted)."""
-        return self._steps
+        return self._training.steps
 
     @property
     def loss_scale(self) -> float | None:
         """fp16: the current loss scale (the same on every rank); None without one."""
         if self._scale_input is None:
             return None
-        return float(np.asarray(self._state_host(self._scale_input)).reshape(-1)[0])
+        return self._training.scalar(self._scale_input)
 
     def step(self, batch, lr: float | None = None) -> tuple[float, float, float]:
         """One optimizer step. batch: this rank's shard, a dict (data input name -> numpy array,
         torch tensor or OrtValue), or a list of accumulation_steps such dicts. lr overrides the
         graph's learning rate for this step (the same on every rank). Returns (total, ce_loss,
         number_loss), each the mean over micro-batches and ranks."""
-        torch = self._torch
-        self._check_usable()
+        self._training.check_usable()
         micro = [batch] if isinstance(batch, dict) else batch
         if not isinstance(micro, (list, tuple)) or len(micro) != self.accumulation_steps \
                 or not all(isinstance(b, dict) for b in micro):
@@ -246,171 +257,29 @@ class DataParallel:
         if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating,
                                                                            np.integer))):
             raise TypeError(f"lr must be a number, not {type(lr).__name__}")
-        if self._sharded:
-            self.last_step_skipped, losses = self._sharded.step(micro, lr)
-        else:
-            flat = self._gradients(micro)[0]
-            if self.world_size > 1:
-                self._dist.all_reduce(flat, op=self._dist.ReduceOp.SUM, group=self.group)
-            flat.div_(self.world_size * self.accumulation_steps)
-            grads = [_dlpack.from_torch(g) for g in self._views(flat)]
-            self.last_step_skipped = self._update(list(zip(self.grad_names, grads)), lr)
-            del grads
-            losses = flat[self._numel:].tolist()
+        self.last_step_skipped, losses = self._strategy.step(micro, lr, self._gradient_run,
+                                                             self._update_run, self._training)
         if self.last_step_skipped:
             self.skipped_steps += 1
         else:
-            self._steps += 1
+            self._training.steps += 1
         return tuple(float(x) for x in losses)  # type: ignore[return-value]
 
-    def _gradients(self, micro: list, bounds: list[int] | None = None) -> list:
-        """This rank's summed gradients of the micro-batches, flat, then the 3 summed losses.
-        bounds (parameter indices): one buffer per run of parameters between them, so that a
-        rank can free the others' buffers (default: one buffer). The first micro-batch's
-        gradient graph writes into them directly, later ones through a scratch buffer."""
-        torch = self._torch
-        bounds = bounds or [0, len(self.parameter_names)]
-        parts, views = [], []
-        for a, b in zip(bounds, bounds[1:]):
-            n = sum(m for _, m in self._spans[a:b]) + (3 if b == bounds[-1] else 0)
-            parts.append(torch.empty(n, dtype=torch.float32, device=self.torch_device))
-            views += self._views(parts[-1], self._spans[a][0] if a < b else 0, a, b)
-        losses = parts[-1][-3:]
-        losses.zero_()
-        scratch = None
-        for i, batch in enumerate(micro):
-            if i == 1:
-                scratch = torch.empty(self._numel, dtype=torch.float32, device=self.torch_device)
-                scratch_views = self._views(scratch)
-            self._accumulate(batch, views if scratch is None else scratch_views, losses)
-            if scratch is not None:
-                for g, s in zip(views, scratch_views):
-                    g.add_(s)
-        return parts
-
-    def _bind_data(self, binding, batch: dict, keep: list) -> None:
-        torch = self._torch
-        missing = [n for n in self.data_inputs if n not in batch]
-        extra = [n for n in batch if n not in self.data_inputs]
-        if missing or extra:
-            raise ValueError(f"batch must have exactly the data inputs {self.data_inputs}: "
-                             f"missing {missing}, unexpected {extra}")
-        for name in self.data_inputs:
-            v = batch[name]
-            if isinstance(v, torch.Tensor):
-                v = _dlpack.from_torch(v.contiguous())
-            if isinstance(v, ort.OrtValue):
-                keep.append(v)
-                binding.bind_ortvalue_input(name, v)
-            else:
-                arr = np.asarray(v, order="C")
-                keep.append(arr)
-                binding.bind_cpu_input(name, arr)
-
-    def _sync_torch(self) -> None:
-        # ORT runs on its own stream: torch's writes must be done before ORT reads them
-        if self.device != "cpu":
-            self._torch.cuda.current_stream(self.torch_device).synchronize()
-
-    def _views(self, buffer, start: int = 0, first: int = 0, last: int | None = None) -> list:
-        """Views of buffer, one per gradient first..last-1 in the gradients' shapes; buffer
-        starts at flat offset start."""
-        return [buffer[off - start:off - start + n].view(shape)
-                for (off, n), shape in zip(self._spans[first:last], self._shapes[first:last])]
-
-    def _accumulate(self, batch: dict, grads: list, losses) -> None:
-        """Runs the gradient graph on batch; its gradients go into grads (torch views, one per
-        parameter), its losses are added to losses."""
-        b = self.grad_session.io_binding()
-        keep: list = []
-        self._bind_data(b, batch, keep)
-        for p in self.parameter_names:
-            b.bind_ortvalue_input(p, self._state[p])
-        if self._scale_input:
-            b.bind_ortvalue_input(self._scale_input, self._state[self._scale_input])
-        for name in self.losses:
-            b.bind_output(name, self.device, self.device_id)
-        outputs = [_dlpack.from_torch(g) for g in grads]  # alive until the run is done
-        for name, g in zip(self.grad_names, outputs):
-            b.bind_ortvalue_output(name, g)
-        self._sync_torch()
-        self.grad_session.run_with_iobinding(b, self._run_options)
-        b.synchronize_outputs()
-        outs = b.get_outputs()
-        for j, v in enumerate(outs[:3]):
-            losses[j].add_(_dlpack.to_torch(v).reshape(()).to(losses.dtype))
-        del keep, outputs
-
-    def _update(self, grads: list, lr, feeds: dict | None = None) -> bool:
-        """Runs the update graph on grads ((name, OrtValue) pairs) and feeds (name -> host
-        array); True when it skipped the step (fp16, an inf/NaN gradient)."""
-        b = self.update_session.io_binding()
-        for name, _ in self._updated:
-            b.bind_ortvalue_input(name, self._state[name])
-        for name, g in grads:
-            b.bind_ortvalue_input(name, g)
-        for name, value in (feeds or {}).items():
-            b.bind_cpu_input(name, value)
-        if lr is not None:
-            b.bind_ortvalue_input(self.lr_input, ort.OrtValue.ortvalue_from_numpy(np.array(lr, np.float32)))
-        _state.bind_next(b, self._updated, self._state, self._in_place, self.device, self.device_id)
-        if self.skip_output:
-            b.bind_output(self.skip_output, "cpu")
-        self._sync_torch()
-        try:
-            self.update_session.run_with_iobinding(b, self._run_options)
-        except Exception as e:
-            if self._in_place:
-                self._broken = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            raise
-        b.synchronize_outputs()
-        values = b.get_outputs()
-        b.clear_binding_inputs()
-        _state.take_next(self._updated, self._state, self._in_place, values)
-        if not self.skip_output:
-            return False
-        return bool(np.asarray(values[len(self._updated)].numpy()).reshape(-1)[0])
-
     # --- state ---------------------------------------------------------------------------
-
-    def _check_usable(self) -> None:
-        if self._broken is not None:
-            raise RuntimeError(f"{self.update_path}: an update failed while it wrote the state in "
-                               f"place ({self._broken}), so the state may be partly updated; "
-                               f"load_state() a checkpoint to go on")
-
-    def _state_host(self, name: str) -> np.ndarray:
-        return _state.host(self._state[name])
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Parameters, optimizer moments and the step count, copied to host (state input names).
         Sharded: this rank's state (every parameter, the moments of its shard)."""
-        self._check_usable()
-        return {n: self._state_host(n) for n, _ in self._held}
+        return self._training.state_dict()
 
     def parameters(self) -> dict[str, np.ndarray]:
         """The trained parameters, copied to host."""
-        self._check_usable()
-        return {n: self._state_host(n) for n in self.parameter_names}
+        return self._training.parameters(self.parameter_names)
 
     def load_state_dict(self, state: dict) -> None:
         """Upload a state (e.g. from state_dict()); names, dtypes and shapes must match. Each old
         tensor is released as its new one arrives."""
-        self._load(state, copy=True)
-
-    def _load(self, state: dict, copy: bool) -> None:
-        names = [n for n, _ in self._held]
-        _state.check_state(names, self._state, state)
-        _state.replace_state(names, self._state, state, self.device, self.device_id, copy=copy)
-        self._broken = None
-        self._steps = int(np.asarray(state[self.step_input]))
-
-    def _barrier(self) -> None:
-        if self.world_size > 1:
-            if self.device == "cpu":
-                self._dist.barrier(group=self.group)
-            else:
-                self._dist.barrier(group=self.group, device_ids=[self.device_id])
+        self._training.load(state, copy=True)
 
     def save_state(self, path) -> Path:
         """Write the state (parameters, optimizer moments, step count) as a safetensors file.
@@ -421,17 +290,8 @@ class DataParallel:
         meta = {"format": CHECKPOINT_FORMAT, "shard": self.shard,
                 "parameters": json.dumps(self.parameter_names),
                 "optimizer": json.dumps(self.metadata.get("optimizer")),
-                "steps": str(self._steps)}
-        if self._sharded:
-            self._check_usable()
-            self._sharded.save(path, meta)
-            return path
-        if self.rank == 0:
-            self._check_usable()
-            # straight from the state's memory on CPU, one tensor at a time off a GPU
-            _safetensors.save(path, {n: _state.host_bytes(self._state[n]) for n, _ in self.state_names},
-                              meta)
-        self._barrier()
+                "steps": str(self._training.steps)}
+        self._strategy.save(path, meta, self._training)
         return path
 
     def load_state(self, path) -> None:
@@ -444,22 +304,18 @@ class DataParallel:
         if mode != self.shard:
             raise ValueError(f"{path}: a checkpoint of shard={mode!r} training; load it with "
                              f"DataParallel(..., shard={mode!r}), not shard={self.shard!r}")
-        tensors = self._sharded.load(path, meta) if self._sharded else _safetensors.load(path)[0]
-        self._load(tensors, copy=False)  # the arrays are fresh: the state may keep them
+        tensors = self._strategy.load(path, meta)
+        self._training.load(tensors, copy=False)  # the arrays are fresh: the state may keep them
 
     def save_inference_model(self, original_model, out, strict: bool = True,
                              external_data: bool | None = None) -> Path:
         """original_model with the trained parameters (see StepRunner.save_inference_model,
         external data and LoRA merging included). Call it on every rank: rank 0 writes."""
         if self.rank == 0:
-            self._check_usable()
-            values = {n: _state.host_bytes(self._state[n]) for n in self.parameter_names}
-            if self.contract.lora:
-                values = _lora.merged_values(original_model,
-                                             _lora.lora_metadata(self.contract, self.grad_path), values)
-            _onnx_wire.replace_initializers(original_model, out, values, strict=strict,
-                                            external_data=external_data)
-        self._barrier()
+            self._training.check_usable()
+            _exports.trained_model(self._training, self.parameter_names, self.contract, self.grad_path,
+                                   original_model, out, strict, external_data, dequantised_bases=False)
+        self._collective.barrier()
         return Path(out)
 
     def save_adapter(self, directory, base_model_name_or_path: str | None = None,
@@ -468,12 +324,10 @@ class DataParallel:
         every rank: rank 0 writes."""
         lora = _lora.lora_metadata(self.contract, self.grad_path)
         if self.rank == 0:
-            self._check_usable()
-            names = _lora.lora_names(lora)
-            values = {n: _state.host_bytes(self._state[n]) for n in names}
-            extra = {n: _state.host_bytes(self._state[n]) for n in self.parameter_names if n not in names}
-            _lora.save_adapter(directory, lora, values, base_model_name_or_path, task_type, extra)
-        self._barrier()
+            self._training.check_usable()
+            _exports.peft_adapter(self._training, self.parameter_names, lora, directory,
+                                  base_model_name_or_path, task_type)
+        self._collective.barrier()
         return Path(os.fspath(directory))
 
     def save_onnx_adapter(self, out, adapter_version: int = 1, model_version: int = 1,
@@ -483,15 +337,13 @@ class DataParallel:
         it on every rank: rank 0 writes."""
         lora = _lora.lora_metadata(self.contract, self.grad_path)
         if self.rank == 0:
-            self._check_usable()
-            values = {n: self._state_host(n) for n in _lora.lora_names(lora)}
-            _lora.save_onnx_adapter(out, lora, values, adapter_version, model_version)
-            if original_model is not None or out_model is not None:
-                _lora.write_serving_model(original_model, self.grad_path, out_model)
-        self._barrier()
+            self._training.check_usable()
+            _exports.onnx_adapter(self._training, lora, self.grad_path, out, adapter_version,
+                                  model_version, original_model, out_model)
+        self._collective.barrier()
         return Path(os.fspath(out))
 
     def __repr__(self) -> str:
         return (f"DataParallel({str(self.grad_path)!r}, rank {self.rank}/{self.world_size}, "
                 f"device={self.device}:{self.device_id}, accumulation_steps="
-                f"{self.accumulation_steps}, shard={self.shard!r}, steps_taken={self._steps})")
+                f"{self.accumulation_steps}, shard={self.shard!r}, steps_taken={self._training.steps})")

@@ -30,7 +30,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from . import _contract, _lora, _onnx_wire, _state
+from . import _contract, _exports, _lora
+from ._sessions import with_tf32
+from ._step_graph import StepGraph
+from ._training_state import TrainingState, initial_values
 
 
 # execution provider -> IOBinding device type of its memory
@@ -91,26 +94,20 @@ class StepRunner:
         # fp16: the bool output telling a skipped step (None for graphs without loss scaling)
         self.skip_output: str | None = meta.skip_output
         state_inputs = meta.state_inputs
-        self._in_place: set[str] = set(meta.in_place or []) & set(state_inputs)
 
         providers = list(providers) if providers is not None else _default_providers()
-        self.session = _state.session_without(
-            self.path, state_inputs, session_options, _state.with_tf32(providers, tf32))
-        # ntl/lr keeps its initializer: an "overridable initializer" to ORT
-        inputs = {i.name: i for i in (*self.session.get_inputs(),
-                                      *self.session.get_overridable_initializers())}
-        outputs = {o.name for o in self.session.get_outputs()}
-        want_in = self.data_inputs + state_inputs
-        want_out = self.losses + [o for _, o in self.state_names] + \
-            ([self.skip_output] if self.skip_output else [])
-        absent = [n for n in want_in if n not in inputs] + [n for n in want_out if n not in outputs]
+        self._graph = StepGraph.load(self.path, meta, session_options, with_tf32(providers, tf32))
+        self.session = self._graph.session
+        absent = self._graph.missing(self.data_inputs + state_inputs,
+                                     self.losses + [o for _, o in self.state_names] +
+                                     ([self.skip_output] if self.skip_output else []))
         if absent or len(self.losses) != 3:
             raise ValueError(f"{self.path}: graph does not match its 'ntl_step' metadata "
                              f"(missing {absent[:5]}, losses {self.losses}); split-form graphs "
                              f"(--split) are not run by StepRunner")
-        if self.lr_input is not None and self.lr_input not in inputs:
+        if self.lr_input is not None and self.lr_input not in self._graph.inputs:
             raise ValueError(f"{self.path}: lr input {self.lr_input!r} is not a graph input")
-        self._input_types = {n: _state.ORT_TYPES.get(i.type) for n, i in inputs.items()}
+        self._input_types = self._graph.input_types
 
         provider = self.session.get_providers()[0]
         self.device = device or _PROVIDER_DEVICE.get(provider, "cpu")
@@ -120,14 +117,16 @@ class StepRunner:
         self.device_id = device_id
 
         try:
-            self._state: dict[str, ort.OrtValue] = _state.initial_state(
-                [(self.path, state_inputs)], self.device, self.device_id)
+            values = initial_values([(self.path, state_inputs)], self.device, self.device_id)
         except KeyError as e:
             raise ValueError(f"{e.args[0]}: every state input needs its initial value as an "
                              f"initializer (docs/STEP_GRAPH.md)") from None
-        step = meta.step_input
-        self._steps = int(np.asarray(_state.host(self._state[step]))) if step else 0
-        self._broken: str | None = None
+        # the state, held once: each step writes the `in_place` tensors over themselves
+        self._training = TrainingState(
+            values, self.state_names, set(meta.in_place or []) & set(state_inputs), self.device,
+            self.device_id, meta.step_input,
+            failed=f"{self.path}: a step failed while it updated the state in place",
+            remedy="load_state_dict() a saved state to go on")
         self.skipped_steps = 0
         self.last_step_skipped = False
 
@@ -137,25 +136,26 @@ class StepRunner:
     def steps_taken(self) -> int:
         """Steps applied by this runner (plus the step count of a state loaded by
         load_state_dict); fp16 steps skipped for an inf/NaN gradient are not counted."""
-        return self._steps
+        return self._training.steps
 
     @property
     def loss_scale(self) -> float | None:
         """fp16: the current loss scale (state ``ntl/state/loss_scale``); None without one."""
         name = self.contract.loss_scale_input
-        if name is None or name not in self._state:
+        if name is None or name not in self._training.values:
             return None
-        return float(np.asarray(_state.host(self._state[name])).reshape(-1)[0])
+        return self._training.scalar(name)
 
     @property
     def in_place(self) -> list[str]:
         """The state inputs each step updates in their own memory (the graph's ``in_place``)."""
-        return [n for n, _ in self.state_names if n in self._in_place]
+        return [n for n, _ in self.state_names if n in self._training.in_place]
 
     def step(self, batch: dict, lr: float | None = None) -> tuple[float, float, float]:
         """One training step on batch (data input name -> array); lr overrides the graph's
         learning rate for this step. Returns (total, ce_loss, number_loss)."""
-        self._check_usable()
+        state = self._training
+        state.check_usable()
         arrays = self._check_batch(batch)
         # A new binding per step: the output OrtValues reference the binding that made them
         # (onnxruntime <= 1.19 frees them if that binding is cleared or reused).
@@ -167,8 +167,7 @@ class StepRunner:
             else:
                 keep.append(value)
                 b.bind_cpu_input(name, value)
-        for name, _ in self.state_names:
-            b.bind_ortvalue_input(name, self._state[name])
+        state.bind(b, [name for name, _ in self.state_names])
         if lr is not None:
             if self.lr_input is None:
                 raise ValueError(f"{self.path}: the graph has no lr input; step(lr=...) is not possible")
@@ -177,33 +176,22 @@ class StepRunner:
             b.bind_ortvalue_input(self.lr_input, ort.OrtValue.ortvalue_from_numpy(lr_arr))
         for name in self.losses:
             b.bind_output(name, "cpu")
-        _state.bind_next(b, self.state_names, self._state, self._in_place, self.device, self.device_id)
+        state.bind_next(b, self.state_names)
         if self.skip_output:
             b.bind_output(self.skip_output, "cpu")
-        try:
-            self.session.run_with_iobinding(b)
-        except Exception as e:
-            if self._in_place:
-                self._broken = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            raise
+        state.run(self.session, b)
         values = b.get_outputs()
         b.clear_binding_inputs()  # release the previous parameters; the outputs stay with b
         losses = tuple(float(np.asarray(v.numpy()).reshape(-1)[0]) for v in values[:3])
         n = len(self.state_names)
-        _state.take_next(self.state_names, self._state, self._in_place, values[3:3 + n])
+        state.take_next(self.state_names, values[3:3 + n])
         self.last_step_skipped = bool(self.skip_output) and bool(np.asarray(values[3 + n].numpy()).reshape(-1)[0])
         if self.last_step_skipped:
             self.skipped_steps += 1
         else:
-            self._steps += 1
+            state.steps += 1
         del keep
         return losses  # type: ignore[return-value]
-
-    def _check_usable(self) -> None:
-        if self._broken is not None:
-            raise RuntimeError(f"{self.path}: a step failed while it updated the state in place "
-                               f"({self._broken}), so the state may be partly updated; "
-                               f"load_state_dict() a saved state to go on")
 
     def _check_batch(self, batch) -> dict:
         if not isinstance(batch, dict):
@@ -230,24 +218,16 @@ class StepRunner:
     def state_dict(self) -> dict[str, np.ndarray]:
         """Every state tensor (parameters, optimizer state, step count) copied to host, keyed by
         its state input name."""
-        self._check_usable()
-        return {n: _state.host(self._state[n]) for n, _ in self.state_names}
+        return self._training.state_dict()
 
     def parameters(self) -> dict[str, np.ndarray]:
         """The trained parameters copied to host, keyed by initializer name."""
-        self._check_usable()
-        return {n: _state.host(self._state[n]) for n in self.parameter_names}
+        return self._training.parameters(self.parameter_names)
 
     def load_state_dict(self, state: dict) -> None:
         """Upload a state from state_dict() (e.g. a checkpoint) to the device, one tensor at a
         time (each old tensor is released as its new one arrives)."""
-        names = [n for n, _ in self.state_names]
-        _state.check_state(names, self._state, state)
-        _state.replace_state(names, self._state, state, self.device, self.device_id)
-        self._broken = None
-        step = self.contract.step_input
-        if step in state:
-            self._steps = int(np.asarray(state[step]))
+        self._training.load(state)
 
     # --- export -------------------------------------------------------------------------------
 
@@ -268,15 +248,9 @@ class StepRunner:
         in the weight's own type): the merged model, as PEFT's ``merge_and_unload()``. For a
         QLoRA graph (``--quantize-base``) W is the dequantised base the step trained on, as
         ``merge_and_unload()`` on a 4-bit base."""
-        self._check_usable()
-        values = {n: _state.host_bytes(self._state[n]) for n in self.parameter_names}
-        if self.contract.lora:
-            quantized = self.contract.quantize_base
-            bases = _lora.dequantised_bases(self.path, quantized) if quantized else None
-            values = _lora.merged_values(original_model, _lora.lora_metadata(self.contract, self.path),
-                                         values, bases)
-        _onnx_wire.replace_initializers(original_model, out, values, strict=strict,
-                                        external_data=external_data)
+        self._training.check_usable()
+        _exports.trained_model(self._training, self.parameter_names, self.contract, self.path,
+                               original_model, out, strict, external_data, dequantised_bases=True)
         return Path(out)
 
     # --- LoRA (`ntl-patch step --lora-r R`) ---------------------------------------------------
@@ -293,12 +267,10 @@ class StepRunner:
         Parameters trained with ``--train`` go in as PEFT's ``modules_to_save`` (the whole
         module is then PEFT's trained copy; the weight of an adapted layer cannot be, and is
         left out with a warning). ValueError for a graph without LoRA. Atomic."""
-        self._check_usable()
+        self._training.check_usable()
         lora = _lora.lora_metadata(self.contract, self.path)
-        names = _lora.lora_names(lora)
-        values = {n: _state.host_bytes(self._state[n]) for n in names}
-        extra = {n: _state.host_bytes(self._state[n]) for n in self.parameter_names if n not in names}
-        return _lora.save_adapter(directory, lora, values, base_model_name_or_path, task_type, extra)
+        return _exports.peft_adapter(self._training, self.parameter_names, lora, directory,
+                                     base_model_name_or_path, task_type)
 
     def save_onnx_adapter(self, out, adapter_version: int = 1, model_version: int = 1,
                           original_model=None, out_model=None) -> Path:
@@ -308,14 +280,11 @@ class StepRunner:
         (the export the step graph was made from, or one of the same model keeping its names)
         and out_model, also that model (`ntl-patch lora-model`). Needs onnxruntime >= 1.20
         (``onnxruntime.AdapterFormat``; RuntimeError otherwise, nothing written). Atomic."""
-        self._check_usable()
+        self._training.check_usable()
         lora = _lora.lora_metadata(self.contract, self.path)
-        values = {n: _state.host(self._state[n]) for n in _lora.lora_names(lora)}
-        path = _lora.save_onnx_adapter(out, lora, values, adapter_version, model_version)
-        if original_model is not None or out_model is not None:
-            _lora.write_serving_model(original_model, self.path, out_model)
-        return path
+        return _exports.onnx_adapter(self._training, lora, self.path, out, adapter_version,
+                                     model_version, original_model, out_model)
 
     def __repr__(self) -> str:
         return (f"StepRunner({str(self.path)!r}, device={self.device}:{self.device_id}, "
-                f"parameters={len(self.parameter_names)}, steps_taken={self._steps})")
+                f"parameters={len(self.parameter_names)}, steps_taken={self._training.steps})")

@@ -418,12 +418,12 @@ def resident_weights(graph: Path) -> dict:
     frozen (not training state: the base weights, buffers), parameters (trained), optimizer
     (the rest of the state), and the frozen bytes by element type."""
     sys.path.insert(0, str(REPO / "python"))
-    from ntl_patch import _onnx_wire
+    from ntl_patch import _onnx_decode
 
-    mm, buf = _onnx_wire._map(graph)
+    mm, buf = _onnx_decode.map_file(graph)
     try:
-        meta = json.loads(_onnx_wire.model_metadata(buf)["ntl_step"])
-        tensors = _onnx_wire.initializers(buf)
+        meta = json.loads(_onnx_decode.model_metadata(buf)["ntl_step"])
+        tensors = _onnx_decode.initializers(buf)
     finally:
         del buf
         mm.close()
@@ -440,7 +440,7 @@ def resident_weights(graph: Path) -> dict:
         kind = "parameters" if t.name in params else "optimizer" if t.name in state else "frozen"
         out[kind] += n
         if kind == "frozen":
-            ty = _onnx_wire.type_name(t.data_type)
+            ty = _onnx_decode.type_name(t.data_type)
             out["frozen_by_type"][ty] = out["frozen_by_type"].get(ty, 0) + n
     return out
 
@@ -524,7 +524,7 @@ def runner_step(graph: Path, runner_python: Path, ids, labels, threads: int, dev
         so.enable_cpu_mem_arena = False
     else:
         try:  # the runner's arena that grows by what is asked for (older runners: their own)
-            from ntl_patch._state import exact_cpu_arena
+            from ntl_patch._sessions import exact_cpu_arena
 
             exact_cpu_arena(so)
         except ImportError:
@@ -560,9 +560,9 @@ def peft_wrap(model, lora_graph: Path):
     import torch
 
     sys.path.insert(0, str(REPO / "python"))
-    from ntl_patch import _onnx_wire
+    from ntl_patch import _onnx_decode
 
-    lora = json.loads(_onnx_wire.read_metadata(lora_graph)["ntl_step"])["lora"]
+    lora = json.loads(_onnx_decode.read_metadata(lora_graph)["ntl_step"])["lora"]
     cfg = peft.LoraConfig(r=int(lora["r"]), lora_alpha=lora["lora_alpha"], target_modules=list(lora["target_modules"]),
                           use_rslora=bool(lora.get("use_rslora")), lora_dropout=0.0, bias="none",
                           task_type="CAUSAL_LM")
@@ -578,7 +578,7 @@ def peft_wrap(model, lora_graph: Path):
         raise RuntimeError(f"PEFT trains {sorted(trainable - set(key.values()))[:3]}, the step graph "
                            f"{sorted(set(key.values()) - trainable)[:3]}")
     names = [la[part] for la in lora["layers"] for part in ("lora_A", "lora_B")]
-    initial = _onnx_wire.read_initializers(lora_graph, names)
+    initial = _onnx_decode.read_initializers(lora_graph, names)
     with torch.no_grad():
         for la in lora["layers"]:
             for part in ("lora_A", "lora_B"):

@@ -62,12 +62,12 @@ def track_phases(dp, dist, phases: list) -> None:
                 rec[0], rec[1] = max(rec[0], before), max(rec[1], status()["VmHWM"])
         return run
 
-    dp._accumulate = wrap("gradient graph", dp._accumulate)
-    dp._update = wrap("update graph", dp._update)
+    dp._gradient_run.accumulate = wrap("gradient graph", dp._gradient_run.accumulate)
+    dp._update_run = wrap("update graph", dp._update_run)
     for op in ("all_reduce", "reduce"):
         setattr(dist, op, wrap("reduction", getattr(dist, op)))
-    if dp._sharded:
-        dp._sharded._broadcast = wrap("broadcast", dp._sharded._broadcast)
+    if dp.shard != "none":
+        dp._strategy._broadcast = wrap("broadcast", dp._strategy._broadcast)
 
 
 def worker(work: Path, mode: str, steps: int) -> None:
@@ -78,7 +78,7 @@ def worker(work: Path, mode: str, steps: int) -> None:
 
     sys.path.insert(0, str(REPO / "python"))
     from ntl_patch import DataParallel
-    from ntl_patch._state import default_session_options
+    from ntl_patch._sessions import default_session_options
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -107,8 +107,8 @@ def worker(work: Path, mode: str, steps: int) -> None:
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     end = status()
     end["VmHWM"] = max(hwm, end["VmHWM"])
-    own = sum(int(np.prod(dp._state[p].shape())) for p in
-              (dp._sharded.shards[dp.rank] if dp._sharded else dp.parameter_names))
+    own = sum(int(np.prod(dp._training.values[p].shape())) for p in
+              (dp._strategy.shards[dp.rank] if dp.shard != "none" else dp.parameter_names))
     (work / f"{mode}-{dp.rank}.json").write_text(json.dumps({
         "rank": dp.rank, "world": dp.world_size, "load_s": load_s, "times": times, "losses": losses,
         "setup_rss": setup["VmRSS"], "lifetime_hwm": max(setup["VmHWM"], first["VmHWM"], end["VmHWM"]),

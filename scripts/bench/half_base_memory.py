@@ -35,9 +35,9 @@ RUN = r"""
 import json, os, sys
 import numpy as np
 sys.path.insert(0, sys.argv[5])
-import ntl_patch._onnx_wire as wire
+import ntl_patch._onnx_rewrite as wire
 from ntl_patch import StepRunner
-from ntl_patch._state import default_session_options
+from ntl_patch._sessions import default_session_options
 
 def mem():
     out = {}

@@ -30,7 +30,7 @@ import functools, sys
 import numpy as np, onnxruntime as ort
 sys.path.insert(0, sys.argv[4])
 from ntl_patch import StepRunner
-from ntl_patch._state import default_session_options
+from ntl_patch._sessions import default_session_options
 graph, batch, out, _, disabled = sys.argv[1:6]
 if disabled:
     ort.InferenceSession = functools.partial(ort.InferenceSession, disabled_optimizers=disabled.split(","))

@@ -117,7 +117,7 @@ def worker(args) -> None:
 def reference(grad: Path, z: dict) -> tuple[np.ndarray, dict]:
     import onnxruntime as ort
 
-    from ntl_patch import _onnx_wire
+    from ntl_patch import _onnx_decode
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -125,7 +125,7 @@ def reference(grad: Path, z: dict) -> tuple[np.ndarray, dict]:
     us = ort.InferenceSession(str(grad.with_name("lm.update.onnx")), so, providers=["CPUExecutionProvider"])
     meta = json.loads(gs.get_modelmeta().custom_metadata_map["ntl_step"])
     grad_names = [o.name for o in gs.get_outputs()][3:]
-    state = _onnx_wire.read_initializers(grad, meta["parameters"])
+    state = _onnx_decode.read_initializers(grad, meta["parameters"])
     losses = []
     for s in range(int(z["steps"])):
         params = {p: state[p] for p in meta["parameters"]}

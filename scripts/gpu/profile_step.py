@@ -143,9 +143,9 @@ def kernel_profile(runner, batch, args) -> None:
 def runner_vocab(graph: str) -> int:
     """The logits width the patch recorded (`ntl_patch` metadata): ids below it are tokens."""
     sys.path.insert(0, str(REPO / "python"))
-    from ntl_patch import _onnx_wire
+    from ntl_patch import _onnx_decode
 
-    meta = json.loads(_onnx_wire.read_metadata(Path(graph))["ntl_patch"])
+    meta = json.loads(_onnx_decode.read_metadata(Path(graph))["ntl_patch"])
     return int(meta["vocab_width"])
 
 

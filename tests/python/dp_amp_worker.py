@@ -37,13 +37,13 @@ def main() -> None:
     so.log_severity_level = 3
     so.intra_op_num_threads = 1
     dp = DataParallel(grad, providers=["CPUExecutionProvider"], session_options=so)
-    accumulate, at = dp._accumulate, {"step": 0}
+    accumulate, at = dp._gradient_run.accumulate, {"step": 0}
 
     def poisoned(batch, grads, losses):
         accumulate(batch, grads, losses)
         if rank == 1 and at["step"] == INF_STEP:
             grads[0].view(-1)[0] = float("inf")
-    dp._accumulate = poisoned
+    dp._gradient_run.accumulate = poisoned
     rng = np.random.default_rng(rank)
     rows = []
     for s in range(STEPS):

@@ -42,7 +42,7 @@ def main() -> None:
     dp.save_adapter(out / "adapter", task_type=None)
     if rank == 0:
         params = dp.parameters()
-        np.savez(out / "result.npz", losses=np.array(losses), numel=np.array(dp._numel),
+        np.savez(out / "result.npz", losses=np.array(losses), numel=np.array(dp._layout.numel),
                  **{f"param/{k.replace('/', '|')}": v for k, v in params.items()})
     dist.barrier()
     # not dist.destroy_process_group(): with torch 2.7.1's gloo it hangs now and then (as in

@@ -32,13 +32,13 @@ import torch.distributed as dist
 
 from dp_worker import run_ddp, session_options, shard
 
-from ntl_patch import DataParallel, _state  # noqa: E402  (dp_worker put python/ on the path)
+from ntl_patch import DataParallel, _onnx_decode  # noqa: E402  (dp_worker put python/ on the path)
 
 MODES = ("none", "optimizer", "gradients")
 AMP_STEPS, INF_STEP = 6, 2
 
 read_initial: list[str] = []  # every initial state tensor read from a graph file
-_each = _state._onnx_wire.each_initializer
+_each = _onnx_decode.each_initializer
 
 
 def _recording(path, names):
@@ -46,7 +46,7 @@ def _recording(path, names):
     return _each(path, names)
 
 
-_state._onnx_wire.each_initializer = _recording
+_onnx_decode.each_initializer = _recording
 
 
 def make(grad, mode, k=1) -> DataParallel:
@@ -61,15 +61,15 @@ def check_own_moments(dp: DataParallel) -> None:
     """A sharded rank reads, holds and binds only its own shard's moments."""
     if dp.shard == "none":
         return
-    sh = dp._sharded
+    sh = dp._strategy
     own = set(sh.shards[dp.rank])
     moments = {i for i, _ in dp.state_names if sh.owner[i] not in (None, i)}
     foreign = {m for m in moments if sh.owner[m] not in own}
     update_inputs = {i.name for i in dp.update_session.get_inputs()}
-    for where, names in (("read", set(read_initial)), ("held", set(dp._state)),
+    for where, names in (("read", set(read_initial)), ("held", set(dp._training.values)),
                          ("bound", update_inputs)):
         assert not names & foreign, (dp.rank, where, sorted(names & foreign)[:3])
-    assert moments - foreign <= set(dp._state), dp.rank
+    assert moments - foreign <= set(dp._training.values), dp.rank
     assert sum(len(s) for s in sh.shards) == len(dp.parameter_names)
 
 
@@ -81,7 +81,7 @@ def same_on_all_ranks(params: dict) -> bool:
 
 
 def train(dp, z, rank, steps, start=0, save=None) -> np.ndarray:
-    addr = {n: v.data_ptr() for n, v in dp._state.items()}
+    addr = {n: v.data_ptr() for n, v in dp._training.values.items()}
     losses = []
     for s in range(start, steps):
         k = dp.accumulation_steps
@@ -90,19 +90,19 @@ def train(dp, z, rank, steps, start=0, save=None) -> np.ndarray:
         if save is not None and s + 1 == save[0]:
             dp.save_state(save[1])
             np.savez(save[2], **dp.state_dict())
-    assert {n: v.data_ptr() for n, v in dp._state.items()} == addr, "the state moved"
+    assert {n: v.data_ptr() for n, v in dp._training.values.items()} == addr, "the state moved"
     return np.array(losses)
 
 
 def train_amp(grad, mode, rank) -> tuple[np.ndarray, dict]:
     dp = make(grad, mode)
-    accumulate, at = dp._accumulate, {"step": 0}
+    accumulate, at = dp._gradient_run.accumulate, {"step": 0}
 
     def poisoned(batch, grads, losses):
         accumulate(batch, grads, losses)
         if rank == dp.world_size - 1 and at["step"] == INF_STEP:
             grads[0].view(-1)[0] = float("inf")
-    dp._accumulate = poisoned
+    dp._gradient_run.accumulate = poisoned
     rng = np.random.default_rng(rank)
     rows = []
     for s in range(AMP_STEPS):
@@ -147,7 +147,7 @@ def main() -> None:
         res[f"{mode}/same"] = np.array(same_on_all_ranks(params))
         res.update({f"{mode}/param/{n}": v for n, v in params.items()})
         if mode == "optimizer":
-            res["optimizer/partition"] = np.array([len(s) for s in dp._sharded.shards])
+            res["optimizer/partition"] = np.array([len(s) for s in dp._strategy.shards])
 
         dp = make(grad, mode)
         dp.load_state(ckpt)

@@ -60,14 +60,14 @@ def run_dp(grad, z, rank, steps, k=1, start=0, ckpt=None, save_at=None, save_to=
     assert dp.metadata["in_place"] == names, dp.metadata["in_place"]
     for session in (dp.grad_session, dp.update_session):
         assert [i.name for i in session.get_overridable_initializers()] in ([], ["ntl/lr"])
-    addr = {n: dp._state[n].data_ptr() for n in names}
+    addr = {n: dp._training.values[n].data_ptr() for n in names}
     losses = []
     for s in range(start, steps):
         micro = [shard(z, s, rank, m) for m in range(k)]
         losses.append(dp.step(micro[0] if k == 1 else micro))
         if save_at is not None and s + 1 == save_at:
             dp.save_state(save_to)
-    assert {n: dp._state[n].data_ptr() for n in names} == addr
+    assert {n: dp._training.values[n].data_ptr() for n in names} == addr
     return np.array(losses), dp.parameters(), dp
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import types
 from pathlib import Path
 
 import onnx
@@ -19,7 +18,7 @@ import pytest
 from conftest import MODELS, REPO, TOKENIZER, run_patch
 
 sys.path.insert(0, str(REPO / "python"))
-from ntl_patch import _contract, _onnx_wire, _sharding  # noqa: E402
+from ntl_patch import _contract, _graph_cut, _onnx_decode, _onnx_rewrite, _sharding  # noqa: E402
 
 # every option that adds a key: LoRA, QLoRA, fused head, recompute, blockwise attention, fp16,
 # clipping; then the --split pair and a plain SGD graph
@@ -68,7 +67,7 @@ def test_every_key_written_is_parsed_to_its_value(graphs):
     seen = set()
     for path in graphs:
         meta = _contract.read(path)
-        raw = json.loads(_onnx_wire.read_metadata(path)["ntl_step"])
+        raw = json.loads(_onnx_decode.read_metadata(path)["ntl_step"])
         _assert_parsed_as_written(meta, raw, path.name)
         seen |= set(raw)
     # and the contract declares nothing the binary never writes
@@ -107,16 +106,15 @@ NEW_KEYS = ("step_input", "loss_scale_input", "grad_norm_sq", "found_inf")
 
 def test_sharding_feeds_the_named_tensors_and_refuses_older_update_graphs(graphs, tmp_path):
     update = graphs[2]
-    nodes = _onnx_wire.nodes(_onnx_wire.session_model(update, []))
-    dp = types.SimpleNamespace(update_contract=_contract.read(update), update_path=update)
-    norm = _sharding._global_tensor(dp, "grad_norm_sq", nodes)
-    found = _sharding._global_tensor(dp, "found_inf", nodes)
+    nodes = _graph_cut.nodes(_onnx_rewrite.session_model(update, []))
+    contract = _contract.read(update)
+    norm = _sharding.global_tensor(contract, update, "grad_norm_sq", nodes)
+    found = _sharding.global_tensor(contract, update, "found_inf", nodes)
     ops = {o: n.op_type for n in nodes for o in n.outputs}
     assert (ops[norm], ops[found]) == ("Sum", "Or")
     old = _without(update, tmp_path / "old.update.onnx", NEW_KEYS)
-    dp = types.SimpleNamespace(update_contract=_contract.read(old), update_path=old)
     with pytest.raises(ValueError, match="write the graphs again with this version's `ntl-patch step --split`") as e:
-        _sharding._global_tensor(dp, "grad_norm_sq", nodes)
+        _sharding.global_tensor(_contract.read(old), old, "grad_norm_sq", nodes)
     assert "\n" not in str(e.value)
 
 

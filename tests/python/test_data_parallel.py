@@ -32,7 +32,7 @@ from test_ort_training import _batch, _norm_rel
 from test_step import _zero_grad_mask
 
 sys.path.insert(0, str(REPO / "python"))
-from ntl_patch import _onnx_wire, _safetensors  # noqa: E402
+from ntl_patch import _onnx_decode, _safetensors  # noqa: E402
 
 STEPS = 10
 ACCUM_STEPS = 4
@@ -93,7 +93,7 @@ def _single_process(grad: Path, z: dict, steps: int) -> tuple[np.ndarray, dict]:
     meta = json.loads(gs.get_modelmeta().custom_metadata_map["ntl_step"])
     params = meta["parameters"]
     grad_names = [o.name for o in gs.get_outputs()][3:]
-    state: dict = _onnx_wire.read_initializers(grad, params)  # the update graph has no defaults for them
+    state: dict = _onnx_decode.read_initializers(grad, params)  # the update graph has no defaults for them
     losses = []
     for s in range(steps):
         feeds = {p: state[p] for p in params if p in state}

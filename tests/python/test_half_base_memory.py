@@ -117,7 +117,7 @@ _PEAK = """
 import json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[2])
-import ntl_patch._onnx_wire as wire
+import ntl_patch._onnx_rewrite as wire
 from ntl_patch import StepRunner
 wire.PROTOBUF_LIMIT = 0  # the frozen weights memory-mapped, as StepRunner loads bases over 2 GB
 r = StepRunner(sys.argv[1], providers=["CPUExecutionProvider"])

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from conftest import MODELS, REPO, TOKENIZER, patch_command, run_patch
 
 sys.path.insert(0, str(REPO / "python"))
-from ntl_patch import StepRunner, _lora, _onnx_wire, _safetensors  # noqa: E402
+from ntl_patch import StepRunner, _lora, _onnx_decode, _safetensors  # noqa: E402
 
 import peft  # noqa: E402  (tests/python/requirements.txt pins peft 0.21.2)
 
@@ -110,7 +110,7 @@ def build_step_from(src: Path, out: Path, *extra) -> dict:
 
 
 def _meta(path: Path) -> dict:
-    return json.loads(_onnx_wire.read_metadata(path)["ntl_step"])
+    return json.loads(_onnx_decode.read_metadata(path)["ntl_step"])
 
 
 # ---------------------------------------------------------------------------- torch + PEFT
@@ -247,7 +247,7 @@ class Trained:
         self.summary = build_step(self.fixture, self.path, *_step_args(case))
         self.meta = _meta(self.path)
         self.lora = self.meta["lora"]
-        self.initial = _onnx_wire.read_initializers(self.path, self.meta["parameters"])
+        self.initial = _onnx_decode.read_initializers(self.path, self.meta["parameters"])
         self.data = batches(self.fixture)
         self.runner = StepRunner(self.path, providers=["CPUExecutionProvider"])
         self.losses = np.array([self.runner.step({"input_ids": x, "labels": y})[0] for x, y in self.data])
@@ -348,8 +348,8 @@ def test_peft_init_seeded(trained, tmp_path):
     build_step(t.fixture, again, *_step_args("r64"), "--seed", "0")
     build_step(t.fixture, other, *_step_args("r64"), "--seed", "1")
     names = sorted(t.initial)
-    same = _onnx_wire.read_initializers(again, names)
-    diff = _onnx_wire.read_initializers(other, names)
+    same = _onnx_decode.read_initializers(again, names)
+    diff = _onnx_decode.read_initializers(other, names)
     for n in names:
         np.testing.assert_array_equal(same[n], t.initial[n])
         if "lora_A" in n:
@@ -415,7 +415,7 @@ def test_fp16_trains_like_peft_autocast(case, tmp_path):
     meta = _meta(path)
     lora = meta["lora"]
     assert sorted(meta["parameters"]) == sorted(_lora.lora_names(lora))
-    initial = _onnx_wire.read_initializers(path, sorted(_lora.lora_names(lora)))
+    initial = _onnx_decode.read_initializers(path, sorted(_lora.lora_names(lora)))
     data = batches(fixture)
     r = TractStep(path, tmp_path)
     got, got_skip = [], []
@@ -589,19 +589,19 @@ def test_from_pretrained_and_merged_model(case, trained, tmp_path):
     e2 = _close(logits, m_logits)
     assert abs(loss - m_loss) <= FILE_RTOL * abs(m_loss), (loss, m_loss)
     weights = {k: v.detach().numpy() for k, v in unloaded.state_dict().items()}
-    inits = _onnx_wire.read_initializers(merged, [la["weight"] for la in t.lora["layers"]])
-    before = _onnx_wire.read_initializers(original, [la["weight"] for la in t.lora["layers"]])
+    inits = _onnx_decode.read_initializers(merged, [la["weight"] for la in t.lora["layers"]])
+    before = _onnx_decode.read_initializers(original, [la["weight"] for la in t.lora["layers"]])
     for la in t.lora["layers"]:
         w = weights[la["module"] + ".weight"]
         assert not np.array_equal(inits[la["weight"]], before[la["weight"]]), "the update is folded in"
         _close(inits[la["weight"]], w, 1e-6)
     # the --train parameters trained, everything else the original's
     trained_extra = [n for n in t.params if n not in _lora.lora_names(t.lora)]
-    got = _onnx_wire.read_initializers(merged, trained_extra)
+    got = _onnx_decode.read_initializers(merged, trained_extra)
     assert all(np.array_equal(got[n], t.params[n]) for n in trained_extra)
     rest = [i.name for i in onnx.load(str(original)).graph.initializer
             if i.name not in {la["weight"] for la in t.lora["layers"]} | set(trained_extra)]
-    a, b = _onnx_wire.read_initializers(original, rest), _onnx_wire.read_initializers(merged, rest)
+    a, b = _onnx_decode.read_initializers(original, rest), _onnx_decode.read_initializers(merged, rest)
     assert all(np.array_equal(a[n], b[n]) for n in rest)
     print(f"{case}: merged ONNX vs PEFT from_pretrained logits {e1:.2e}, vs merge_and_unload {e2:.2e}")
 
@@ -671,8 +671,8 @@ def test_trained_adapted_weight_is_merged_not_saved(tmp_path):
                                      + ["base_model.model.head.bias"])
     np.testing.assert_array_equal(tensors["base_model.model.head.bias"], params["head.bias"])
     merged = runner.save_inference_model(MODELS / "lm_flat.onnx", tmp_path / "merged.onnx")
-    got = _onnx_wire.read_initializers(merged, ["q.weight", "head.bias", "v.weight"])
-    orig = _onnx_wire.read_initializers(MODELS / "lm_flat.onnx", ["q.weight", "v.weight"])
+    got = _onnx_decode.read_initializers(merged, ["q.weight", "head.bias", "v.weight"])
+    orig = _onnx_decode.read_initializers(MODELS / "lm_flat.onnx", ["q.weight", "v.weight"])
     layers = {la["weight"]: la for la in lora["layers"]}
     s = np.float32(lora["scaling"])
     delta = {w: (params[la["lora_B"]] @ params[la["lora_A"]]) * s for w, la in layers.items()}
@@ -778,7 +778,7 @@ def test_lost_module_path_saved_under_onnx_name(tmp_path):
             np.testing.assert_array_equal(tensors[f"base_model.model.{m}.{part}.weight"], params[la[part]])
     merged = tmp_path / "merged.onnx"
     runner.save_inference_model(src, merged)
-    got = _onnx_wire.read_initializers(merged, [v for v, _ in renamed.values()])
+    got = _onnx_decode.read_initializers(merged, [v for v, _ in renamed.values()])
     import generate_step as gs
 
     with warnings.catch_warnings():
@@ -934,7 +934,7 @@ def test_data_parallel_two_ranks_train_only_the_adapters(shard, tmp_path):
     assert p.returncode == 0, f"torchrun exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     res = np.load(tmp_path / "result.npz")
     params = {k[len("param/"):].replace("|", "/"): res[k] for k in res.files if k.startswith("param/")}
-    initial = _onnx_wire.read_initializers(grad, meta["parameters"])
+    initial = _onnx_decode.read_initializers(grad, meta["parameters"])
     assert int(res["numel"]) == sum(v.size for v in initial.values()), "only A and B are all-reduced"
 
     pm, m, _, loss = peft_model(case, lora, initial, torch.float64)
@@ -1028,7 +1028,7 @@ def test_fused_head_gives_the_dense_heads_gradients(fixture, tmp_path):
                        "--split", "-o", out, "--json", *flags])
         assert r.returncode == 0, r.stderr
         params = json.loads(r.stdout)["parameters"]
-        init = _onnx_wire.read_initializers(out, params)
+        init = _onnx_decode.read_initializers(out, params)
         rng = np.random.default_rng(3)
         feeds = {p: (rng.normal(size=v.shape).astype(np.float32) * 0.1 if "lora_B" in p else v)
                  for p, v in init.items()}

@@ -25,7 +25,7 @@ from test_architectures import ARCHS, CASES, WEIGHT, batch, build, export
 from test_ort_training import _quiet_ort
 
 sys.path.insert(0, str(REPO / "python"))
-from ntl_patch import _onnx_wire  # noqa: E402
+from ntl_patch import _onnx_decode  # noqa: E402
 
 R = 2
 # PEFT 0.21.2's defaults (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING) for these models
@@ -79,7 +79,7 @@ def test_lora_default_targets_compute_peft(arch, exporter, tmp_path):
     summary = json.loads(r.stdout)
     lora = summary["lora"]
     assert lora["target_modules"] == PEFT_DEFAULTS[arch], lora["target_modules"]
-    a_values = _onnx_wire.read_initializers(out, [la["lora_A"] for la in lora["layers"]])
+    a_values = _onnx_decode.read_initializers(out, [la["lora_A"] for la in lora["layers"]])
     rng = np.random.default_rng(7)
     b_values = {la["lora_B"]: (0.2 * rng.standard_normal((la["out_features"], R))).astype(np.float32)
                 for la in lora["layers"]}

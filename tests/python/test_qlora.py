@@ -34,6 +34,8 @@ import torch
 import test_lora as tl
 from conftest import MODELS, REPO, TOKENIZER, run_patch
 
+from ntl_patch import _onnx_decode  # noqa: E402  (test_lora put python/ on the path)
+
 NF4 = REPO / "fixtures" / "reference" / "nf4"
 FIXTURES = ["lm_flat", "gpt2_ts", "gpt2_dynamo", "llama_ts", "llama_dynamo"]
 HEAD = {"tiny": "head", "gpt2": "lm_head", "llama": "lm_head"}
@@ -198,7 +200,7 @@ def test_trains_like_peft_on_dequantized_base(case, dq, tmp_path, monkeypatch):
     build(fixture, path, dq=dq)
     meta = tl._meta(path)
     lora = meta["lora"]
-    initial = tl._onnx_wire.read_initializers(path, meta["parameters"])
+    initial = _onnx_decode.read_initializers(path, meta["parameters"])
     data = tl.batches(fixture)
     runner = tl.StepRunner(path, providers=["CPUExecutionProvider"])
     losses = np.array([runner.step({"input_ids": x, "labels": y})[0] for x, y in data])

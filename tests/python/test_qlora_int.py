@@ -34,6 +34,8 @@ import torch
 import test_lora as tl
 from conftest import MODELS, REPO, TOKENIZER, run_patch
 
+from ntl_patch import _onnx_decode  # noqa: E402  (test_lora put python/ on the path)
+
 INT = REPO / "fixtures" / "reference" / "int"
 BLOCK = 16
 QMAX = {"int8": 127, "int4": 7}
@@ -236,7 +238,7 @@ def test_trains_like_peft_on_dequantized_base(fixture, scheme, tmp_path, monkeyp
     build(fixture, scheme, path, tmp_path)
     meta = tl._meta(path)
     lora = meta["lora"]
-    initial = tl._onnx_wire.read_initializers(path, meta["parameters"])
+    initial = _onnx_decode.read_initializers(path, meta["parameters"])
     data = tl.batches(fixture)
     runner = tl.StepRunner(path, providers=["CPUExecutionProvider"])
     losses = np.array([runner.step({"input_ids": x, "labels": y})[0] for x, y in data])

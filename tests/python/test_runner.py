@@ -32,7 +32,7 @@ from conftest import MODELS, REPO, TOKENIZER, patch_command
 
 sys.path.insert(0, str(REPO / "python"))
 from ntl_patch import StepRunner  # noqa: E402
-from ntl_patch import _onnx_wire  # noqa: E402
+from ntl_patch import _onnx_decode, _onnx_rewrite  # noqa: E402
 
 LAMBDA = 0.3
 LR = 0.1
@@ -260,7 +260,7 @@ def test_save_inference_model(step_graph, tmp_path):
             assert inits[t.name] == t
     assert inits["W"].doc_string == "the weight"
     # the wire reader decodes float_data and int64 initializers like onnx does
-    got = _onnx_wire.read_initializers(original, ["b", "perm", "scale"])
+    got = _onnx_decode.read_initializers(original, ["b", "perm", "scale"])
     for t in orig.graph.initializer:
         if t.name in got:
             np.testing.assert_array_equal(got[t.name], numpy_helper.to_array(t))
@@ -345,7 +345,7 @@ def test_save_inference_model_external_data(step_graph, tmp_path, monkeypatch):
     sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-6)
     # the wire reader reads external initializers too
-    got = _onnx_wire.read_initializers(src / "m.onnx", ["W", "perm"])
+    got = _onnx_decode.read_initializers(src / "m.onnx", ["W", "perm"])
     np.testing.assert_array_equal(got["W"], W0)
     np.testing.assert_array_equal(got["perm"], [1, 0])
 
@@ -358,7 +358,7 @@ def test_save_inference_model_external_data(step_graph, tmp_path, monkeypatch):
 
     # an inline original gets external data on request for the trained tensors of >= 1 KiB
     # (lowered here; b has 8 bytes), its other initializers staying as they are
-    monkeypatch.setattr(_onnx_wire, "EXTERNAL_MIN_BYTES", 16)
+    monkeypatch.setattr(_onnx_rewrite, "EXTERNAL_MIN_BYTES", 16)
     runner.save_inference_model(single, tmp_path / "re.onnx", external_data=True)
     assert sorted(_data_file(tmp_path / "re.onnx")) == ["W"]
     sess = ort.InferenceSession(str(tmp_path / "re.onnx"), providers=["CPUExecutionProvider"])
@@ -373,12 +373,12 @@ def test_save_inference_model_external_data(step_graph, tmp_path, monkeypatch):
         opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     onnx.save(big, tmp_path / "m64.onnx")
     m = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
-    monkeypatch.setattr(_onnx_wire, "PROTOBUF_LIMIT", 10_000)
+    monkeypatch.setattr(_onnx_rewrite, "PROTOBUF_LIMIT", 10_000)
     with pytest.raises(ValueError, match="over protobuf's 2 GB limit; write it with external data"):
-        _onnx_wire.replace_initializers(tmp_path / "m64.onnx", tmp_path / "big.onnx", {"M": m},
+        _onnx_rewrite.replace_initializers(tmp_path / "m64.onnx", tmp_path / "big.onnx", {"M": m},
                                         external_data=False)
     assert not list(tmp_path.glob("big.onnx*")) and not list(tmp_path.glob(".big.onnx*"))
-    _onnx_wire.replace_initializers(tmp_path / "m64.onnx", tmp_path / "big.onnx", {"M": m})  # auto
+    _onnx_rewrite.replace_initializers(tmp_path / "m64.onnx", tmp_path / "big.onnx", {"M": m})  # auto
     monkeypatch.undo()
     assert sorted(_data_file(tmp_path / "big.onnx")) == ["M"]
     sess = ort.InferenceSession(str(tmp_path / "big.onnx"), providers=["CPUExecutionProvider"])
@@ -421,9 +421,9 @@ def test_save_inference_model_above_2gb(tmp_path):
     out.parent.mkdir()
     try:
         with pytest.raises(ValueError, match="over protobuf's 2 GB limit"):
-            _onnx_wire.replace_initializers(src / "big.onnx", out, values, external_data=False)
+            _onnx_rewrite.replace_initializers(src / "big.onnx", out, values, external_data=False)
         assert not any(out.parent.iterdir())
-        assert _onnx_wire.replace_initializers(src / "big.onnx", out, values) == names
+        assert _onnx_rewrite.replace_initializers(src / "big.onnx", out, values) == names
         data = out.parent / "trained.onnx.data"
         assert sorted(p.name for p in out.parent.iterdir()) == ["trained.onnx", "trained.onnx.data"]
         assert out.stat().st_size < 10_000 and data.stat().st_size >= 3 * nbytes > 2**31
@@ -479,7 +479,7 @@ def test_wire_rewrite_equals_onnx(name, tmp_path):
             values[t.name] = rng.standard_normal(tuple(t.dims)).astype(np.float32)
             t.CopyFrom(numpy_helper.from_array(values[t.name], t.name))
     assert values
-    assert sorted(_onnx_wire.replace_initializers(src, tmp_path / name, values)) == sorted(values)
+    assert sorted(_onnx_rewrite.replace_initializers(src, tmp_path / name, values)) == sorted(values)
     assert (tmp_path / name).read_bytes() == model.SerializeToString()
 
 
@@ -617,14 +617,14 @@ def test_state_lives_once(tmp_path):
     assert runner.in_place == moments and moments[-1] == "ntl/state/step" and len(moments) == 31
     assert runner.in_place == runner.metadata["in_place"]
     data = dict(zip(runner.data_inputs, (_LM_IDS, _LM_LABELS)))
-    addr = {n: v.data_ptr() for n, v in runner._state.items()}
+    addr = {n: v.data_ptr() for n, v in runner._training.values.items()}
     losses = [runner.step(data) for _ in range(4)]
-    after = {n: v.data_ptr() for n, v in runner._state.items()}
+    after = {n: v.data_ptr() for n, v in runner._training.values.items()}
     assert all(after[n] == addr[n] for n in moments)
     assert all(after[n] != addr[n] for n in runner.parameter_names)
 
     copy = StepRunner(graph, providers=["CPUExecutionProvider"])
-    copy._in_place = set()  # every next value to new memory, as without `in_place`
+    copy._training.in_place = set()  # every next value to new memory, as without `in_place`
     assert [copy.step(data) for _ in range(4)] == losses
     for name, value in copy.state_dict().items():
         np.testing.assert_array_equal(runner.state_dict()[name], value, err_msg=name)
@@ -693,11 +693,11 @@ import json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
 import onnxruntime
-from ntl_patch import StepRunner, _onnx_wire
+from ntl_patch import StepRunner, _onnx_rewrite
 if sys.argv[4] == "key":  # the model's external constants cannot be inlined: read from its folder
-    _onnx_wire.PROTOBUF_LIMIT = 1000
+    _onnx_rewrite.PROTOBUF_LIMIT = 1000
 runner = StepRunner(sys.argv[2], providers=["CPUExecutionProvider"])
-_onnx_wire.PROTOBUF_LIMIT = 2**31 - 1
+_onnx_rewrite.PROTOBUF_LIMIT = 2**31 - 1
 data = np.load(sys.argv[3])
 batch = dict(zip(runner.data_inputs, (data["ids"], data["labels"])))
 losses = [runner.step(batch) for i in range(4)]
@@ -742,7 +742,7 @@ def test_tf32_is_stated_for_the_cuda_provider():
     """StepRunner / DataParallel's `tf32`: strict float32 unless asked (torch's default; onnxruntime's
     CUDA provider defaults to TF32), the caller's own `use_tf32` kept, a contradiction refused, other
     providers untouched. (Checked to fail: with `with_tf32` returning the providers as they are.)"""
-    from ntl_patch._state import with_tf32
+    from ntl_patch._sessions import with_tf32
 
     cuda = "CUDAExecutionProvider"
     assert with_tf32([cuda, "CPUExecutionProvider"], None) == [(cuda, {"use_tf32": "0"}), "CPUExecutionProvider"]
