@@ -12,14 +12,13 @@ from ._training_state import TrainingState
 
 
 def trained_model(state: TrainingState, parameters: list[str], contract: _contract.StepMetadata,
-                  graph: Path, original_model, out, strict: bool, external_data: bool | None,
-                  dequantised_bases: bool) -> None:
-    """original_model written to out with the trained parameters. dequantised_bases: a QLoRA
-    graph's merged weights start from the base the step trained on (read from graph), not from
-    original_model's."""
+                  graph: Path, original_model, out, strict: bool, external_data: bool | None) -> None:
+    """original_model written to out with the trained parameters. A QLoRA graph's merged weights
+    start from the base the step trained on (dequantised from graph's codes, as PEFT's
+    merge_and_unload on a 4-bit base), not from original_model's float ones."""
     values = {n: state.host_bytes(n) for n in parameters}
     if contract.lora:
-        quantized = contract.quantize_base if dequantised_bases else None
+        quantized = contract.quantize_base
         bases = _lora.dequantised_bases(graph, quantized) if quantized else None
         values = _lora.merged_values(original_model, _lora.lora_metadata(contract, graph), values, bases)
     replace_initializers(original_model, out, values, strict=strict, external_data=external_data)

@@ -314,7 +314,7 @@ class DataParallel:
         if self.rank == 0:
             self._training.check_usable()
             _exports.trained_model(self._training, self.parameter_names, self.contract, self.grad_path,
-                                   original_model, out, strict, external_data, dequantised_bases=False)
+                                   original_model, out, strict, external_data)
         self._collective.barrier()
         return Path(out)
 

@@ -250,7 +250,7 @@ class StepRunner:
         ``merge_and_unload()`` on a 4-bit base."""
         self._training.check_usable()
         _exports.trained_model(self._training, self.parameter_names, self.contract, self.path,
-                               original_model, out, strict, external_data, dequantised_bases=True)
+                               original_model, out, strict, external_data)
         return Path(out)
 
     # --- LoRA (`ntl-patch step --lora-r R`) ---------------------------------------------------

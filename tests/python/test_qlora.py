@@ -248,6 +248,35 @@ def test_merged_model_is_the_dequantised_base_plus_the_update(fixture, dq, tmp_p
         np.testing.assert_allclose(w, want, rtol=0, atol=1e-6, err_msg=la["module"])
 
 
+def test_data_parallel_merges_into_the_dequantised_base_too(tmp_path):
+    """DataParallel (one process) on the split QLoRA graphs writes the same merged model as
+    StepRunner on the whole step graph after the same steps: the base it trained on."""
+    from ntl_patch import DataParallel
+    whole, split = tmp_path / "whole" / "q.onnx", tmp_path / "split" / "q.onnx"
+    whole.parent.mkdir()
+    split.parent.mkdir()
+    build("gpt2_ts", whole)
+    build("gpt2_ts", split, "--split")
+    runner = tl.StepRunner(whole, providers=["CPUExecutionProvider"])
+    dp = DataParallel(split, providers=["CPUExecutionProvider"])
+    for x, y in tl.batches("gpt2_ts")[:2]:
+        runner.step({"input_ids": x, "labels": y})
+        dp.step({"input_ids": x, "labels": y})
+    runner.save_inference_model(MODELS / "gpt2_ts.onnx", tmp_path / "runner.onnx")
+    dp.save_inference_model(MODELS / "gpt2_ts.onnx", tmp_path / "dp.onnx")
+    want, got = initializers(tmp_path / "runner.onnx"), initializers(tmp_path / "dp.onnx")
+    ref = reference("gpt2_ts")
+    meta = tl._meta(whole)["quantize_base"]
+    assert want.keys() == got.keys()
+    for la in meta["layers"]:
+        w = got[la["weight"]]
+        w = w.T if la["weight_layout"] == "in_out" else w
+        # not the original float weight: the dequantised one plus the update
+        assert np.abs(w - ref[f"{la['module']}/dequantized"]).max() < 1e-2, la["module"]
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-6, err_msg=name)
+
+
 @DQ
 def test_inspect_lists_the_quantised_layers(dq, tmp_path):
     out, plain = tmp_path / "q.onnx", tmp_path / "lora.onnx"
