@@ -13,7 +13,8 @@ SIZES=(250000 500000 1000000)
 for n in "${SIZES[@]}"; do
   if [ ! -f "$WORK/$n/identity_chain.onnx" ]; then
     mkdir -p "$WORK/$n"
-    "$ROOT/.venv/bin/python" - "$WORK/$n" "$n" <<'PY'
+    # run from the repository root: the generator and the tokenizer are found from there
+    (cd "$ROOT" && "$ROOT/.venv/bin/python" - "$WORK/$n" "$n") <<'PY'
 import sys
 sys.path.insert(0, "scripts/bench")
 import shutil, gen_hostile_models as g

@@ -44,11 +44,11 @@ impl<'g> GraphIndex<'g> {
         let written = graph.node.iter().map(|n| n.output.len()).sum();
         let mut tensors = NameIds::with_capacity(written);
         let mut producer = Vec::with_capacity(written);
-        // the tensor number of each input read, in node order (the readers' second pass)
+        // (tensor number, reading node) of each input read, in node order
         let mut reads = Vec::with_capacity(graph.node.iter().map(|n| n.input.len()).sum());
         for (i, node) in graph.node.iter().enumerate() {
             for inp in node.input.iter().filter(|i| !i.is_empty()) {
-                reads.push(tensors.intern(inp) as u32);
+                reads.push((tensors.intern(inp) as u32, i));
             }
             for out in node.output.iter().filter(|o| !o.is_empty()) {
                 let t = tensors.intern(out);
@@ -57,7 +57,7 @@ impl<'g> GraphIndex<'g> {
             }
         }
         producer.resize(tensors.len(), NO_NODE);
-        let (reader_start, readers) = readers_by_tensor(graph, &reads, tensors.len());
+        let (reader_start, readers) = readers_by_tensor(&reads, tensors.len());
         GraphIndex {
             graph,
             tensors,
@@ -444,10 +444,10 @@ enum Declared<'g> {
 const NO_NODE: u32 = u32::MAX;
 
 /// The readers of each of `count` tensors in one vector, tensor by tensor in node order
-/// (`reads`: the tensor number of every non-empty input, in node order).
-fn readers_by_tensor(graph: &GraphProto, reads: &[u32], count: usize) -> (Vec<usize>, Vec<usize>) {
+/// (`reads`: the tensor number and reading node of every non-empty input, in node order).
+fn readers_by_tensor(reads: &[(u32, usize)], count: usize) -> (Vec<usize>, Vec<usize>) {
     let mut start = vec![0usize; count + 1];
-    for &t in reads {
+    for &(t, _) in reads {
         start[t as usize + 1] += 1;
     }
     for t in 0..count {
@@ -455,13 +455,9 @@ fn readers_by_tensor(graph: &GraphProto, reads: &[u32], count: usize) -> (Vec<us
     }
     let mut next = start[..count].to_vec();
     let mut readers = vec![0usize; reads.len()];
-    let mut read = reads.iter();
-    for (i, node) in graph.node.iter().enumerate() {
-        for _ in node.input.iter().filter(|i| !i.is_empty()) {
-            let t = *read.next().expect("one number per input read") as usize;
-            readers[next[t]] = i;
-            next[t] += 1;
-        }
+    for &(t, node) in reads {
+        readers[next[t as usize]] = node;
+        next[t as usize] += 1;
     }
     (start, readers)
 }

@@ -612,24 +612,37 @@ fn emit_nf4_chain(
     blocks: i64,
     block: i64,
 ) -> Vec<String> {
-    let idx = b.node(
-        "Cast",
-        &[codes],
-        "qlora/idx",
-        vec![int_attr("to", INT32 as i64)],
-    );
-    let pairs = b.node(
-        "Gather",
-        &[table, &idx],
-        "qlora/pairs",
-        vec![int_attr("axis", 0)],
-    );
+    let (idx, pairs) = look_up(b, codes, table, "qlora/idx", "qlora/pairs");
     let block_dims = b.const_i64("qlora/block_dims", &[2], &[blocks, block]);
     let in_blocks = b.binary("Reshape", &pairs, &block_dims, "qlora/blocks");
     let scaled = b.binary("Mul", &in_blocks, absmax, "qlora/scaled");
     let mut chain = vec![idx, pairs, in_blocks, scaled];
     finish_chain(b, layer, &mut chain);
     chain
+}
+
+/// Stored uint8 `codes` looked up in `table` (`Cast` to int32, `Gather` on axis 0); returns the
+/// indices and the values.
+fn look_up(
+    b: &mut Builder,
+    codes: &str,
+    table: &str,
+    idx_name: &str,
+    values_name: &str,
+) -> (String, String) {
+    let idx = b.node(
+        "Cast",
+        &[codes],
+        idx_name,
+        vec![int_attr("to", INT32 as i64)],
+    );
+    let values = b.node(
+        "Gather",
+        &[table, &idx],
+        values_name,
+        vec![int_attr("axis", 0)],
+    );
+    (idx, values)
 }
 
 /// The blocks of 256 `--double-quant` stores `blocks` absmax codes in (the last possibly short).
@@ -651,17 +664,12 @@ fn emit_absmax_chain(
     let per_block = double_quant::NESTED_BLOCK as i64;
     let rows = nested_blocks(blocks);
     let padded = rows * per_block;
-    let idx = b.node(
-        "Cast",
-        &[&nested.codes],
+    let (idx, values) = look_up(
+        b,
+        &nested.codes,
+        map,
         "qlora/absmax_idx",
-        vec![int_attr("to", INT32 as i64)],
-    );
-    let values = b.node(
-        "Gather",
-        &[map, &idx],
         "qlora/absmax_values",
-        vec![int_attr("axis", 0)],
     );
     let mut chain = vec![idx, values.clone()];
     let mut whole = values;
