@@ -21,6 +21,7 @@ import pytest
 
 from conftest import FIXTURES, MODELS, TOKENIZER, run_patch
 from logits_param import logits_model
+from ort_helpers import generate_artifacts, training_module
 
 TOL = 1e-5
 WEIGHT = 0.3
@@ -33,31 +34,8 @@ def _batch():
     return ids, labels
 
 
-def _generate(model: onnx.ModelProto, out: Path) -> Path:
-    """ORT training artifacts of `model`, every non-ntl float initializer trainable."""
-    from onnxruntime.training import artifacts
-
-    params = [t.name for t in model.graph.initializer
-              if t.data_type == onnx.TensorProto.FLOAT and t.dims and not t.name.startswith("ntl/")]
-    for n in model.graph.node:  # ORT's gradient builder needs SCE's log_prob output declared
-        if n.op_type == "SoftmaxCrossEntropyLoss" and len(n.output) == 1:
-            n.output.append(n.output[0] + "_log_prob")
-    out.mkdir(parents=True, exist_ok=True)
-    artifacts.generate_artifacts(model, requires_grad=params, loss=None,
-                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=out)
-    return out
-
-
-def _module(art: Path):
-    from onnxruntime.training.api import CheckpointState, Module
-
-    state = CheckpointState.load_checkpoint(str(art / "checkpoint"))
-    module = Module(str(art / "training_model.onnx"), state, str(art / "eval_model.onnx"))
-    return state, module
-
-
 def _step(art: Path, *inputs) -> tuple[dict, dict]:
-    state, module = _module(art)
+    state, module = training_module(art)
     module.train()
     outs = module(*inputs)
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)
@@ -85,7 +63,7 @@ def _artifacts(base: Path, out: Path, args: list[str]) -> Path:
 def base_artifacts(tmp_path_factory):
     """CE-only artifacts of each fixture model, generated once."""
     root = tmp_path_factory.mktemp("base")
-    return {m: _generate(onnx.load(MODELS / f"{m}.onnx"), root / m) for m in ("lm_flat", "lm_bvt")}
+    return {m: generate_artifacts(onnx.load(MODELS / f"{m}.onnx"), root / m) for m in ("lm_flat", "lm_bvt")}
 
 
 LOSSES = [
@@ -121,7 +99,7 @@ def test_artifacts_equal_forward_patch_and_torch(case, base_artifacts, tmp_path,
     fwd = tmp_path / "fwd.onnx"
     r = run_patch([MODELS / f"{model}.onnx", "--tokenizer", TOKENIZER, "-o", fwd, *args])
     assert r.returncode == 0, r.stderr
-    want_out, want = _step(_generate(onnx.load(fwd), tmp_path / "fwd_art"), ids, labels)
+    want_out, want = _step(generate_artifacts(onnx.load(fwd), tmp_path / "fwd_art"), ids, labels)
     for k in ("loss", "ce_loss", "number_loss"):
         np.testing.assert_allclose(got_out[k], want_out[k], rtol=1e-6, err_msg=k)
     assert _norm_rel(got, want) <= TOL
@@ -164,7 +142,7 @@ def test_artifacts_train(args, base_artifacts, tmp_path):
     from onnxruntime.training.api import Optimizer
 
     art = _artifacts(base_artifacts["lm_flat"], tmp_path / "art", args)
-    state, module = _module(art)
+    state, module = training_module(art)
     opt = Optimizer(str(art / "optimizer_model.onnx"), module)
     opt.set_learning_rate(1e-2)
     module.train()
@@ -196,7 +174,7 @@ def test_spliced_backward_finite_differences(args, opset, tmp_path):
     import onnxruntime as ort
 
     logits, labels = _fd_case()
-    base = _generate(logits_model(logits, opset=opset), tmp_path / "base")
+    base = generate_artifacts(logits_model(logits, opset=opset), tmp_path / "base")
     _, ce_grad = _step(base, labels)
     art = _artifacts(base, tmp_path / "art", [*args, "--weight", "1", "--combine", "add"])
     _, total_grad = _step(art, labels)
@@ -241,7 +219,7 @@ def test_artifacts_bad_input(base_artifacts, tmp_path):
     patched = _artifacts(base, tmp_path / "patched", ["--loss", "mse"])
     _fails([patched, *tok], "already patched", tmp_path / "o2")
     # a loss that is not a cross-entropy
-    no_ce = _generate(onnx.load(MODELS / "lm_no_ce.onnx"), tmp_path / "no_ce")
+    no_ce = generate_artifacts(onnx.load(MODELS / "lm_no_ce.onnx"), tmp_path / "no_ce")
     _fails([no_ce, *tok], "no cross-entropy", tmp_path / "o3")
     # a gradient graph whose logits gradient cannot be found
     broken = tmp_path / "broken"
@@ -255,9 +233,9 @@ def test_artifacts_bad_input(base_artifacts, tmp_path):
     # cross-entropies ORT differentiated in forms artifacts mode cannot splice into: spelled
     # out of primitive ops, and reduction='none' reduced by the graph itself
     exporters = FIXTURES / "exporters"
-    spelled = _generate(onnx.load(exporters / "torch_gather.onnx"), tmp_path / "spelled")
+    spelled = generate_artifacts(onnx.load(exporters / "torch_gather.onnx"), tmp_path / "spelled")
     _fails([spelled, *tok], "written out of primitive ops", tmp_path / "o6")
-    per_position = _generate(onnx.load(exporters / "torch_sce_none_masked.onnx"), tmp_path / "none")
+    per_position = generate_artifacts(onnx.load(exporters / "torch_sce_none_masked.onnx"), tmp_path / "none")
     _fails([per_position, *tok], "reduction 'none'", tmp_path / "o7")
     # the output folder exists
     (tmp_path / "o5").mkdir()
@@ -315,7 +293,7 @@ def test_del_on_log_probabilities_is_refused_in_artifacts_mode(tmp_path):
          numpy_helper.from_array(np.array([-1, v], np.int64), "shape_nv"),
          numpy_helper.from_array(np.array([-1], np.int64), "shape_n")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    base = _generate(model, tmp_path / "base")
+    base = generate_artifacts(model, tmp_path / "base")
     _fails([base, "--tokenizer", str(TOKENIZER), "--loss", "del"], "reads the raw logits",
            tmp_path / "o_del")
     _, labels_grad = _step(_artifacts(base, tmp_path / "o_dist2", ["--loss", "dist2"]), labels)

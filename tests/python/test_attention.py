@@ -40,23 +40,18 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper, TensorProto
 
+from attention_helpers import EAGER, LAYERS, RTOL, grad_err, loss_err, param_err, traj_batches, zero_mask
 from conftest import MODELS, REPO, TOKENIZER, run_patch
-from test_ort_training import _norm_rel, _quiet_ort
-from test_recompute import _step
-from test_precision import U16, _dist  # U16: float16's unit roundoff; losses within 2u
-from test_step import HEADS, HF_MODELS, _hf_reference, _zero_grad_mask
+from hf_reference import HF_MODELS, hf_reference
+from ort_helpers import quiet_ort
+from precision_helpers import U16, dist  # U16: float16's unit roundoff; losses within 2u
+from step_helpers import HEADS, run_step
 
-LAYERS = 2  # every HF fixture: 2 layers, one attention each
 BLOCKS = (3, 5)  # neither divides T = 8; 5 leaves a single-row block at T = 6
-RTOL = 1e-5
-TRAJ_STEPS = 3
 
 
 def chunked(block: int) -> list[str]:
     return ["--attention", "chunked", "--attention-block", str(block)]
-
-
-EAGER = ["--attention", "eager"]
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -72,14 +67,14 @@ def build(tmp_path_factory):
         key = (str(model), split, tuple(map(str, extra)))
         if key not in built:
             out = root / f"g{len(built)}.{'grad' if split else 'step'}.onnx"
-            summary = _step(model, out, *(["--split"] if split else []), *extra)
+            summary = run_step(model, out, *(["--split"] if split else []), *extra)
             built[key] = (out, summary)
         return built[key]
     return get
 
 
 def _session(path: Path, optimise: bool = True):
-    ort = _quiet_ort()
+    ort = quiet_ort()
     so = ort.SessionOptions()
     so.log_severity_level = 3
     if not optimise:
@@ -100,21 +95,6 @@ def _grads(path: Path, x, y, optimise=True):
     return np.array([float(o) for o in outs[:3]]), dict(zip(meta["parameters"], outs[3:]))
 
 
-def _grad_err(want: dict, got: dict) -> tuple[str, float]:
-    """The worst parameter and its norm-relative error (floor 1e-3·‖all‖)."""
-    assert sorted(want) == sorted(got)
-    all_w = np.concatenate([v.ravel() for v in want.values()]).astype(np.float64)
-    floor = 1e-3 * float(np.linalg.norm(all_w))
-    errs = {p: _norm_rel(got[p].astype(np.float64), want[p].astype(np.float64), floor) for p in want}
-    worst = max(errs, key=errs.get)
-    return worst, errs[worst]
-
-
-def _loss_err(want, got) -> float:
-    want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
-    return float(np.max(np.abs(got - want) / np.maximum(np.abs(want), 1e-12)))
-
-
 def _train(path: Path, batches, optimise=True):
     """Feeds each step's state outputs back (plain InferenceSession): per-step losses and the
     final parameters."""
@@ -127,24 +107,6 @@ def _train(path: Path, batches, optimise=True):
         losses.append([float(got[n]) for n in names[:3]])
         state = {i: got[o] for i, o in meta["state"]}
     return np.array(losses), {p: state[p] for p in meta["parameters"]}
-
-
-def _param_err(want: dict, got: dict, zero: dict) -> tuple[str, float]:
-    """Worst norm-relative parameter error, the exactly-zero-gradient elements left out (AdamW
-    turns their round-off into ±lr steps in any two implementations: test_step)."""
-    keep = {p: ~zero[p] if p in zero else np.ones(w.shape, bool) for p, w in want.items()}
-    return _grad_err({p: w[keep[p]] for p, w in want.items()}, {p: got[p][keep[p]] for p in want})
-
-
-def _traj_batches(model: str, n: int = TRAJ_STEPS):
-    ref = _hf_reference(model)
-    return [(ref[f"traj/batch/{k:02d}/input_ids"], ref[f"traj/batch/{k:02d}/labels"]) for k in range(n)]
-
-
-def _zero_mask(model: str, params) -> dict:
-    ref = _hf_reference(model)
-    known = {p: ref[f"grad/wasserstein/float64/{p}"] for p in params if f"grad/wasserstein/float64/{p}" in ref.files}
-    return _zero_grad_mask(known) if known else {}  # LoRA's adapters: no torch reference
 
 
 def _check_replaced(summary: dict, mode: str, block: int | None, replaced: int = LAYERS) -> None:
@@ -260,7 +222,7 @@ def test_gradients_equal_eager(model, block, build):
     Measured: losses ~1e-7, gradients 8e-7 – 1e-6 apart. Can fail: the chunked graph of a loss
     weight off by 1e-4 relative (`--weight 0.30003`, llama_ts) is 1.9e-5 (losses) and 3.7e-5
     (gradients) away."""
-    ref = _hf_reference(model)
+    ref = hf_reference(model)
     x, y = ref["batch/input_ids"], ref["batch/labels"]
     eager, se = build(model, *EAGER)
     chunk, sc = build(model, *chunked(block))
@@ -270,14 +232,14 @@ def test_gradients_equal_eager(model, block, build):
     for optimise in (False, True):
         le, ge = _grads(eager, x, y, optimise)
         lc, gc = _grads(chunk, x, y, optimise)
-        worst, err = _grad_err(ge, gc)
-        print(f"{model} block {block} optimise={optimise}: losses {_loss_err(le, lc):.2e}, "
+        worst, err = grad_err(ge, gc)
+        print(f"{model} block {block} optimise={optimise}: losses {loss_err(le, lc):.2e}, "
               f"gradients worst {worst} {err:.2e}")
-        assert _loss_err(le, lc) <= RTOL, (le, lc)
+        assert loss_err(le, lc) <= RTOL, (le, lc)
         assert err <= RTOL, (worst, err)
     # and the float64 torch reference, as test_step holds the eager graph to
     want = {p: ref[f"grad/wasserstein/float64/{p}"] for p in gc}
-    worst, err = _grad_err(want, gc)
+    worst, err = grad_err(want, gc)
     assert err <= RTOL, ("vs torch float64", worst, err)
 
 
@@ -286,15 +248,15 @@ def test_gradients_equal_eager_at_block_extremes(block, build):
     """One query row per block, and one block larger than T (a single, partial block); the
     bounds of test_gradients_equal_eager."""
     model = "llama_dynamo"
-    ref = _hf_reference(model)
+    ref = hf_reference(model)
     x, y = ref["batch/input_ids"], ref["batch/labels"]
     le, ge = _grads(build(model, *EAGER)[0], x, y, optimise=False)
     path, s = build(model, *chunked(block))
     _check_replaced(s, "chunked", block)
     lc, gc = _grads(path, x, y, optimise=False)
-    worst, err = _grad_err(ge, gc)
-    print(f"{model} block {block}: losses {_loss_err(le, lc):.2e}, gradients worst {worst} {err:.2e}")
-    assert _loss_err(le, lc) <= RTOL and err <= RTOL, (worst, err)
+    worst, err = grad_err(ge, gc)
+    print(f"{model} block {block}: losses {loss_err(le, lc):.2e}, gradients worst {worst} {err:.2e}")
+    assert loss_err(le, lc) <= RTOL and err <= RTOL, (worst, err)
 
 
 @pytest.mark.parametrize("block", BLOCKS)
@@ -304,12 +266,12 @@ def test_trajectories_equal_eager(model, block, build):
     of every step and the final parameters. Measured: losses ~1e-7, parameters ~3e-8 apart.
     Can fail: the chunked graph with `--lr 1.001e-3` (llama_ts) is 2.6e-5 (losses) and 1.02e-5
     (parameters) away."""
-    batches = _traj_batches(model)
+    batches = traj_batches(model)
     le, pe = _train(build(model, *EAGER, "--lr", "1e-3", split=False)[0], batches)
     lc, pc = _train(build(model, *chunked(block), "--lr", "1e-3", split=False)[0], batches)
-    worst, err = _param_err(pe, pc, _zero_mask(model, pe))
-    print(f"{model} block {block}: losses {_loss_err(le, lc):.2e}, parameters worst {worst} {err:.2e}")
-    assert _loss_err(le, lc) <= RTOL, (le, lc)
+    worst, err = param_err(pe, pc, zero_mask(model, pe))
+    print(f"{model} block {block}: losses {loss_err(le, lc):.2e}, parameters worst {worst} {err:.2e}")
+    assert loss_err(le, lc) <= RTOL, (le, lc)
     assert err <= RTOL, (worst, err)
 
 
@@ -336,7 +298,7 @@ def test_with_other_passes_gradients_equal_eager(variant, model, build):
     the loss (> 2u = 9.8e-4) and 3.3× as far from float64 as the eager fp16 graph (> 1.5×)."""
     extra = VARIANTS[variant]
     fp16 = "fp16" in extra
-    ref = _hf_reference(model)
+    ref = hf_reference(model)
     x, y = ref["batch/input_ids"], ref["batch/labels"]
     eager, se = build(model, *EAGER, *extra)
     chunk, sc = build(model, *chunked(3), *extra)
@@ -349,14 +311,14 @@ def test_with_other_passes_gradients_equal_eager(variant, model, build):
     for optimise in (False, True):
         le, ge = _grads(eager, x, y, optimise)
         lc, gc = _grads(chunk, x, y, optimise)
-        worst, err = _grad_err(ge, gc)
-        print(f"{variant} {model} optimise={optimise}: losses {_loss_err(le, lc):.2e}, "
+        worst, err = grad_err(ge, gc)
+        print(f"{variant} {model} optimise={optimise}: losses {loss_err(le, lc):.2e}, "
               f"gradients worst {worst} {err:.2e}")
         if not fp16:
-            assert _loss_err(le, lc) <= RTOL, (le, lc)
+            assert loss_err(le, lc) <= RTOL, (le, lc)
             assert err <= RTOL, (worst, err)
             continue
-        assert _loss_err(le, lc) <= 2 * U16, (le, lc)
+        assert loss_err(le, lc) <= 2 * U16, (le, lc)
         # the gradients come scaled by the loss scale (the graph's default, the same on both sides)
         scale = _initializer(eager, "ntl/state/loss_scale")
         assert scale == _initializer(chunk, "ntl/state/loss_scale")
@@ -391,26 +353,26 @@ def test_with_other_passes_trajectories_equal_eager(variant, model, build):
     2×. Can fail: the chunked fp16 graph with `--lr 1.02e-3` (llama_dynamo) is 1.57× as far
     (> 1.5×); with 1.05e-3 2.9× and 1.0e-3 off in the loss (> 2u)."""
     extra = VARIANTS[variant]
-    batches = _traj_batches(model)
+    batches = traj_batches(model)
     ep, _ = build(model, *EAGER, *extra, split=False)
     cp, sc = build(model, *chunked(5), *extra, split=False)
     _check_replaced(sc, "chunked", 5)
     le, pe = _train(ep, batches)
     lc, pc = _train(cp, batches)
-    worst, err = _param_err(pe, pc, _zero_mask(model, pe))
-    print(f"{variant} {model}: losses {_loss_err(le, lc):.2e}, parameters worst {worst} {err:.2e}")
+    worst, err = param_err(pe, pc, zero_mask(model, pe))
+    print(f"{variant} {model}: losses {loss_err(le, lc):.2e}, parameters worst {worst} {err:.2e}")
     if variant != "fp16":
-        assert _loss_err(le, lc) <= RTOL, (le, lc)
+        assert loss_err(le, lc) <= RTOL, (le, lc)
         assert err <= RTOL, (worst, err)
         return
-    assert _loss_err(le, lc) <= 2 * U16, (le, lc)
+    assert loss_err(le, lc) <= 2 * U16, (le, lc)
     exact_path, _ = build(model, *EAGER, split=False)
     _, exact = _train(exact_path, batches)
     start = {t.name: numpy_helper.to_array(t).astype(np.float64)
              for t in onnx.load(str(exact_path)).graph.initializer if t.name in exact}
     f64 = lambda d: {p: v.astype(np.float64) for p, v in d.items()}  # noqa: E731
     exact, pe, pc = f64(exact), f64(pe), f64(pc)
-    d_eager, d_chunk, d_both = _dist(pe, exact, start), _dist(pc, exact, start), _dist(pc, pe, start)
+    d_eager, d_chunk, d_both = dist(pe, exact, start), dist(pc, exact, start), dist(pc, pe, start)
     print(f"  fp16 parameters, fraction of the update: eager {d_eager:.3g}, chunked {d_chunk:.3g}, "
           f"chunked vs eager {d_both:.3g}")
     assert d_chunk <= 1.5 * d_eager, (d_chunk, d_eager)
@@ -567,7 +529,7 @@ def test_python_api(tmp_path):
     sys.path.insert(0, str(REPO / "python"))
     import ntl_patch
 
-    batches = _traj_batches("gpt2_ts")
+    batches = traj_batches("gpt2_ts")
     losses = {}
     for mode, block in (("eager", None), ("chunked", 3)):
         out = tmp_path / f"{mode}.step.onnx"
@@ -577,7 +539,7 @@ def test_python_api(tmp_path):
         assert s["attention"]["replaced"] == (LAYERS if mode == "chunked" else 0), s["attention"]
         runner = ntl_patch.StepRunner(out, providers=["CPUExecutionProvider"])
         losses[mode] = [runner.step({"input_ids": a, "labels": b}) for a, b in batches]
-    assert _loss_err(losses["eager"], losses["chunked"]) <= RTOL, losses
+    assert loss_err(losses["eager"], losses["chunked"]) <= RTOL, losses
 
 
 # ---------------------------------------------------------------------------- 5. refusals
@@ -613,10 +575,10 @@ def test_chunked_without_attention_replaces_nothing(tmp_path):
     eager one. Can fail: with gpt2_ts in its place `replaced` is 2."""
     src = tmp_path / "plain.onnx"
     _no_attention_lm(src)
-    s = _step(src, tmp_path / "c.step.onnx", *chunked(3))
+    s = run_step(src, tmp_path / "c.step.onnx", *chunked(3))
     assert s["attention"]["mode"] == "chunked" and s["attention"]["replaced"] == 0, s["attention"]
     assert s["attention"]["left"] == [], s["attention"]
-    _step(src, tmp_path / "e.step.onnx", *EAGER)
+    run_step(src, tmp_path / "e.step.onnx", *EAGER)
     x, y = _long_batch(7)
     le, pe = _train(tmp_path / "e.step.onnx", [(x, y)] * 2)
     lc, pc = _train(tmp_path / "c.step.onnx", [(x, y)] * 2)
@@ -653,23 +615,23 @@ def test_unrecognised_attention(variant, tmp_path):
     replaces 2 and chunked succeeds."""
     src = tmp_path / "odd.onnx"
     name = (_gpt2_softmax_over_queries if variant == "softmax_over_queries" else _gpt2_probabilities_as_output)(src)
-    eager = _step(src, tmp_path / "e.grad.onnx", "--split", *EAGER)
+    eager = run_step(src, tmp_path / "e.grad.onnx", "--split", *EAGER)
     assert eager["attention"]["replaced"] == 0
-    s = _step(src, tmp_path / "a.grad.onnx", "--split", "--attention", "auto", "--attention-block", "3")
+    s = run_step(src, tmp_path / "a.grad.onnx", "--split", "--attention", "auto", "--attention-block", "3")
     a = s["attention"]
     assert a["mode"] == "auto" and a["replaced"] == LAYERS - 1, a
     assert [x["node"] for x in a["left"]] == [name] and a["left"][0]["why"].strip(), a
     assert name in _top_softmaxes(tmp_path / "a.grad.onnx")
-    ref = _hf_reference("gpt2_ts")
+    ref = hf_reference("gpt2_ts")
     x, y = ref["batch/input_ids"], ref["batch/labels"]
     le, ge = _grads(tmp_path / "e.grad.onnx", x, y, optimise=False)
     la, ga = _grads(tmp_path / "a.grad.onnx", x, y, optimise=False)
-    worst, err = _grad_err(ge, ga)
-    assert _loss_err(le, la) <= RTOL and err <= RTOL, (worst, err)
+    worst, err = grad_err(ge, ga)
+    assert loss_err(le, la) <= RTOL and err <= RTOL, (worst, err)
 
     out = tmp_path / "refused"
     out.mkdir()
-    r = _step(src, out / "c.step.onnx", *chunked(3), ok=False)
+    r = run_step(src, out / "c.step.onnx", *chunked(3), ok=False)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 1, f"exit {r.returncode}\n{r.stderr}"
     assert len(lines) == 1, r.stderr
@@ -726,13 +688,13 @@ def test_every_attention_is_replaced_or_reported(model, tmp_path):
     extra, count = OTHER_ATTENTION[model]
     src = MODELS / f"{model}.onnx"
     assert len(_attention_like(src)) == count, _attention_like(src)
-    s = _step(src, tmp_path / "a.step.onnx", *extra)["attention"]
+    s = run_step(src, tmp_path / "a.step.onnx", *extra)["attention"]
     print(model, "auto:", s)
     assert s["replaced"] + len(s["left"]) == count, s
     assert {x["node"] for x in s["left"]} <= set(_attention_like(src)), s
     out = tmp_path / "chunked"
     out.mkdir()
-    r = _step(src, out / "c.step.onnx", *extra, *chunked(3), ok=False)
+    r = run_step(src, out / "c.step.onnx", *extra, *chunked(3), ok=False)
     print(model, "chunked:", r.returncode, r.stderr.strip()[-300:])
     if r.returncode == 0:
         assert json.loads(r.stdout)["attention"]["replaced"] == count, r.stdout
@@ -752,7 +714,7 @@ def test_bad_options_are_usage_errors(args, tmp_path):
     code for "bad arguments" (docs/RELIABILITY.md; clap's own choices, e.g. `--optimizer adam`,
     exit 1 in test_wheel.py); 2 is reserved for internal errors (bugs). Can fail: `--recompute
     bogus` passes it, `--attention chunked` alone (valid) fails it."""
-    r = _step("gpt2_ts", tmp_path / "m.step.onnx", *args, ok=False)
+    r = run_step("gpt2_ts", tmp_path / "m.step.onnx", *args, ok=False)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 1, f"exit {r.returncode}\n{r.stderr}"
     assert len(lines) == 1, r.stderr
@@ -773,7 +735,7 @@ def test_byte_identical_outputs(model, extra, tmp_path):
     for run in ("a", "b"):
         d = tmp_path / run
         d.mkdir()
-        _step(model, d / "m.step.onnx", *chunked(3), *extra)
+        run_step(model, d / "m.step.onnx", *chunked(3), *extra)
         files[run] = {p.name: p.read_bytes() for p in sorted(d.iterdir())}
     assert sorted(files["a"]) == sorted(files["b"]) and files["a"], (sorted(files["a"]), sorted(files["b"]))
     for name in files["a"]:

@@ -29,11 +29,11 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
+from attention_helpers import EAGER, LAYERS, RTOL, grad_err, loss_err, param_err, traj_batches, zero_mask
 from conftest import MODELS, REPO
-from test_attention import EAGER, LAYERS, RTOL, _grad_err, _loss_err, _param_err, _traj_batches, _zero_mask
-from test_precision import U16
-from test_recompute import _step
-from test_step import HEADS, HF_MODELS, _hf_reference
+from hf_reference import HF_MODELS, hf_reference
+from precision_helpers import U16
+from step_helpers import HEADS, run_step
 
 ONNX = ["--attention", "onnx"]
 RT_PYTHON = REPO / ".venv-rt" / "bin" / "python"
@@ -103,9 +103,9 @@ def _gradients_equal(eager: Path, other: Path, batch, tmp_path: Path, label: str
     RTOL of `eager`'s; returns (eager's, other's) gradients."""
     le, ge = _run(eager, batch, tmp_path, optimise)
     lo, go = _run(other, batch, tmp_path, optimise)
-    worst, err = _grad_err(ge, go)
-    print(f"{label}: losses {_loss_err(le, lo):.2e}, gradients worst {worst} {err:.2e}")
-    assert _loss_err(le, lo) <= RTOL, (le, lo)
+    worst, err = grad_err(ge, go)
+    print(f"{label}: losses {loss_err(le, lo):.2e}, gradients worst {worst} {err:.2e}")
+    assert loss_err(le, lo) <= RTOL, (le, lo)
     assert err <= RTOL, (worst, err)
     return ge, go
 
@@ -123,7 +123,7 @@ def built(tmp_path_factory):
         key = (model, split, tuple(extra))
         if key not in cache:
             out = root / f"g{len(cache)}.{'grad' if split else 'step'}.onnx"
-            cache[key] = (out, _step(src, out, *(["--split"] if split else []), *extra))
+            cache[key] = (out, run_step(src, out, *(["--split"] if split else []), *extra))
         return cache[key]
     return get
 
@@ -145,7 +145,7 @@ def test_gradients_equal_eager(model, built, tmp_path):
     `(q·kt)·s` round alike). Can fail: checked with the mask dropped in `fused::forward` (losses
     7.9e-2 – 1.0e-1 apart, gradients 1.5 – 1.8) and with the scale left out of the query (losses
     1.7e-2 – 3.4e-2)."""
-    ref = _hf_reference(model)
+    ref = hf_reference(model)
     batch = [(ref["batch/input_ids"], ref["batch/labels"])]
     eager, se = built(model, *EAGER)
     onnx_path, so = built(model, *ONNX)
@@ -156,9 +156,9 @@ def test_gradients_equal_eager(model, built, tmp_path):
         ge, go = _gradients_equal(eager, onnx_path, batch, tmp_path, f"{model} optimise={optimise}", optimise)
     # the opset-23 copy is the fixture's model: its eager graph equals torch's float64 gradients
     want = {p: ref[f"grad/wasserstein/float64/{p}"] for p in ge}
-    worst, err = _grad_err(want, ge)
+    worst, err = grad_err(want, ge)
     assert err <= RTOL, ("eager opset 23 vs torch float64", worst, err)
-    worst, err = _grad_err(want, go)
+    worst, err = grad_err(want, go)
     assert err <= RTOL, ("onnx vs torch float64", worst, err)
 
 
@@ -176,7 +176,7 @@ def test_trajectories_equal_eager(model, variant, built, tmp_path):
     parameters. Can fail: checked with the mask dropped (losses 1.4e-1 – 2.7e-1 apart) and the
     scale left out (3.1e-2 – 1.2e-1)."""
     extra = [*VARIANTS[variant], "--lr", "1e-3"]
-    batches = _traj_batches(model)
+    batches = traj_batches(model)
     eager, _ = built(model, *EAGER, *extra, split=False)
     onnx_path, so = built(model, *ONNX, *extra, split=False)
     _check_fused(so)
@@ -184,9 +184,9 @@ def test_trajectories_equal_eager(model, variant, built, tmp_path):
         assert so["recompute"]["blocks"] == LAYERS, so["recompute"]
     le, pe = _run(eager, batches, tmp_path)
     lo, po = _run(onnx_path, batches, tmp_path)
-    worst, err = _param_err(pe, po, _zero_mask(model, pe))
-    print(f"{model} {variant}: losses {_loss_err(le, lo):.2e}, parameters worst {worst} {err:.2e}")
-    assert _loss_err(le, lo) <= RTOL, (le, lo)
+    worst, err = param_err(pe, po, zero_mask(model, pe))
+    print(f"{model} {variant}: losses {loss_err(le, lo):.2e}, parameters worst {worst} {err:.2e}")
+    assert loss_err(le, lo) <= RTOL, (le, lo)
     assert err <= RTOL, (worst, err)
 
 
@@ -197,7 +197,7 @@ def test_fp16_gradients_as_close_as_eager(model, built, tmp_path):
     the gradients (unscaled) at most 1.5× as far from torch's float64 ones as the eager fp16
     graph's, and onnx vs eager at most 2× that (test_attention's fp16 criteria). Can fail:
     checked with the mask dropped and with the scale left out (both cases fail)."""
-    ref = _hf_reference(model)
+    ref = hf_reference(model)
     batch = [(ref["batch/input_ids"], ref["batch/labels"])]
     eager, _ = built(model, *EAGER, "--precision", "fp16")
     onnx_path, so = built(model, *ONNX, "--precision", "fp16")
@@ -207,7 +207,7 @@ def test_fp16_gradients_as_close_as_eager(model, built, tmp_path):
     assert precision == [onnx.TensorProto.FLOAT], precision
     le, ge = _run(eager, batch, tmp_path)
     lo, go = _run(onnx_path, batch, tmp_path)
-    assert _loss_err(le, lo) <= 2 * U16, (le, lo)
+    assert loss_err(le, lo) <= 2 * U16, (le, lo)
     exact = {p: ref[f"grad/wasserstein/float64/{p}"] for p in ge}
 
     def dist(got):
@@ -263,8 +263,8 @@ def test_where_masks(fill, tmp_path):
     swapped in `additive_mask` (finfo.min: losses 1.7e-1 apart)."""
     src = _masked_by_where(_opset_23("gpt2_ts", tmp_path / "gpt2.onnx"), fill, tmp_path / "where.onnx")
     out, eager = tmp_path / "o.grad.onnx", tmp_path / "e.grad.onnx"
-    s = _step(src, out, "--split", *ONNX)
-    _step(src, eager, "--split", *EAGER)
+    s = run_step(src, out, "--split", *ONNX)
+    run_step(src, eager, "--split", *EAGER)
     a = s["attention"]
     assert a["replaced"] == LAYERS and a["left"] == [], a
     if fill < -1e30:
@@ -275,7 +275,7 @@ def test_where_masks(fill, tmp_path):
         assert "−1e30" in a["blockwise_forward"][0]["why"], a
         assert any("--attention onnx" in w for w in s["warnings"]), s["warnings"]
         assert "Attention" not in _ops(out)
-    ref = _hf_reference("gpt2_ts")
+    ref = hf_reference("gpt2_ts")
     batch = [(ref["batch/input_ids"], ref["batch/labels"])]
     _gradients_equal(eager, out, batch, tmp_path, f"fill {fill}")
 
@@ -290,7 +290,7 @@ def test_single_head_attention_keeps_the_blockwise_forward(tmp_path):
             o.version = 23
     m.ir_version = max(m.ir_version, 10)
     onnx.save(m, str(src))
-    s = _step(src, tmp_path / "o.step.onnx", *ONNX)
+    s = run_step(src, tmp_path / "o.step.onnx", *ONNX)
     a = s["attention"]
     assert a["replaced"] == 1 and a["fused"] == 0, a
     assert "ranks 3, 3 and 3" in a["blockwise_forward"][0]["why"], a
@@ -301,7 +301,7 @@ def test_needs_opset_23(tmp_path):
     written. Can fail: without the check the step graph is written (opset 17 with an opset-23
     operator)."""
     out = tmp_path / "m.step.onnx"
-    r = _step("llama_ts", out, *ONNX, ok=False)
+    r = run_step("llama_ts", out, *ONNX, ok=False)
     assert r.returncode == 1, (r.returncode, r.stderr)
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and "opset_version=23" in lines[0] and "--attention chunked" in lines[0], r.stderr
@@ -404,15 +404,15 @@ def test_exported_operator_trains(variant, tmp_path):
     model = _exported_operator(src, tmp_path / f"{variant}.onnx", variant)
     assert [n.op_type for n in onnx.load(str(model)).graph.node].count("Attention") == LAYERS
     out, eager = tmp_path / "o.grad.onnx", tmp_path / "e.grad.onnx"
-    s = _step(model, out, "--split", "--attention-block", "3")
-    _step(src, eager, "--split", *EAGER)
+    s = run_step(model, out, "--split", "--attention-block", "3")
+    run_step(src, eager, "--split", *EAGER)
     assert _ops(out).count("Attention") == LAYERS, "the exported operator keeps its forward"
     assert s["attention"]["replaced"] == 0, s["attention"]
-    ref = _hf_reference("llama_dynamo")
+    ref = hf_reference("llama_dynamo")
     batch = [(ref["batch/input_ids"], ref["batch/labels"])]
     _, go = _gradients_equal(eager, out, batch, tmp_path, variant)
     want = {p: ref[f"grad/wasserstein/float64/{p}"] for p in go}
-    worst, err = _grad_err(want, go)
+    worst, err = grad_err(want, go)
     assert err <= RTOL, ("vs torch float64", worst, err)
 
 
@@ -486,8 +486,8 @@ def test_exported_operator_groups_query_heads_as_onnx_does(tmp_path):
     op = _one_layer_gqa(tmp_path / "op.onnx", operator=True)
     eager = _one_layer_gqa(tmp_path / "eager.onnx", operator=False)
     out, ref = tmp_path / "o.grad.onnx", tmp_path / "e.grad.onnx"
-    _step(op, out, "--split", "--attention-block", "4")
-    s = _step(eager, ref, "--split", *EAGER)
+    run_step(op, out, "--split", "--attention-block", "4")
+    s = run_step(eager, ref, "--split", *EAGER)
     assert s["attention"]["replaced"] == 0
     rng = np.random.default_rng(3)
     x = rng.integers(0, 48, (2, 7)).astype(np.int64)
@@ -515,7 +515,7 @@ def test_exported_operator_it_cannot_differentiate_is_refused(case, tmp_path):
     onnx.save(m, str(src))
     out = tmp_path / "out" / "m.step.onnx"
     out.parent.mkdir()
-    r = _step(src, out, ok=False)
+    r = run_step(src, out, ok=False)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 1 and len(lines) == 1 and "'sdpa'" in lines[0], r.stderr
     assert list(out.parent.iterdir()) == []

@@ -28,8 +28,9 @@ import numpy as np
 import pytest
 
 from conftest import MODELS, REPO, TOKENIZER, run_patch
-from test_ort_training import _batch, _norm_rel
-from test_step import _zero_grad_mask
+from dp_results import max_norm_rel, run_params
+from ort_helpers import batch, norm_rel
+from step_helpers import zero_grad_mask
 
 sys.path.insert(0, str(REPO / "python"))
 from ntl_patch import _onnx_decode, _safetensors  # noqa: E402
@@ -76,11 +77,6 @@ def run(tmp_path_factory):
     return {"dir": d, "grad": grad, "batches": z, "res": res}
 
 
-def _params(res: dict, run: str) -> dict:
-    prefix = f"{run}/param/"
-    return {k[len(prefix):]: v for k, v in res.items() if k.startswith(prefix)}
-
-
 def _single_process(grad: Path, z: dict, steps: int) -> tuple[np.ndarray, dict]:
     """The reference: both shards' gradients in one process, averaged here, then the update."""
     import onnxruntime as ort
@@ -106,24 +102,13 @@ def _single_process(grad: Path, z: dict, steps: int) -> tuple[np.ndarray, dict]:
     return np.array(losses, dtype=np.float64), {p: state[p] for p in params}
 
 
-def _max_norm_rel(got: dict, want: dict, mask: dict | None = None) -> tuple[str, float]:
-    mask = mask or {}
-    keep = {p: ~mask[p] if p in mask else np.ones(w.shape, bool) for p, w in want.items()}
-    all_want = np.concatenate([want[p][keep[p]].ravel() for p in want])
-    floor = 1e-3 * float(np.linalg.norm(all_want))
-    errs = {p: _norm_rel(got[p][keep[p]].astype(np.float64), want[p][keep[p]].astype(np.float64), floor)
-            for p in want}
-    worst = max(errs, key=errs.get)
-    return worst, errs[worst]
-
-
 def test_two_ranks_equal_one_process_averaging(run):
     res = run["res"]
     want_losses, want = _single_process(run["grad"], run["batches"], STEPS)
     np.testing.assert_allclose(res["dp/losses"], want_losses, rtol=1e-5)
-    got = _params(res, "dp")
+    got = run_params(res, "dp")
     assert got.keys() == want.keys()
-    worst, err = _max_norm_rel(got, want)
+    worst, err = max_norm_rel(got, want)
     print(f"DataParallel vs one process: worst parameter {worst} {err:.2e}")
     assert err <= 1e-5, (worst, err)
 
@@ -131,28 +116,28 @@ def test_two_ranks_equal_one_process_averaging(run):
 def test_equals_torch_ddp(run, weights):
     res = run["res"]
     assert res["ddp/clipped"] >= 1, "the clip must be active for the comparison to mean anything"
-    x, y = _batch()
+    x, y = batch()
     import ntl_torch
     import torch
 
-    zero = _zero_grad_mask(ntl_torch.model_reference(weights, torch.from_numpy(x), torch.from_numpy(y),
+    zero = zero_grad_mask(ntl_torch.model_reference(weights, torch.from_numpy(x), torch.from_numpy(y),
                                                      "wasserstein", weight=WEIGHT)[3])
     for dp_run, ddp_run in (("dp", "ddp"), ("accum", "ddp_accum")):
         np.testing.assert_allclose(res[f"{dp_run}/losses"], res[f"{ddp_run}/losses"], rtol=1e-5,
                                    err_msg=dp_run)
-        got, want = _params(res, dp_run), _params(res, ddp_run)
+        got, want = run_params(res, dp_run), run_params(res, ddp_run)
         assert got.keys() == want.keys()
-        worst, err = _max_norm_rel(got, want, zero)
+        worst, err = max_norm_rel(got, want, zero)
         print(f"{dp_run} vs torch {ddp_run}: worst parameter {worst} {err:.2e}")
         assert err <= 1e-4, (dp_run, worst, err)
         all_got = np.concatenate([got[p][~zero[p]].ravel() for p in want])
         all_want = np.concatenate([want[p][~zero[p]].ravel() for p in want])
-        assert _norm_rel(all_got, all_want, 0.0) <= 1e-4
+        assert norm_rel(all_got, all_want, 0.0) <= 1e-4
 
 
 def test_resume_is_bit_identical(run):
     res = run["res"]
-    full, resumed = _params(res, "dp"), _params(res, "resume")
+    full, resumed = run_params(res, "dp"), run_params(res, "resume")
     for p in full:
         np.testing.assert_array_equal(resumed[p], full[p], err_msg=p)
     np.testing.assert_array_equal(res["resume/losses"], res["dp/losses"][STEPS // 2:])

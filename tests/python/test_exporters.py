@@ -32,7 +32,7 @@ import onnx
 import pytest
 
 from conftest import FIXTURES, TOKENIZER, run_patch
-from test_ort_training import _norm_rel, _quiet_ort
+from ort_helpers import norm_rel, quiet_ort
 
 EXPORTERS = FIXTURES / "exporters"
 SUMMARY = json.loads((EXPORTERS / "models.json").read_text())
@@ -70,7 +70,7 @@ def _params(ref: dict) -> list[str]:
 
 
 def _session(path: Path):
-    ort = _quiet_ort()
+    ort = quiet_ort()
     so = ort.SessionOptions()
     so.log_severity_level = 3
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
@@ -84,8 +84,8 @@ def _grad_errors(got: dict[str, np.ndarray], ref: dict) -> tuple[float, dict[str
     all_want = np.concatenate([want[p].ravel() for p in params])
     all_got = np.concatenate([got[p].astype(np.float64).ravel() for p in params])
     floor = 1e-3 * float(np.linalg.norm(all_want))
-    errs = {p: _norm_rel(got[p].astype(np.float64), want[p], floor) for p in params}
-    return _norm_rel(all_got, all_want, 0.0), errs
+    errs = {p: norm_rel(got[p].astype(np.float64), want[p], floor) for p in params}
+    return norm_rel(all_got, all_want, 0.0), errs
 
 
 def _assert_grads(got: dict[str, np.ndarray], ref: dict, what: str) -> None:
@@ -223,7 +223,7 @@ def test_ort_training_step(name, tmp_path):
         # to train in ORT Training (ntl-patch step trains it: test_step_gradients)
         pytest.xfail(f"{name}: the exported graph itself fails onnx.checker(full_check): {e}")
     patched = _patch(name, tmp_path / f"{name}.ntl.onnx")
-    ort = _quiet_ort()
+    ort = quiet_ort()
     from onnxruntime.training import artifacts
     from onnxruntime.training.api import CheckpointState, Module, Optimizer
 

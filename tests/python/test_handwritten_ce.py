@@ -1,10 +1,11 @@
 """Cross-entropies written by hand in torch, in the spellings each torch exporter gives them,
 exported at test time: ntl-patch recognises each as a cross-entropy (not as an unknown loss),
 and the step graph's losses and gradients equal torch autograd of `CE + 0.3·ntloss`
-(tests/python/test_op_rules.py has the harness). Covered spellings beyond the committed
-fixtures: a one-hot whose depth is the logits' width read at run time (`F.one_hot(y, V)` with
-`V = z.shape[-1]`), the dynamo exporter's one-hot (`Equal(y, Range)` with cast constants) and
-its `x[:, 0]` (a Slice that keeps everything, then a Gather), and `logsumexp − gather`.
+(test_op_rules.py's harness, tests/python/tiny_lm_loss.py). Covered spellings beyond the
+committed fixtures: a one-hot whose depth is the logits' width read at run time
+(`F.one_hot(y, V)` with `V = z.shape[-1]`), the dynamo exporter's one-hot (`Equal(y, Range)`
+with cast constants) and its `x[:, 0]` (a Slice that keeps everything, then a Gather), and
+`logsumexp − gather`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_op_rules import TinyLMLoss, check_gradient_graph, export
+from tiny_lm_loss import TinyLMLoss, check_gradient_graph, export
 
 
 def _masked_mean(per_position, y):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import FIXTURES, MODELS, TOKENIZER, run_patch
-from test_ort_training import _batch, _norm_rel, _quiet_ort
+from ort_helpers import batch, generate_artifacts, norm_rel, quiet_ort, training_module
 
 EPS = 0.1
 WEIGHT = 0.3
@@ -72,8 +72,8 @@ CASES = [
 
 @pytest.mark.parametrize("name,model,masked", CASES, ids=[c[0] for c in CASES])
 def test_label_smoothing_matches_torch(name, model, masked, weights, tmp_path):
-    ort = _quiet_ort()
-    input_ids, labels = _batch()
+    ort = quiet_ort()
+    input_ids, labels = batch()
     feeds = {"input_ids": input_ids, "labels": labels}
     mask = None
     if masked:
@@ -97,20 +97,19 @@ def test_label_smoothing_matches_torch(name, model, masked, weights, tmp_path):
     # ORT Training differentiates the patched graph itself; its SoftmaxCrossEntropyLoss gradient
     # ignores the log_prob output, so the smoothing term must not read it
     import onnx
-    from test_artifacts import _generate, _module
 
     patched = onnx.load(str(out))
-    art = _generate(patched, tmp_path / "artifacts")
+    art = generate_artifacts(patched, tmp_path / "artifacts")
     user_inputs = [i.name for i in patched.graph.input
                    if i.name not in {t.name for t in patched.graph.initializer}]
-    state, module = _module(art)
+    state, module = training_module(art)
     module.train()
     outs = module(*[feeds[n] for n in user_inputs])
     ort_total = float(np.asarray(outs[0] if isinstance(outs, (tuple, list)) else outs))
     assert abs(ort_total - total) <= 1e-5 * abs(total)
     for p, g in grads.items():
         got_grad = np.asarray(state.parameters[p].grad, np.float64)
-        assert _norm_rel(got_grad, g, floor) <= 1e-5, f"ORT Training gradient of {p}"
+        assert norm_rel(got_grad, g, floor) <= 1e-5, f"ORT Training gradient of {p}"
 
     # the step graph, with the dense LM head and the fused one (its row mean of the logits)
     for head in (["--fused-head", "off"], ["--fused-head", "on", "--head-chunk-tokens", "3"]):
@@ -126,7 +125,7 @@ def test_label_smoothing_matches_torch(name, model, masked, weights, tmp_path):
         for p, g in grads.items():
             key = f"ntl/grad/{p}"
             assert key in got, f"no gradient output {key}: {outs}"
-            assert _norm_rel(got[key], g, floor) <= 1e-5, f"{head}: {p}"
+            assert norm_rel(got[key], g, floor) <= 1e-5, f"{head}: {p}"
 
 
 def test_label_smoothing_out_of_range_is_refused(tmp_path):

@@ -41,43 +41,18 @@ import numpy as np
 import onnx
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import MODELS, REPO, TOKENIZER, patch_command, run_patch
+from lora_helpers import (ADAMW, CASES, LOSS_RTOL, PARAM_RTOL, TRAIN, WEIGHT, batches, build_step,
+                          build_step_from, fixture_arch, norm_rel, peft_config, peft_model, peft_names,
+                          peft_param, step_meta, torch_train)
 
 sys.path.insert(0, str(REPO / "python"))
 from ntl_patch import StepRunner, _lora, _onnx_decode, _safetensors  # noqa: E402
 
 import peft  # noqa: E402  (tests/python/requirements.txt pins peft 0.21.2)
 
-WEIGHT = 0.3
-STEPS = 10
-ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-LOSS_RTOL = 1e-5
-PARAM_RTOL = 1e-4
 FILE_RTOL = 1e-5
-PEFT_DEFAULT_TARGETS = {"gpt2": ["c_attn"], "llama": ["q_proj", "v_proj"]}
-LLAMA_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-# case -> (fixture, r, lora_alpha (None: PEFT's 8), targets (None: the architecture default), rslora)
-CASES = {
-    "tiny": ("lm_flat", 4, None, ["q", "v", "fc1"], False),
-    "gpt2_ts": ("gpt2_ts", 4, None, None, False),
-    "gpt2_dynamo": ("gpt2_dynamo", 4, 16.0, ["c_attn", "c_proj", "c_fc"], False),
-    "llama_ts": ("llama_ts", 4, None, None, False),
-    "llama_dynamo": ("llama_dynamo", 8, None, LLAMA_ALL, False),
-    "r1": ("llama_dynamo", 1, None, None, False),
-    "r64": ("gpt2_dynamo", 64, 32.0, None, False),
-    "rslora": ("llama_ts", 16, 8.0, None, True),
-    "tiny_head": ("lm_flat", 4, None, ["q", "v"], False),
-    "llama_head": ("llama_dynamo", 4, None, None, False),
-}
-# `--train` prefixes of a case, and the modules PEFT trains whole for them (modules_to_save)
-TRAIN = {"tiny_head": (["head."], ["head"]), "llama_head": (["lm_head."], ["lm_head"])}
-
-
-def _arch(fixture: str) -> str:
-    return "tiny" if fixture == "lm_flat" else fixture.split("_")[0]
 
 
 def _step_args(case: str) -> list[str]:
@@ -94,146 +69,6 @@ def _step_args(case: str) -> list[str]:
     return args
 
 
-def build_step(fixture: str, out: Path, *extra) -> dict:
-    args = [MODELS / f"{fixture}.onnx", "--loss", "wasserstein", "--tokenizer", TOKENIZER,
-            "--weight", str(WEIGHT), "-o", out, "--json", *extra]
-    r = run_patch(["step", *args])
-    assert r.returncode == 0, f"ntl-patch step exited {r.returncode}\n{r.stdout}\n{r.stderr}"
-    return json.loads(r.stdout)
-
-
-def build_step_from(src: Path, out: Path, *extra) -> dict:
-    r = run_patch(["step", src, "--loss", "wasserstein", "--tokenizer", TOKENIZER, "--weight", str(WEIGHT),
-                   "-o", out, "--json", *extra])
-    assert r.returncode == 0, f"ntl-patch step exited {r.returncode}\n{r.stdout}\n{r.stderr}"
-    return json.loads(r.stdout)
-
-
-def _meta(path: Path) -> dict:
-    return json.loads(_onnx_decode.read_metadata(path)["ntl_step"])
-
-
-# ---------------------------------------------------------------------------- torch + PEFT
-
-
-def batches(fixture: str, n: int = STEPS):
-    if fixture == "lm_flat":  # test_step.py's: changing shapes, -100 labels
-        rng = np.random.default_rng(0)
-        ids = np.array([18, 29, 25, 36, 35, 7, 27, 21, 10, 38, 4, 5, 6, 8, 9, 11], dtype=np.int64)
-        out = []
-        for k in range(n):
-            b, t = [(2, 7), (3, 5), (1, 9)][k % 3]
-            x, y = rng.choice(ids, size=(b, t)), rng.choice(ids, size=(b, t))
-            y[rng.random((b, t)) < 0.2] = -100
-            out.append((x, y))
-        return out
-    z = np.load(MODELS.parent / "reference" / "step" / f"{_arch(fixture)}.npz")
-    return [(z[f"traj/batch/{k:02d}/input_ids"], z[f"traj/batch/{k:02d}/labels"]) for k in range(n)]
-
-
-def torch_model(fixture: str, dtype=torch.float32):
-    """(module, logits function, loss function (m, x, y) -> total) of the fixture in dtype."""
-    if fixture == "lm_flat":
-        import ntl_torch
-        import tiny_lm
-
-        m = tiny_lm.build("flat", {k: v.to(dtype) for k, v in ntl_torch.load_weights().items()}, dtype=dtype)
-        m.train()
-        obj = ntl_torch.ntloss_object("wasserstein")
-        obj.number_values = obj.number_values.to(dtype)
-
-        def loss(m, x, y):
-            logits = m.logits(x)
-            ce = F.cross_entropy(logits.reshape(-1, tiny_lm.VOCAB), y.reshape(-1), ignore_index=-100)
-            return ce + WEIGHT * ntl_torch.ntl_value(obj, logits, y)
-        return m, (lambda x: m.logits(x)), loss
-    import generate_step as gs
-
-    m = gs.model_in(gs.build_model(_arch(fixture)), dtype)
-    obj = gs.ntloss_object("wasserstein", reweigh=False, squash=None, digit_level=True)
-    obj.number_values = obj.number_values.to(dtype)
-
-    def loss(m, x, y):
-        logits = m.lm_logits(x)
-        lab = gs.shifted(y)
-        ce = F.cross_entropy(logits.reshape(-1, gs.VOCAB).float(), lab.reshape(-1), ignore_index=-100)
-        return ce + WEIGHT * obj(logits, lab, reduction="mean")
-    return m, (lambda x: m.lm_logits(x)), loss
-
-
-def peft_config(case: str):
-    fixture, r, alpha, targets, rslora = CASES[case]
-    arch = _arch(fixture)
-    kw = dict(r=r, target_modules=list(targets or PEFT_DEFAULT_TARGETS[arch]), use_rslora=rslora,
-              fan_in_fan_out=arch == "gpt2", lora_dropout=0.0, bias="none")
-    if alpha is not None:
-        kw["lora_alpha"] = alpha
-    if case in TRAIN:
-        kw["modules_to_save"] = TRAIN[case][1]
-    if arch != "tiny":
-        kw["task_type"] = "CAUSAL_LM"
-    return peft.LoraConfig(**kw)
-
-
-def peft_param(layer: dict, part: str) -> str:
-    return f"base_model.model.{layer['module']}.{part}.default.weight"
-
-
-def peft_names(lora: dict, parameters) -> dict[str, str]:
-    """step-graph parameter -> PEFT parameter: A and B, and the --train parameters as PEFT's
-    trained copies of their modules (modules_to_save)."""
-    out = {la[part]: peft_param(la, part) for la in lora["layers"] for part in ("lora_A", "lora_B")}
-    for name in parameters:
-        if name not in out:
-            module, _, leaf = name.rpartition(".")
-            out[name] = f"base_model.model.{module}.modules_to_save.default.{leaf}"
-    return out
-
-
-def peft_model(case: str, lora: dict, initial: dict, dtype=torch.float32):
-    """The PEFT-wrapped fixture with the step graph's initial A and B (initial: every trained
-    parameter of the step graph, by name)."""
-    m, logits, loss = torch_model(CASES[case][0], dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # fan_in_fan_out / Conv1D notices
-        pm = peft.get_peft_model(m, peft_config(case))
-    params = dict(pm.named_parameters())
-    trainable = {k for k, p in params.items() if p.requires_grad}
-    names = peft_names(lora, initial)
-    want = set(names.values())
-    assert trainable == want, f"PEFT trains {sorted(trainable - want)[:4]}, the step graph {sorted(want - trainable)[:4]}"
-    with torch.no_grad():
-        for name, pname in names.items():
-            p = params[pname]
-            v = torch.from_numpy(initial[name])
-            assert tuple(p.shape) == tuple(v.shape), (name, p.shape, v.shape)
-            if name not in _lora.lora_names(lora):  # PEFT's copy of a --train module: the base's
-                np.testing.assert_array_equal(p.detach().to(v.dtype).numpy(), v.numpy())
-            p.data = v.to(dtype).clone()
-    return pm, m, logits, loss
-
-
-def torch_train(case: str, lora: dict, initial: dict, data, dtype=torch.float32):
-    pm, m, _, loss = peft_model(case, lora, initial, dtype)
-    lora_params = [p for p in pm.parameters() if p.requires_grad]
-    assert all(p.dtype == dtype for p in lora_params)
-    opt = torch.optim.AdamW(lora_params, foreach=False, **ADAMW)
-    losses = []
-    for x, y in data:
-        opt.zero_grad(set_to_none=True)
-        total = loss(m, torch.from_numpy(x), torch.from_numpy(y))
-        total.backward()
-        opt.step()
-        losses.append(total.item())
-    params = dict(pm.named_parameters())
-    final = {n: params[pn].detach().double().numpy().copy() for n, pn in peft_names(lora, initial).items()}
-    return np.array(losses), final, pm
-
-
-def norm_rel(got, want, floor=0.0) -> float:
-    return float(np.linalg.norm(np.asarray(got, np.float64) - want) / max(np.linalg.norm(want), floor, 1e-30))
-
-
 # ---------------------------------------------------------------------------- shared runs
 
 
@@ -245,7 +80,7 @@ class Trained:
         self.folder = folder
         self.path = folder / f"{case}.step.onnx"
         self.summary = build_step(self.fixture, self.path, *_step_args(case))
-        self.meta = _meta(self.path)
+        self.meta = step_meta(self.path)
         self.lora = self.meta["lora"]
         self.initial = _onnx_decode.read_initializers(self.path, self.meta["parameters"])
         self.data = batches(self.fixture)
@@ -324,7 +159,7 @@ def test_graph_contract(case, trained):
         assert la["lora_B"] == f"ntl/lora/{la['module']}.lora_B.weight"
         assert list(params[peft_param(la, "lora_A")].shape) == [r, n_in]
         assert list(params[peft_param(la, "lora_B")].shape) == [n_out, r]
-        want_layout = "in_out" if _arch(fixture) == "gpt2" else "out_in"
+        want_layout = "in_out" if fixture_arch(fixture) == "gpt2" else "out_in"
         assert la["weight_layout"] == want_layout and la["fan_in_fan_out"] == (want_layout == "in_out")
         assert dims[la["weight"]] == ([n_in, n_out] if want_layout == "in_out" else [n_out, n_in])
 
@@ -412,7 +247,7 @@ def test_fp16_trains_like_peft_autocast(case, tmp_path):
     fixture = CASES[case][0]
     path = tmp_path / "fp16.step.onnx"
     build_step(fixture, path, *_step_args(case), "--precision", "fp16")
-    meta = _meta(path)
+    meta = step_meta(path)
     lora = meta["lora"]
     assert sorted(meta["parameters"]) == sorted(_lora.lora_names(lora))
     initial = _onnx_decode.read_initializers(path, sorted(_lora.lora_names(lora)))
@@ -460,7 +295,7 @@ def base_model(fixture: str):
         return m, m.logits, m
     import generate_step as gs
 
-    m = gs.model_in(gs.build_model(_arch(fixture)), torch.float32)
+    m = gs.model_in(gs.build_model(fixture_arch(fixture)), torch.float32)
     return m, m.lm_logits, m
 
 
@@ -530,7 +365,7 @@ def test_adapter_files_are_peft_files(case, trained, peft_saved, tmp_path):
     out = tmp_path / "adapter"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every module path is known: no warning
-        t.runner.save_adapter(out, base_model_name_or_path="ntl-patch/fixtures-" + _arch(t.fixture),
+        t.runner.save_adapter(out, base_model_name_or_path="ntl-patch/fixtures-" + fixture_arch(t.fixture),
                               task_type=_task_type(t))
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     ours = json.loads((out / "adapter_config.json").read_text())
@@ -538,7 +373,7 @@ def test_adapter_files_are_peft_files(case, trained, peft_saved, tmp_path):
     theirs = json.loads((ref_dir / "adapter_config.json").read_text())
     assert sorted(ours) == sorted(theirs), (set(ours) ^ set(theirs))
     assert sorted(ours.pop("target_modules")) == sorted(theirs.pop("target_modules"))
-    assert ours.pop("base_model_name_or_path") == "ntl-patch/fixtures-" + _arch(t.fixture)
+    assert ours.pop("base_model_name_or_path") == "ntl-patch/fixtures-" + fixture_arch(t.fixture)
     theirs.pop("base_model_name_or_path")
     if t.fixture == "lm_flat":  # PEFT records a custom model's class for AutoPeftModel; unknown here
         assert theirs.pop("auto_mapping") == {"base_model_class": "TinyLM", "parent_library": "tiny_lm"}
@@ -611,14 +446,14 @@ def test_half_export_merges_in_its_type(elem, tmp_path):
     """A float16/bfloat16 export (the tiny LM): the frozen base stays in its type in the step
     graph, and the merged model holds W + s·B·A computed in float32 from the half W, rounded to
     the half type (as torch's .to(dtype)); every other initializer is the export's, byte for byte."""
-    from test_precision import _as_f32, _half_export
+    from precision_helpers import as_f32, half_export
 
     dtype = torch.float16 if elem == "float16" else torch.bfloat16
     src = tmp_path / "half.onnx"
-    _half_export(src, dtype)
+    half_export(src, dtype)
     path = tmp_path / "half.step.onnx"
     build_step_from(src, path, "--precision", "fp32", "--lora-r", "4", "--lora-targets", "q,v")
-    meta = _meta(path)
+    meta = step_meta(path)
     lora = meta["lora"]
     weights = [la["weight"] for la in lora["layers"]]
     step_inits = {t.name: t for t in onnx.load(str(path)).graph.initializer}
@@ -636,9 +471,9 @@ def test_half_export_merges_in_its_type(elem, tmp_path):
         w = la["weight"]
         assert after[w].data_type == code
         delta = (params[la["lora_B"]] @ params[la["lora_A"]]) * s
-        want = torch.from_numpy(_as_f32(before[w]) + delta).to(dtype).float().numpy()
-        np.testing.assert_array_equal(_as_f32(after[w]), want)
-        assert not np.array_equal(_as_f32(after[w]), _as_f32(before[w])), w
+        want = torch.from_numpy(as_f32(before[w]) + delta).to(dtype).float().numpy()
+        np.testing.assert_array_equal(as_f32(after[w]), want)
+        assert not np.array_equal(as_f32(after[w]), as_f32(before[w])), w
     for name, t in before.items():
         if name not in weights:
             assert after[name].SerializeToString() == t.SerializeToString(), name
@@ -652,7 +487,7 @@ def test_trained_adapted_weight_is_merged_not_saved(tmp_path):
     path = tmp_path / "t.step.onnx"
     build_step("lm_flat", path, "--lora-r", "4", "--lora-targets", "q,v", "--train", "q.weight",
                "--train", "head.bias")
-    meta = _meta(path)
+    meta = step_meta(path)
     lora = meta["lora"]
     assert sorted(meta["parameters"]) == sorted(_lora.lora_names(lora) | {"q.weight", "head.bias"})
     runner = StepRunner(path, providers=["CPUExecutionProvider"])
@@ -701,7 +536,7 @@ def test_python_step_wrapper_takes_lora_options(tmp_path, monkeypatch):
     s = ntl_patch.step(MODELS / "llama_dynamo.onnx", out=out, tokenizer=TOKENIZER, lora_r=2,
                        lora_alpha=4, lora_targets=["q_proj", "o_proj"], use_rslora=True, seed=3)
     assert s is not None
-    lora = _meta(out)["lora"]
+    lora = step_meta(out)["lora"]
     assert (lora["r"], lora["lora_alpha"], lora["use_rslora"], lora["seed"]) == (2, 4.0, True, 3)
     assert sorted(lora["target_modules"]) == ["o_proj", "q_proj"]
     assert math.isclose(lora["scaling"], 4 / math.sqrt(2), rel_tol=1e-7)
@@ -750,7 +585,7 @@ def test_lost_module_path_saved_under_onnx_name(tmp_path):
     r = run_patch(["step", src, "--loss", "wasserstein", "--tokenizer", TOKENIZER, "--weight", str(WEIGHT),
                    "-o", path, "--json", "--lora-r", "4", "--lora-targets", "q_proj,onnx::MatMul_902"])
     assert r.returncode == 0, r.stderr
-    lora = _meta(path)["lora"]
+    lora = step_meta(path)["lora"]
     by_weight = {la["weight"]: la for la in lora["layers"]}
     assert sorted(by_weight) == ["onnx::MatMul_901", "onnx::MatMul_902"], sorted(by_weight)
     assert by_weight["onnx::MatMul_901"]["module"] == "model.layers.0.self_attn.q_proj"
@@ -918,7 +753,7 @@ def test_data_parallel_two_ranks_train_only_the_adapters(shard, tmp_path):
     case = "tiny"
     grad = tmp_path / "lm.grad.onnx"
     build_step("lm_flat", grad, *_step_args(case), "--split")
-    meta = _meta(grad)
+    meta = step_meta(grad)
     lora = meta["lora"]
     assert sorted(meta["parameters"]) == sorted(_lora.lora_names(lora))
     steps, data = 5, batches("lm_flat", 10)

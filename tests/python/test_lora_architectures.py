@@ -1,6 +1,7 @@
 """LoRA on Hugging Face architectures beyond GPT-2 and Llama, from both torch exporters:
 Qwen2, Qwen3, Mistral, Phi-3, Gemma, Gemma 3, GPT-NeoX, GPT-J, OPT, BLOOM and BERT (the small
-random configs of test_architectures.py, exported at test time with their own loss).
+random configs of test_architectures.py, in hf_architectures.py, exported at test time with
+their own loss).
 
 `ntl-patch step --lora-r 2` with no `--lora-targets` must choose PEFT's default targets for the
 architecture and the module paths PEFT knows (so the adapter files map), and compute PEFT's
@@ -21,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import REPO, TOKENIZER, run_patch
-from test_architectures import ARCHS, CASES, WEIGHT, batch, build, export
-from test_ort_training import _quiet_ort
+from hf_architectures import ARCHS, CASES, WEIGHT, batch, build, export
+from ort_helpers import quiet_ort
 
 sys.path.insert(0, str(REPO / "python"))
 from ntl_patch import _onnx_decode  # noqa: E402
@@ -85,7 +86,7 @@ def test_lora_default_targets_compute_peft(arch, exporter, tmp_path):
                 for la in lora["layers"]}
     ids, labels = batch()
     total, ce, ntl, want = _reference(model, base, ARCHS[arch][3], lora, a_values, b_values, ids, labels)
-    sess = _quiet_ort().InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    sess = quiet_ort().InferenceSession(str(out), providers=["CPUExecutionProvider"])
     outs = sess.run(None, {"input_ids": ids.numpy(), "labels": labels.numpy(), **a_values, **b_values})
     for got, ref in zip(outs[:3], (total, ce, ntl)):
         assert abs(float(got) - ref) <= 1e-5 * abs(ref), (outs[:3], (total, ce, ntl))

@@ -26,14 +26,15 @@ import pytest
 import torch
 
 from conftest import MODELS, REPO, TOKENIZER, run_patch
-from test_precision import TractStep, _batches, _half_export
+from precision_helpers import batches, half_export
+from tract_step import TractStep
 
 LORA = ["--lora-r", "4", "--lora-alpha", "16", "--lora-targets", "q,v,fc1", "--weight", "0.3"]
 HALF_RATIO = 0.55
 
 
 def _f32_export_of_rounded(out) -> None:
-    """The tiny LM exported in float32 from the float16-rounded weights (as _half_export)."""
+    """The tiny LM exported in float32 from the float16-rounded weights (as half_export)."""
     import ntl_torch
     import tiny_lm
 
@@ -70,7 +71,7 @@ def _weight_bytes(path) -> int:
 def graphs(tmp_path_factory):
     d = tmp_path_factory.mktemp("lora_half")
     half, wide = d / "half.onnx", d / "wide.onnx"
-    _half_export(half, torch.float16)
+    half_export(half, torch.float16)
     _f32_export_of_rounded(wide)
     out = {}
     for name, src in (("half", half), ("wide", wide)):
@@ -157,7 +158,7 @@ def _runner(path):
 def test_fp32_compute_from_the_half_base_equals_the_float32_export(graphs):
     _, out = graphs
     a, b = _runner(out["half", "fp32"]), _runner(out["wide", "fp32"])
-    for x, y in _batches("lm_flat")[:3]:
+    for x, y in batches("lm_flat")[:3]:
         la, lb = a.step({"input_ids": x, "labels": y}), b.step({"input_ids": x, "labels": y})
         np.testing.assert_allclose(la, lb, rtol=1e-6)
     pa, pb = a.parameters(), b.parameters()
@@ -175,7 +176,7 @@ def test_fp16_reads_the_half_weights_directly_and_matches_in_tract(graphs, tmp_p
     readers = {n.op_type for n in g.node if any(i in frozen for i in n.input)}
     assert "MatMul" in readers or "Transpose" in readers, readers
     a, b = TractStep(out["half", "fp16"], tmp_path), TractStep(out["wide", "fp16"], tmp_path)
-    for x, y in _batches("lm_flat")[:3]:
+    for x, y in batches("lm_flat")[:3]:
         la, lb = (float(np.ravel(r.step({"input_ids": x, "labels": y})["loss"])[0]) for r in (a, b))
         assert abs(la - lb) <= 2e-5 * abs(lb), (la, lb)
 
@@ -185,7 +186,7 @@ def test_frozen_weights_in_external_data_stay_there(tmp_path):
     reference the same file at the same offsets (nothing copied, nothing widened), and it
     trains like the inline export's."""
     src = tmp_path / "inline.onnx"
-    _half_export(src, torch.float16)
+    half_export(src, torch.float16)
     ext_dir = tmp_path / "ext"
     ext_dir.mkdir()
     m = onnx.load(str(src))
@@ -206,5 +207,5 @@ def test_frozen_weights_in_external_data_stay_there(tmp_path):
     inline = tmp_path / "inline.step.onnx"
     _step(src, inline, "fp32")
     a, b = _runner(out), _runner(inline)
-    for x, y in _batches("lm_flat")[:2]:
+    for x, y in batches("lm_flat")[:2]:
         np.testing.assert_array_equal(a.step({"input_ids": x, "labels": y}), b.step({"input_ids": x, "labels": y}))

@@ -11,9 +11,6 @@ with its `ReduceSum(Pow(z, 2))` replaced in the exported graph.
 
 from __future__ import annotations
 
-import copy
-import json
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -23,11 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import TOKENIZER, run_patch
-from test_ort_training import _batch, _norm_rel, _quiet_ort
-
-WEIGHT = 0.3
-GRAD_RTOL = 1e-5
+from tiny_lm_loss import TinyLMLoss, check_gradient_graph, export
 
 AUX = {
     "z_loss": (lambda z: 1e-2 * torch.logsumexp(z, -1).pow(2).mean(), "ReduceLogSumExp"),
@@ -97,44 +90,12 @@ def _aux_loss(aux):
     return lambda z, y: F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1)) + make(z)
 
 
-class TinyLMLoss(torch.nn.Module):
-    """The tiny LM's logits under a loss written in torch: `loss(logits, labels)`."""
-
-    def __init__(self, weights, loss, dtype=torch.float32):
-        super().__init__()
-        import tiny_lm
-
-        self.lm = tiny_lm.build("flat", {k: v.to(dtype) for k, v in weights.items()}, dtype=dtype)
-        # a loss with parameters of its own: a copy in this dtype (its parameters are named
-        # "loss.…", beside the LM's "lm.…")
-        self.loss = copy.deepcopy(loss).to(dtype) if isinstance(loss, torch.nn.Module) else loss
-
-    def forward(self, input_ids, labels):
-        return self.loss(self.lm.logits(input_ids), labels)
-
-
 def _ce_plus(aux: str):
     def loss(z, y):
         ce = F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1), ignore_index=-100)
         return ce + AUX[aux][0](z)
 
     return loss
-
-
-def export(model: torch.nn.Module, exporter: str, path: Path, opset: int = 17) -> None:
-    """opset: for the TorchScript exporter (the dynamo exporter writes its own)."""
-    import generate
-
-    ids, labels = (torch.from_numpy(a) for a in _batch())
-    if exporter == "torchscript":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.onnx.export(model, (ids, labels), str(path), dynamo=False, opset_version=opset,
-                              training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
-                              input_names=["input_ids", "labels"], output_names=["loss"],
-                              dynamic_axes={"input_ids": {0: "B", 1: "T"}, "labels": {0: "B", 1: "T"}})
-    else:
-        generate.export_dynamo(model, path)
 
 
 def _as_sum_square(path: Path) -> None:
@@ -164,47 +125,6 @@ def _constant(g: onnx.GraphProto, name: str) -> np.ndarray:
             return onnx.numpy_helper.to_array(t)
     node = next(n for n in g.node if n.op_type == "Constant" and n.output[0] == name)
     return onnx.numpy_helper.to_array(node.attribute[0].t)
-
-
-def torch_reference(weights, loss, input_ids, labels):
-    """float64 (total, reported, ntl, {parameter: gradient of total}): `reported` is the
-    model's own loss, total = reported + 0.3·ntloss (labels -100 where the loss ignores them)."""
-    import ntl_torch
-
-    m = TinyLMLoss(weights, loss, torch.float64)
-    ids, y = torch.from_numpy(input_ids), torch.from_numpy(labels)
-    reported = m(ids, y)
-    ntl = ntl_torch.ntl_value(ntl_torch.ntloss_object("wasserstein"), m.lm.logits(ids), y)
-    total = reported + WEIGHT * ntl
-    params = dict(m.named_parameters())
-    grads = torch.autograd.grad(total, list(params.values()))
-    return float(total), float(reported), float(ntl), {k: g.numpy() for k, g in zip(params, grads)}
-
-
-def check_gradient_graph(src: Path, weights, loss, tmp_path: Path) -> dict:
-    """`ntl-patch step --split` of `src` against torch autograd; returns the step summary."""
-    out = tmp_path / "m.grad.onnx"
-    r = run_patch(["step", src, "--tokenizer", TOKENIZER, "--weight", str(WEIGHT), "--split", "-o", out,
-                   "--json"])
-    assert r.returncode == 0, r.stderr
-    summary = json.loads(r.stdout)
-    params = summary["parameters"]
-    input_ids, labels = _batch()
-    sess = _quiet_ort().InferenceSession(str(out), providers=["CPUExecutionProvider"])
-    outs = sess.run(None, {"input_ids": input_ids, "labels": labels})
-    total, reported, ntl, want = torch_reference(weights, loss, input_ids, labels)
-    # the number loss is added to what the graph reported
-    assert abs(outs[1] - reported) <= 1e-5 * abs(reported)
-    assert abs(outs[2] - ntl) <= 1e-5 * abs(ntl)
-    assert abs(outs[0] - total) <= 1e-5 * abs(total)
-    names = {p: p if p in want else f"lm.{p}" for p in params}
-    assert set(names.values()) == set(want), f"trained {sorted(params)}, torch has {sorted(want)}"
-    all_want = np.concatenate([want[names[p]].ravel() for p in params])
-    floor = 1e-3 * float(np.linalg.norm(all_want))
-    errs = {p: _norm_rel(g.astype(np.float64), want[names[p]], floor) for p, g in zip(params, outs[3:])}
-    worst = max(errs, key=errs.get)
-    assert errs[worst] <= GRAD_RTOL, errs
-    return summary
 
 
 @pytest.mark.parametrize("aux,exporter", CASES, ids=[f"{a}-{e}" for a, e in CASES])

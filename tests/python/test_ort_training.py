@@ -19,20 +19,14 @@ into a failure), and the same ratio over all parameters concatenated.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import numpy as np
 import onnx
 import onnx.numpy_helper as nph
 import pytest
 
-from conftest import FIXTURES, MODELS, TOKENIZER, run_patch
-
-GRAD_RTOL = 1e-4
-FWD_RTOL = 1e-5
-TRAIN_STEPS = 30
-LR = 1e-2
-WEIGHT = 0.3
+from conftest import FIXTURES
+from ort_helpers import FWD_RTOL, LR, TRAIN_STEPS, WEIGHT, assert_param_grads, batch, patch, quiet_ort
 
 # (model, loss, extra CLI args, ntloss settings)
 CASES = []
@@ -53,79 +47,17 @@ def _case_id(case) -> str:
     return "-".join([model, loss] + ([tail] if tail else []))
 
 
-def _read_pb(path: Path) -> np.ndarray:
-    t = onnx.TensorProto()
-    t.ParseFromString(path.read_bytes())
-    return nph.to_array(t)
-
-
-def _batch() -> tuple[np.ndarray, np.ndarray]:
-    """B=2, T=7; labels hold digits, non-digits and -100 (fixtures/reference/lm_flat_*)."""
-    ref = FIXTURES / "reference" / "lm_flat_wasserstein"
-    return _read_pb(ref / "input_0.pb").astype(np.int64), _read_pb(ref / "input_1.pb").astype(np.int64)
-
-
-def _quiet_ort():
-    import onnxruntime as ort
-
-    ort.set_default_logger_severity(3)
-    return ort
-
-
-def _patch(model: str, loss: str, extra: list[str], out: Path) -> onnx.ModelProto:
-    src = MODELS / f"{model}.onnx"
-    r = run_patch([src, "--loss", loss, "--tokenizer", TOKENIZER, "--weight", str(WEIGHT), *extra,
-                   "-o", out])
-    assert r.returncode == 0, f"ntl-patch exited {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
-    assert out.is_file(), "ntl-patch wrote no output file"
-    before = onnx.load(str(src))
-    after = onnx.load(str(out))
-    onnx.checker.check_model(after, full_check=True)
-    assert after.ir_version == before.ir_version
-    opsets = lambda m: {o.domain or "ai.onnx": o.version for o in m.opset_import}  # noqa: E731
-    assert opsets(after) == opsets(before)
-    outs = [o.name for o in after.graph.output]
-    assert outs[0] == "loss" and outs[-2:] == ["ce_loss", "number_loss"], outs
-    assert [i.name for i in after.graph.input] == [i.name for i in before.graph.input]
-    return after
-
-
-def assert_param_grads(state, params, want_grads) -> tuple[float, str, float]:
-    """ORT's parameter gradients after one step against a float64 reference, norm-relative
-    (see the module docstring for the floor), per parameter and over all parameters. Returns
-    (all-parameter error, worst parameter, its error) for the log."""
-    got_grads = {}
-    for name in params:
-        g = state.parameters[name].grad
-        assert g is not None, f"no gradient for {name}"
-        assert g.shape == want_grads[name].shape, (name, g.shape, want_grads[name].shape)
-        got_grads[name] = g.astype(np.float64)
-    all_want = np.concatenate([want_grads[p].ravel() for p in params])
-    all_got = np.concatenate([got_grads[p].ravel() for p in params])
-    floor = 1e-3 * float(np.linalg.norm(all_want))
-    errs = {p: _norm_rel(got_grads[p], want_grads[p], floor) for p in params}
-    worst = max(errs, key=errs.get)
-    total_err = _norm_rel(all_got, all_want, 0.0)
-    assert total_err <= GRAD_RTOL, f"all-parameter gradient error {total_err:.3g}; per parameter {errs}"
-    assert errs[worst] <= GRAD_RTOL, f"gradient of {worst}: error {errs[worst]:.3g}; all: {errs}"
-    return total_err, worst, errs[worst]
-
-
-def _norm_rel(got: np.ndarray, want: np.ndarray, floor: float) -> float:
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), floor, 1e-30))
-
-
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_patched_model_trains_in_ort(case, weights, tmp_path):
     import ntl_torch
 
     model, loss, extra, settings = case
-    ort = _quiet_ort()
+    ort = quiet_ort()
     from onnxruntime.training import artifacts
     from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
     t0 = time.perf_counter()
-    patched = _patch(model, loss, extra, tmp_path / f"{model}.ntl.onnx")
+    patched = patch(model, loss, extra, tmp_path / f"{model}.ntl.onnx")
     n_outputs = len(patched.graph.output)
 
     # -- 2. training artifacts: every model parameter trainable (the patch's own initializers,
@@ -140,7 +72,7 @@ def test_patched_model_trains_in_ort(case, weights, tmp_path):
                                  optimizer=artifacts.OptimType.AdamW, artifact_directory=str(art))
 
     # -- 3. one training step vs torch autograd (float64)
-    input_ids, labels = _batch()
+    input_ids, labels = batch()
     state = CheckpointState.load_checkpoint(str(art / "checkpoint"))
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -185,9 +117,9 @@ def test_patched_model_trains_in_ort(case, weights, tmp_path):
 @pytest.mark.parametrize("loss", ["wasserstein", "mse"])
 def test_patched_model_matches_reference_dir(loss, tmp_path):
     """Inference on the patched lm_flat reproduces fixtures/reference/lm_flat_<loss>/output_*.pb."""
-    ort = _quiet_ort()
+    ort = quiet_ort()
     out = tmp_path / "lm_flat.ntl.onnx"
-    _patch("lm_flat", loss, [], out)
+    patch("lm_flat", loss, [], out)
     ref = FIXTURES / "reference" / f"lm_flat_{loss}"
     feeds = {}
     for i in range(2):

@@ -1,6 +1,6 @@
 """ONNX Runtime Training end-to-end check of `ntl-patch --loss ntil|emd|number-level`.
 
-Same structure as test_ort_training.py (whose helpers it imports): for each fixture model x
+Same structure as test_ort_training.py (its helpers: ort_helpers.py): for each fixture model x
 setting, patch with the CLI, build AdamW training artifacts with every parameter trainable, then
   1. one training step: outputs `loss`, `ce_loss`, `number_loss` within 1e-5 (relative) and every
      parameter gradient within 1e-4 (norm-relative, as in test_ort_training.py) of torch autograd
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_ort_training import FWD_RTOL, LR, TRAIN_STEPS, WEIGHT, _patch, _quiet_ort, assert_param_grads
+from ort_helpers import FWD_RTOL, LR, TRAIN_STEPS, WEIGHT, assert_param_grads, patch, quiet_ort
 
 import ntil_torch  # noqa: E402  (fixtures/ is on sys.path, see conftest)
 
@@ -87,7 +87,7 @@ def batch() -> tuple[np.ndarray, np.ndarray]:
 
 
 def _artifacts(patched, params, tmp_path: Path):
-    ort = _quiet_ort()
+    ort = quiet_ort()
     from onnxruntime.training import artifacts
     from onnxruntime.training.api import CheckpointState, Module
 
@@ -143,7 +143,7 @@ def _params(patched, weights):
 def test_patched_model_trains_in_ort(case, weights, tmp_path):
     model, loss, extra, how, settings = case
     t0 = time.perf_counter()
-    patched = _patch(model, loss, extra, tmp_path / f"{model}.ntl.onnx")
+    patched = patch(model, loss, extra, tmp_path / f"{model}.ntl.onnx")
     params = _params(patched, weights)
     art, state, module = _artifacts(patched, params, tmp_path)
     input_ids, labels = batch()
@@ -300,7 +300,7 @@ def test_ntil_default_noise_trains(weights, tmp_path):
     the values the noise-free NTIL takes when the near-tie positions pick any near-tied digit
     (exactly the noise-free value when there is no near-tie), and loss = (1 + lambda) * ce_loss."""
     model = "lm_flat"
-    patched = _patch(model, "ntil", [], tmp_path / f"{model}.ntl.onnx")
+    patched = patch(model, "ntil", [], tmp_path / f"{model}.ntl.onnx")
     params = _params(patched, weights)
     art, state, module = _artifacts(patched, params, tmp_path)
     input_ids, labels = batch()

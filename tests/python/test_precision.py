@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import sys
-import math
 from pathlib import Path
 
 import numpy as np
@@ -40,13 +39,11 @@ import torch
 import torch.nn.functional as F
 
 from conftest import MODELS, TOKENIZER, run_patch
+from precision_helpers import U16, as_f32, batches, dist, half_export
 from tract_step import TractStep
 
-U16 = 2.0 ** -11  # float16 unit roundoff
 WEIGHT = 0.3
-STEPS = 20
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-STEP_REF = MODELS.parent / "reference" / "step"
 TRACT_MODELS = ["lm_flat", "gpt2_ts", "llama_ts"]
 ALL_MODELS = ["lm_flat", "gpt2_ts", "gpt2_dynamo", "llama_ts", "llama_dynamo"]
 # an initial scale far too large, a backoff that jumps 2^8 at a time and growth back up after 3
@@ -69,21 +66,6 @@ def scaler_args(opts: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- torch references
-
-
-def _batches(model: str):
-    if model == "lm_flat":
-        rng = np.random.default_rng(0)
-        ids = np.array([18, 29, 25, 36, 35, 7, 27, 21, 10, 38, 4, 5, 6, 8, 9, 11], dtype=np.int64)
-        out = []
-        for k in range(STEPS):
-            b, t = [(2, 7), (3, 5), (1, 9)][k % 3]
-            x, y = rng.choice(ids, size=(b, t)), rng.choice(ids, size=(b, t))
-            y[rng.random((b, t)) < 0.2] = -100
-            out.append((x, y))
-        return out
-    z = np.load(STEP_REF / f"{model.split('_')[0]}.npz")
-    return [(z[f"traj/batch/{k:02d}/input_ids"], z[f"traj/batch/{k:02d}/labels"]) for k in range(STEPS)]
 
 
 def _torch_model(model: str, dtype):
@@ -136,7 +118,7 @@ def torch_run(model: str, dtype=torch.float32, amp: bool = False, scaler: dict |
         if sgd_clip else (lambda: None)
     gs = torch.amp.GradScaler("cpu", **(scaler or {})) if amp else None
     losses, skipped, scales = [], [], []
-    for x, y in _batches(model):
+    for x, y in batches(model):
         opt.zero_grad(set_to_none=True)
         x, y = torch.from_numpy(x), torch.from_numpy(y)
         if amp:
@@ -167,7 +149,7 @@ def graph_run(path: Path, model: str, tmp_path: Path):
     the whole state before and after each step."""
     r = TractStep(path, tmp_path)
     losses, skipped, scales, states = [], [], [], [dict(r.state)]
-    for x, y in _batches(model):
+    for x, y in batches(model):
         out = r.step({"input_ids": x, "labels": y})
         losses.append(float(np.ravel(out[r.outputs[0]])[0]))
         if "ntl/skipped" in out:
@@ -176,13 +158,6 @@ def graph_run(path: Path, model: str, tmp_path: Path):
         states.append(dict(r.state))
     final = {p: r.state[p].astype(np.float64) for p in r.meta["parameters"]}
     return np.array(losses), final, skipped, scales, states, r.meta
-
-
-def _dist(a: dict, b: dict, start: dict) -> float:
-    """‖a − b‖ over all parameters, as a fraction of how far b moved from start."""
-    num = sum(float(np.sum((a[k] - b[k]) ** 2)) for k in b)
-    den = sum(float(np.sum((b[k] - start[k]) ** 2)) for k in b)
-    return math.sqrt(num / den)
 
 
 # ---------------------------------------------------------------------------- fp16 numerics
@@ -229,7 +204,7 @@ def test_fp16_trains_like_torch_autocast(model, optimizer, references, tmp_path)
     start = {k: v.numpy() for k, v in start.items() if k in p64}
     assert got_skip == am_skip and got_scale == am_scale, (got_skip, am_skip)
     loss_err = np.max(np.abs(got - lam) / np.abs(lam))
-    d_graph, d_torch, d_both = _dist(got_p, p64, start), _dist(pam, p64, start), _dist(got_p, pam, start)
+    d_graph, d_torch, d_both = dist(got_p, p64, start), dist(pam, p64, start), dist(got_p, pam, start)
     print(f"{model}: losses vs torch amp {loss_err:.2e} (torch amp vs float64 "
           f"{np.max(np.abs(lam - l64) / np.abs(l64)):.2e}); parameters, fraction of the float64 "
           f"update: graph {d_graph:.3g}, torch amp {d_torch:.3g}, graph vs torch {d_both:.3g}")
@@ -273,7 +248,7 @@ def test_fused_head_projects_in_float16_like_autocast(model, tmp_path):
 
     r = StepRunner(out, providers=["CPUExecutionProvider"])
     got, skipped = [], []
-    for x, y in _batches(model):
+    for x, y in batches(model):
         got.append(float(np.ravel(r.step({"input_ids": x, "labels": y}))[0]))
         skipped.append(r.last_step_skipped)
     got_p = {p: v.astype(np.float64) for p, v in r.parameters().items()}
@@ -283,7 +258,7 @@ def test_fused_head_projects_in_float16_like_autocast(model, tmp_path):
     start = _torch_model(model, torch.float64)[0].state_dict()
     start = {k: v.numpy() for k, v in start.items() if k in p64}
     loss_err = np.max(np.abs(np.array(got) - lam) / np.abs(lam))
-    d_graph, d_torch, d_both = _dist(got_p, p64, start), _dist(pam, p64, start), _dist(got_p, pam, start)
+    d_graph, d_torch, d_both = dist(got_p, p64, start), dist(pam, p64, start), dist(got_p, pam, start)
     print(f"{model} fused: losses vs torch amp {loss_err:.2e}; parameters, fraction of the float64 "
           f"update: graph {d_graph:.3g}, torch amp {d_torch:.3g}, graph vs torch {d_both:.3g}")
     assert loss_err <= 2 * U16
@@ -324,7 +299,7 @@ def test_losses_are_unscaled_and_gradients_scaled(tmp_path):
     out = tmp_path / "m.grad.onnx"
     step_graph("lm_flat", out, "fp16", "--split")
     sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
-    x, y = _batches("lm_flat")[0]
+    x, y = batches("lm_flat")[0]
     one = sess.run(None, {"input_ids": x, "labels": y, "ntl/state/loss_scale": np.array(1.0, np.float32)})
     big = sess.run(None, {"input_ids": x, "labels": y, "ntl/state/loss_scale": np.array(1024.0, np.float32)})
     np.testing.assert_allclose(big[:3], one[:3], rtol=1e-6)
@@ -419,7 +394,7 @@ def test_onnxruntime_cpu_computes_fp16_in_float32(tmp_path):
     fp16, fp32 = tmp_path / "h.step.onnx", tmp_path / "f.step.onnx"
     step_graph("gpt2_ts", fp16, "fp16")
     step_graph("gpt2_ts", fp32, "fp32")
-    x, y = _batches("gpt2_ts")[0]
+    x, y = batches("gpt2_ts")[0]
     so = ort.SessionOptions()
     so.log_severity_level = 3
     run = lambda p: ort.InferenceSession(str(p), so, providers=["CPUExecutionProvider"]).run(  # noqa: E731
@@ -433,35 +408,12 @@ def test_onnxruntime_cpu_computes_fp16_in_float32(tmp_path):
 # ---------------------------------------------------------------------------- half-precision exports
 
 
-def _half_export(out: Path, dtype) -> None:
-    """The tiny LM exported in float16/bfloat16 (weights, activations and loss in the half
-    type), TorchScript exporter, as fixtures/generate.py exports lm_flat in float32."""
-    import ntl_torch
-    import tiny_lm
-
-    m = tiny_lm.build("flat", ntl_torch.load_weights(), dtype=dtype)
-    x = torch.tensor([[18, 29, 25, 36, 35, 7, 27]])
-    dyn = {"input_ids": {0: "B", 1: "T"}, "labels": {0: "B", 1: "T"}}
-    torch.onnx.export(m, (x, x.clone()), str(out), input_names=["input_ids", "labels"],
-                      output_names=["loss"], dynamic_axes=dyn, opset_version=17, dynamo=False,
-                      do_constant_folding=False)
-
-
-def _as_f32(t: onnx.TensorProto) -> np.ndarray:
-    from onnx import numpy_helper
-
-    if t.data_type != onnx.TensorProto.BFLOAT16:
-        return numpy_helper.to_array(t).astype(np.float32)
-    bits = np.frombuffer(t.raw_data, np.uint16) if t.raw_data else np.array(t.int32_data, np.uint16)
-    return (bits.astype(np.uint32) << 16).view(np.float32).reshape(tuple(t.dims))
-
-
 @pytest.mark.parametrize("elem", ["float16", "bfloat16"])
 def test_half_export_needs_precision_and_trains_from_float32_masters(elem, tmp_path):
     import onnxruntime as ort
 
     src = tmp_path / "half.onnx"
-    _half_export(src, torch.float16 if elem == "float16" else torch.bfloat16)
+    half_export(src, torch.float16 if elem == "float16" else torch.bfloat16)
     r = run_patch(["step", src, "--tokenizer", TOKENIZER, "-o", tmp_path / "x.onnx"])
     assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
     assert f"weights are {elem}" in r.stderr and "--precision fp16" in r.stderr, r.stderr
@@ -478,12 +430,12 @@ def test_half_export_needs_precision_and_trains_from_float32_masters(elem, tmp_p
     masters = {}
     for p in meta["parameters"]:  # float32 masters holding the export's values exactly
         assert inits[p].data_type == onnx.TensorProto.FLOAT
-        masters[p] = _as_f32(inits[p])
-        np.testing.assert_array_equal(masters[p], _as_f32(half[p]))
+        masters[p] = as_f32(inits[p])
+        np.testing.assert_array_equal(masters[p], as_f32(half[p]))
     # --precision fp32: the float32 export's step graph started from the same weights
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    x, y = _batches("lm_flat")[0]
+    x, y = batches("lm_flat")[0]
     got = ort.InferenceSession(str(out), so, providers=["CPUExecutionProvider"]).run(
         None, {"input_ids": x, "labels": y})
     want = ort.InferenceSession(str(ref), so, providers=["CPUExecutionProvider"]).run(
@@ -496,22 +448,22 @@ def test_half_export_needs_precision_and_trains_from_float32_masters(elem, tmp_p
     from ntl_patch import StepRunner
 
     runner = StepRunner(out, providers=["CPUExecutionProvider"])
-    for x, y in _batches("lm_flat")[:2]:
+    for x, y in batches("lm_flat")[:2]:
         runner.step({"input_ids": x, "labels": y})
     saved = runner.save_inference_model(src, tmp_path / "trained.onnx")
     trained = {t.name: t for t in onnx.load(str(saved)).graph.initializer}
     for p, v in runner.parameters().items():
         assert trained[p].data_type == half[p].data_type
         want = torch.from_numpy(v).to(torch.float16 if elem == "float16" else torch.bfloat16).float().numpy()
-        np.testing.assert_array_equal(_as_f32(trained[p]), want)
-        assert not np.array_equal(_as_f32(trained[p]), _as_f32(half[p])), p
+        np.testing.assert_array_equal(as_f32(trained[p]), want)
+        assert not np.array_equal(as_f32(trained[p]), as_f32(half[p])), p
     if elem == "float16":  # fp16: the float32 export's fp16 graph from the same weights, in tract
         out16, ref16 = tmp_path / "h.step.onnx", tmp_path / "r.step.onnx"
         assert run_patch(["step", src, *base, "--precision", "fp16", "-o", out16]).returncode == 0
         assert run_patch(["step", MODELS / "lm_flat.onnx", *base, "--precision", "fp16", "-o", ref16]).returncode == 0
         a, b = TractStep(out16, tmp_path), TractStep(ref16, tmp_path)
         b.state.update(masters)
-        for x, y in _batches("lm_flat")[:5]:
+        for x, y in batches("lm_flat")[:5]:
             la, lb = (float(np.ravel(r.step({"input_ids": x, "labels": y})["loss"])[0]) for r in (a, b))
             # the two exports' graphs differ in float32 op order only (measured 4e-6), far
             # below any float16 rounding (u = 4.9e-4)
@@ -553,7 +505,7 @@ def test_step_runner_exposes_skips_and_scale(tmp_path):
     assert r.loss_scale == 2.0 ** 40 and r.skip_output == "ntl/skipped"
     before = r.state_dict()
     rows = []
-    for x, y in _batches("lm_flat")[:6]:
+    for x, y in batches("lm_flat")[:6]:
         r.step({"input_ids": x, "labels": y})
         rows.append((r.last_step_skipped, r.loss_scale, r.steps_taken, r.skipped_steps))
         after = r.state_dict()

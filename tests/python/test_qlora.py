@@ -13,7 +13,7 @@ Reference: fixtures/reference/nf4/*.npz, written by fixtures/generate_nf4.py wit
     weights bit for bit;
   - 10 AdamW steps of StepRunner equal torch + PEFT (float64) on the model whose quantised
     weights are bitsandbytes' dequantised NF4 weights: 1e-5 relative in the losses, 1e-4
-    norm-relative in A and B (test_lora.py's harness and tolerances);
+    norm-relative in A and B (test_lora.py's harness and tolerances, lora_helpers.py);
   - onnxruntime's optimised graph (ORT_ENABLE_ALL, the .venv's onnxruntime) holds no float
     initializer of a quantised weight's shape (double-quant: nor of its absmax') that the
     export did not have besides, and one dequantisation per reader;
@@ -31,10 +31,10 @@ import onnxruntime as ort
 import pytest
 import torch
 
-import test_lora as tl
+import lora_helpers as lh
 from conftest import MODELS, REPO, TOKENIZER, run_patch
 
-from ntl_patch import _onnx_decode  # noqa: E402  (test_lora put python/ on the path)
+from ntl_patch import StepRunner, _onnx_decode  # noqa: E402  (lora_helpers put python/ on the path)
 
 NF4 = REPO / "fixtures" / "reference" / "nf4"
 FIXTURES = ["lm_flat", "gpt2_ts", "gpt2_dynamo", "llama_ts", "llama_dynamo"]
@@ -42,12 +42,12 @@ HEAD = {"tiny": "head", "gpt2": "lm_head", "llama": "lm_head"}
 
 
 def reference(fixture: str) -> dict[str, np.ndarray]:
-    return dict(np.load(NF4 / f"{tl._arch(fixture)}.npz"))
+    return dict(np.load(NF4 / f"{lh.fixture_arch(fixture)}.npz"))
 
 
 def build(fixture: str, out: Path, *extra, dq: bool = False) -> dict:
     targets = ["--lora-targets", "q,v,fc1"] if fixture == "lm_flat" else []
-    return tl.build_step(fixture, out, "--lora-r", "4", *targets, "--quantize-base", "nf4",
+    return lh.build_step(fixture, out, "--lora-r", "4", *targets, "--quantize-base", "nf4",
                          *(["--double-quant"] if dq else []), *extra)
 
 
@@ -69,13 +69,13 @@ def bits(a: np.ndarray) -> np.ndarray:
 def test_codes_bit_equal_bitsandbytes(fixture, dq, tmp_path):
     out = tmp_path / "q.onnx"
     build(fixture, out, dq=dq)
-    meta = tl._meta(out)["quantize_base"]
+    meta = lh.step_meta(out)["quantize_base"]
     ref = reference(fixture)
     inits = initializers(out)
     assert meta["quant_type"] == "nf4" and meta["blocksize"] == 64 and meta["double_quant"] == dq
     modules = {la["module"] for la in meta["layers"]}
     all_linear = {k.rsplit("/", 1)[0] for k in ref if not k.startswith(("adversarial/", "dq/"))}
-    assert modules == all_linear - {HEAD[tl._arch(fixture)]}, "every linear layer but the head"
+    assert modules == all_linear - {HEAD[lh.fixture_arch(fixture)]}, "every linear layer but the head"
     after = 0
     for la in meta["layers"]:
         m = la["module"]
@@ -151,7 +151,7 @@ def test_graph_dequantises_as_bitsandbytes(fixture, dq, tmp_path):
     --double-quant, the plain one without."""
     out = tmp_path / "q.onnx"
     build(fixture, out, dq=dq)
-    meta = tl._meta(out)["quantize_base"]
+    meta = lh.step_meta(out)["quantize_base"]
     ref = reference(fixture)
     step = onnx.load(str(out))
     for la in meta["layers"]:
@@ -166,7 +166,7 @@ def test_graph_dequantises_as_bitsandbytes(fixture, dq, tmp_path):
 
 
 def dequantized_model(fixture: str, original, dq: bool = False):
-    """test_lora.torch_model with every quantised weight replaced by bitsandbytes' dequantised one
+    """lora_helpers.torch_model with every quantised weight replaced by bitsandbytes' dequantised one
     (dq: dequantised with the nested state, `compress_statistics=True`)."""
     ref = reference(fixture)
     wanted = "dq_dequantized" if dq else "dequantized"
@@ -176,7 +176,7 @@ def dequantized_model(fixture: str, original, dq: bool = False):
         mods = dict(m.named_modules())
         for key in ref:
             name, _, kind = key.rpartition("/")
-            if kind != wanted or name == HEAD[tl._arch(fixture)] or name == "adversarial":
+            if kind != wanted or name == HEAD[lh.fixture_arch(fixture)] or name == "adversarial":
                 continue
             w = torch.from_numpy(ref[key])
             mod = mods[name]
@@ -198,24 +198,24 @@ def test_trains_like_peft_on_dequantized_base(case, dq, tmp_path, monkeypatch):
     fixture = CASES[case]
     path = tmp_path / "q.onnx"
     build(fixture, path, dq=dq)
-    meta = tl._meta(path)
+    meta = lh.step_meta(path)
     lora = meta["lora"]
     initial = _onnx_decode.read_initializers(path, meta["parameters"])
-    data = tl.batches(fixture)
-    runner = tl.StepRunner(path, providers=["CPUExecutionProvider"])
+    data = lh.batches(fixture)
+    runner = StepRunner(path, providers=["CPUExecutionProvider"])
     losses = np.array([runner.step({"input_ids": x, "labels": y})[0] for x, y in data])
     params = runner.parameters()
-    monkeypatch.setattr(tl, "torch_model", dequantized_model(fixture, tl.torch_model, dq))
-    tl_case = {"lm_flat": "tiny", "gpt2_ts": "gpt2_ts", "gpt2_dynamo": "gpt2_ts",
+    monkeypatch.setattr(lh, "torch_model", dequantized_model(fixture, lh.torch_model, dq))
+    lora_case = {"lm_flat": "tiny", "gpt2_ts": "gpt2_ts", "gpt2_dynamo": "gpt2_ts",
                "llama_ts": "llama_ts", "llama_dynamo": "llama_ts"}[fixture]
-    monkeypatch.setitem(tl.CASES, "qlora", (fixture, 4, None, tl.CASES[tl_case][3], False))
-    want_losses, want_params, _ = tl.torch_train("qlora", lora, initial, data, torch.float64)
+    monkeypatch.setitem(lh.CASES, "qlora", (fixture, 4, None, lh.CASES[lora_case][3], False))
+    want_losses, want_params, _ = lh.torch_train("qlora", lora, initial, data, torch.float64)
     loss_err = float(np.max(np.abs(losses - want_losses) / np.abs(want_losses)))
-    errs = {n: tl.norm_rel(params[n], want_params[n]) for n in params}
+    errs = {n: lh.norm_rel(params[n], want_params[n]) for n in params}
     worst = max(errs, key=errs.get)
     print(f"{case}: worst loss rel {loss_err:.2e}, worst A/B norm-rel {errs[worst]:.2e} ({worst})")
-    assert loss_err <= tl.LOSS_RTOL, (losses, want_losses)
-    assert errs[worst] <= tl.PARAM_RTOL, f"{worst}: {errs[worst]:.3g}"
+    assert loss_err <= lh.LOSS_RTOL, (losses, want_losses)
+    assert errs[worst] <= lh.PARAM_RTOL, f"{worst}: {errs[worst]:.3g}"
     assert losses[-1] != losses[0]
 
 
@@ -226,9 +226,9 @@ def test_merged_model_is_the_dequantised_base_plus_the_update(fixture, dq, tmp_p
     dequantised weights, as merge_and_unload() on a 4-bit base), not into the original float one."""
     path = tmp_path / "q.onnx"
     build(fixture, path, dq=dq)
-    meta = tl._meta(path)
-    runner = tl.StepRunner(path, providers=["CPUExecutionProvider"])
-    for x, y in tl.batches(fixture)[:3]:
+    meta = lh.step_meta(path)
+    runner = StepRunner(path, providers=["CPUExecutionProvider"])
+    for x, y in lh.batches(fixture)[:3]:
         runner.step({"input_ids": x, "labels": y})
     params = runner.parameters()
     merged = tmp_path / "merged.onnx"
@@ -257,16 +257,16 @@ def test_data_parallel_merges_into_the_dequantised_base_too(tmp_path):
     split.parent.mkdir()
     build("gpt2_ts", whole)
     build("gpt2_ts", split, "--split")
-    runner = tl.StepRunner(whole, providers=["CPUExecutionProvider"])
+    runner = StepRunner(whole, providers=["CPUExecutionProvider"])
     dp = DataParallel(split, providers=["CPUExecutionProvider"])
-    for x, y in tl.batches("gpt2_ts")[:2]:
+    for x, y in lh.batches("gpt2_ts")[:2]:
         runner.step({"input_ids": x, "labels": y})
         dp.step({"input_ids": x, "labels": y})
     runner.save_inference_model(MODELS / "gpt2_ts.onnx", tmp_path / "runner.onnx")
     dp.save_inference_model(MODELS / "gpt2_ts.onnx", tmp_path / "dp.onnx")
     want, got = initializers(tmp_path / "runner.onnx"), initializers(tmp_path / "dp.onnx")
     ref = reference("gpt2_ts")
-    meta = tl._meta(whole)["quantize_base"]
+    meta = lh.step_meta(whole)["quantize_base"]
     assert want.keys() == got.keys()
     for la in meta["layers"]:
         w = got[la["weight"]]
@@ -281,8 +281,8 @@ def test_data_parallel_merges_into_the_dequantised_base_too(tmp_path):
 def test_inspect_lists_the_quantised_layers(dq, tmp_path):
     out, plain = tmp_path / "q.onnx", tmp_path / "lora.onnx"
     build("llama_dynamo", out, dq=dq)
-    tl.build_step("llama_dynamo", plain, "--lora-r", "4")
-    meta = tl._meta(out)["quantize_base"]
+    lh.build_step("llama_dynamo", plain, "--lora-r", "4")
+    meta = lh.step_meta(out)["quantize_base"]
     r = run_patch(["inspect", out])
     assert r.returncode == 0, r.stderr
     head = f"quantised base: nf4 in blocks of 64{' (double quantisation)' if dq else ''}, " \
@@ -308,7 +308,7 @@ def test_inspect_lists_the_quantised_layers(dq, tmp_path):
 def test_onnxruntime_keeps_no_float_copy(dq, tmp_path):
     out = tmp_path / "q.onnx"
     build("llama_dynamo", out, dq=dq)
-    meta = tl._meta(out)["quantize_base"]
+    meta = lh.step_meta(out)["quantize_base"]
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.optimized_model_filepath = str(tmp_path / "opt.onnx")

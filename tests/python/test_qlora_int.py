@@ -12,7 +12,7 @@ converter. Checked:
   - the DequantizeLinear of the step graph, run in onnxruntime 1.19.2 (.venv) and 1.31.1
     (.venv-rt), gives numpy's q * scale bit for bit;
   - 10 AdamW steps of StepRunner equal torch + PEFT (float64) on the model whose quantised
-    weights are numpy's dequantised ones (test_lora.py's tolerances);
+    weights are numpy's dequantised ones (test_lora.py's tolerances, lora_helpers.py);
   - onnxruntime's optimised graph keeps no float copy and one DequantizeLinear per reading node;
   - save_inference_model merges into the dequantised base; inspect names the scheme;
   - bad input: one line, exit 1, nothing written.
@@ -31,10 +31,10 @@ import onnxruntime as ort
 import pytest
 import torch
 
-import test_lora as tl
+import lora_helpers as lh
 from conftest import MODELS, REPO, TOKENIZER, run_patch
 
-from ntl_patch import _onnx_decode  # noqa: E402  (test_lora put python/ on the path)
+from ntl_patch import StepRunner, _onnx_decode  # noqa: E402  (lora_helpers put python/ on the path)
 
 INT = REPO / "fixtures" / "reference" / "int"
 BLOCK = 16
@@ -44,7 +44,7 @@ HEAD = {"tiny": "head", "gpt2": "lm_head", "llama": "lm_head"}
 
 
 def reference(fixture: str) -> dict[str, np.ndarray]:
-    return dict(np.load(INT / f"{tl._arch(fixture)}.npz"))
+    return dict(np.load(INT / f"{lh.fixture_arch(fixture)}.npz"))
 
 
 def source(fixture: str, scheme: str, tmp_path: Path) -> Path:
@@ -59,7 +59,7 @@ def source(fixture: str, scheme: str, tmp_path: Path) -> Path:
 
 def build(fixture: str, scheme: str, out: Path, tmp_path: Path, src: Path | None = None, *extra) -> dict:
     targets = ["--lora-targets", "q,v,fc1"] if fixture == "lm_flat" else []
-    return tl.build_step_from(src or source(fixture, scheme, tmp_path), out, "--lora-r", "4", *targets,
+    return lh.build_step_from(src or source(fixture, scheme, tmp_path), out, "--lora-r", "4", *targets,
                               "--quantize-base", scheme, "--quant-block", str(BLOCK), *extra)
 
 
@@ -86,14 +86,14 @@ CODE_CASES = [("lm_flat", "int8"), ("lm_flat", "int4"), ("gpt2_ts", "int8"), ("g
 def test_codes_equal_numpy(fixture, scheme, tmp_path):
     out = tmp_path / "q.onnx"
     report = build(fixture, scheme, out, tmp_path)
-    meta = tl._meta(out)["quantize_base"]
+    meta = lh.step_meta(out)["quantize_base"]
     ref = reference(fixture)
     inits = raw_initializers(out)
     assert meta["quant_type"] == scheme and meta["blocksize"] == BLOCK and meta["qmax"] == QMAX[scheme]
     assert "code" not in meta
     modules = {la["module"] for la in meta["layers"]}
     all_linear = {k.split("/")[0] for k in ref if not k.startswith("adversarial/")}
-    assert modules == all_linear - {HEAD[tl._arch(fixture)]}, "every linear layer but the head"
+    assert modules == all_linear - {HEAD[lh.fixture_arch(fixture)]}, "every linear layer but the head"
     for la in meta["layers"]:
         m = la["module"]
         np.testing.assert_array_equal(stored_codes(inits[la["codes"]], scheme).reshape(-1),
@@ -122,7 +122,7 @@ def test_adversarial_blocks(tmp_path):
     adv = ref["adversarial/weight"]  # [3, 32]
     probe = tmp_path / "probe.onnx"
     build("lm_flat", "int8", probe, tmp_path, MODELS / "lm_flat.onnx")
-    layer = next(la for la in tl._meta(probe)["quantize_base"]["layers"] if la["module"] == "q")
+    layer = next(la for la in lh.step_meta(probe)["quantize_base"]["layers"] if la["module"] == "q")
     t = next(t for t in m.graph.initializer if t.name == layer["weight"])
     w = onnx.numpy_helper.to_array(t).copy()
     torch_order = w.T if layer["weight_layout"] == "in_out" else w
@@ -134,7 +134,7 @@ def test_adversarial_blocks(tmp_path):
     for scheme in QMAX:
         out = tmp_path / f"{scheme}.onnx"
         build("lm_flat", scheme, out, tmp_path, src if scheme == "int8" else _opset21(src, tmp_path))
-        la = next(la for la in tl._meta(out)["quantize_base"]["layers"] if la["module"] == "q")
+        la = next(la for la in lh.step_meta(out)["quantize_base"]["layers"] if la["module"] == "q")
         inits = raw_initializers(out)
         codes = stored_codes(inits[la["codes"]], scheme)[:6]  # the first 6 blocks
         np.testing.assert_array_equal(codes.reshape(-1), ref[f"adversarial/{scheme}/codes"].reshape(-1))
@@ -209,7 +209,7 @@ def test_onnxruntime_dequantizes_exactly(fixture, scheme, tmp_path):
 
 
 def dequantized_model(fixture: str, scheme: str, original):
-    """test_lora.torch_model with every quantised weight replaced by numpy's dequantised one."""
+    """lora_helpers.torch_model with every quantised weight replaced by numpy's dequantised one."""
     ref = reference(fixture)
 
     def model(fx, dtype=torch.float32):
@@ -217,7 +217,7 @@ def dequantized_model(fixture: str, scheme: str, original):
         mods = dict(m.named_modules())
         for key in ref:
             name, _, kind = key.partition("/")
-            if kind != f"{scheme}/dequantized" or name in (HEAD[tl._arch(fixture)], "adversarial"):
+            if kind != f"{scheme}/dequantized" or name in (HEAD[lh.fixture_arch(fixture)], "adversarial"):
                 continue
             w = torch.from_numpy(ref[key])
             mod = mods[name]
@@ -236,23 +236,23 @@ TRAIN_CASES = [("lm_flat", "int8"), ("lm_flat", "int4"), ("gpt2_ts", "int8"), ("
 def test_trains_like_peft_on_dequantized_base(fixture, scheme, tmp_path, monkeypatch):
     path = tmp_path / "q.onnx"
     build(fixture, scheme, path, tmp_path)
-    meta = tl._meta(path)
+    meta = lh.step_meta(path)
     lora = meta["lora"]
     initial = _onnx_decode.read_initializers(path, meta["parameters"])
-    data = tl.batches(fixture)
-    runner = tl.StepRunner(path, providers=["CPUExecutionProvider"])
+    data = lh.batches(fixture)
+    runner = StepRunner(path, providers=["CPUExecutionProvider"])
     losses = np.array([runner.step({"input_ids": x, "labels": y})[0] for x, y in data])
     params = runner.parameters()
-    monkeypatch.setattr(tl, "torch_model", dequantized_model(fixture, scheme, tl.torch_model))
-    tl_case = {"lm_flat": "tiny", "gpt2_ts": "gpt2_ts", "llama_dynamo": "llama_ts"}[fixture]
-    monkeypatch.setitem(tl.CASES, "qlora", (fixture, 4, None, tl.CASES[tl_case][3], False))
-    want_losses, want_params, _ = tl.torch_train("qlora", lora, initial, data, torch.float64)
+    monkeypatch.setattr(lh, "torch_model", dequantized_model(fixture, scheme, lh.torch_model))
+    lora_case = {"lm_flat": "tiny", "gpt2_ts": "gpt2_ts", "llama_dynamo": "llama_ts"}[fixture]
+    monkeypatch.setitem(lh.CASES, "qlora", (fixture, 4, None, lh.CASES[lora_case][3], False))
+    want_losses, want_params, _ = lh.torch_train("qlora", lora, initial, data, torch.float64)
     loss_err = float(np.max(np.abs(losses - want_losses) / np.abs(want_losses)))
-    errs = {n: tl.norm_rel(params[n], want_params[n]) for n in params}
+    errs = {n: lh.norm_rel(params[n], want_params[n]) for n in params}
     worst = max(errs, key=errs.get)
     print(f"{fixture} {scheme}: worst loss rel {loss_err:.2e}, worst A/B norm-rel {errs[worst]:.2e} ({worst})")
-    assert loss_err <= tl.LOSS_RTOL, (losses, want_losses)
-    assert errs[worst] <= tl.PARAM_RTOL, f"{worst}: {errs[worst]:.3g}"
+    assert loss_err <= lh.LOSS_RTOL, (losses, want_losses)
+    assert errs[worst] <= lh.PARAM_RTOL, f"{worst}: {errs[worst]:.3g}"
     assert losses[-1] != losses[0]
 
 
@@ -260,7 +260,7 @@ def test_trains_like_peft_on_dequantized_base(fixture, scheme, tmp_path, monkeyp
 def test_onnxruntime_keeps_no_float_copy(scheme, tmp_path):
     out = tmp_path / "q.onnx"
     build("llama_dynamo", scheme, out, tmp_path)
-    meta = tl._meta(out)["quantize_base"]
+    meta = lh.step_meta(out)["quantize_base"]
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.optimized_model_filepath = str(tmp_path / "opt.onnx")
@@ -284,9 +284,9 @@ def test_onnxruntime_keeps_no_float_copy(scheme, tmp_path):
 def test_merged_model_is_the_dequantised_base_plus_the_update(fixture, scheme, tmp_path):
     path = tmp_path / "q.onnx"
     build(fixture, scheme, path, tmp_path)
-    meta = tl._meta(path)
-    runner = tl.StepRunner(path, providers=["CPUExecutionProvider"])
-    for x, y in tl.batches(fixture)[:3]:
+    meta = lh.step_meta(path)
+    runner = StepRunner(path, providers=["CPUExecutionProvider"])
+    for x, y in lh.batches(fixture)[:3]:
         runner.step({"input_ids": x, "labels": y})
     params = runner.parameters()
     merged = tmp_path / "merged.onnx"
@@ -309,7 +309,7 @@ def test_merged_model_is_the_dequantised_base_plus_the_update(fixture, scheme, t
 def test_inspect_names_the_scheme(tmp_path):
     out = tmp_path / "q.onnx"
     build("llama_dynamo", "int8", out, tmp_path)
-    meta = tl._meta(out)["quantize_base"]
+    meta = lh.step_meta(out)["quantize_base"]
     r = run_patch(["inspect", out])
     assert r.returncode == 0, r.stderr
     assert f"quantised base: int8 in blocks of 16, {len(meta['layers'])} layer(s), " \

@@ -21,28 +21,17 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import MODELS, TOKENIZER, run_patch
-from test_ort_training import _norm_rel, _quiet_ort
-from test_step import (HEADS, HF_MODELS, STEPS, TRAJ_RTOL, _assert_params_close, _hf_reference,
-                       _run_step_graph, _zero_grad_mask)
+from conftest import MODELS, TOKENIZER
+from hf_reference import HF_MODELS, hf_reference
+from ort_helpers import norm_rel, quiet_ort
+from step_helpers import HEADS, STEPS, TRAJ_RTOL, assert_params_close, run_step, run_step_graph, zero_grad_mask
 
 REPO = Path(__file__).resolve().parents[2]
 GRAD_RTOL = 1e-6
 
 
-def _step(model: str | Path, out: Path, *extra, ok=True):
-    src = model if isinstance(model, Path) else MODELS / f"{model}.onnx"
-    args = ["step", src, "--loss", "wasserstein", "--tokenizer", TOKENIZER,
-            "--weight", "0.3", "-o", out, "--json", *extra]
-    r = run_patch(args)
-    if ok:
-        assert r.returncode == 0, f"exit {r.returncode}\n{r.stderr}"
-        return json.loads(r.stdout)
-    return r
-
-
 def _grads(path: Path, x, y, optimise=True):
-    ort = _quiet_ort()
+    ort = quiet_ort()
     so = ort.SessionOptions()
     if not optimise:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -55,7 +44,7 @@ def _grads(path: Path, x, y, optimise=True):
 def _assert_same_gradients(a: dict, b: dict, rtol: float) -> None:
     all_a = np.concatenate([v.ravel() for v in a.values()]).astype(np.float64)
     floor = 1e-3 * float(np.linalg.norm(all_a))
-    errs = {p: _norm_rel(b[p].astype(np.float64), a[p].astype(np.float64), floor) for p in a}
+    errs = {p: norm_rel(b[p].astype(np.float64), a[p].astype(np.float64), floor) for p in a}
     worst = max(errs, key=errs.get)
     assert errs[worst] <= rtol, (worst, errs[worst])
 
@@ -63,10 +52,10 @@ def _assert_same_gradients(a: dict, b: dict, rtol: float) -> None:
 @pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("model", HF_MODELS)
 def test_gradients_equal_those_without_recomputation(model, head, tmp_path):
-    ref = _hf_reference(model)
+    ref = hf_reference(model)
     x, y = ref["batch/input_ids"], ref["batch/labels"]
-    plain = _step(model, tmp_path / "a.grad.onnx", "--split", *HEADS[head])
-    summary = _step(model, tmp_path / "b.grad.onnx", "--split", "--recompute", "layers", *HEADS[head])
+    plain = run_step(model, tmp_path / "a.grad.onnx", "--split", *HEADS[head])
+    summary = run_step(model, tmp_path / "b.grad.onnx", "--split", "--recompute", "layers", *HEADS[head])
     assert summary["recompute"]["blocks"] == 2 and summary["recompute"]["mode"] == "layers"
     assert summary["parameters"] == plain["parameters"]
     # the same arithmetic: equal as written (onnxruntime's optimiser off) ...
@@ -87,14 +76,14 @@ def test_gradients_equal_those_without_recomputation(model, head, tmp_path):
 
 @pytest.mark.parametrize("model", HF_MODELS)
 def test_trains_like_torch(model, tmp_path):
-    ref = _hf_reference(model)
+    ref = hf_reference(model)
     out = tmp_path / "m.step.onnx"
-    _step(model, out, "--recompute", "layers", "--lr", "1e-3", *HEADS["fused"])
+    run_step(model, out, "--recompute", "layers", "--lr", "1e-3", *HEADS["fused"])
     batches = [(ref[f"traj/batch/{k:02d}/input_ids"], ref[f"traj/batch/{k:02d}/labels"]) for k in range(STEPS)]
-    losses, params, _ = _run_step_graph(out, batches)
+    losses, params, _ = run_step_graph(out, batches)
     np.testing.assert_allclose(losses, ref["traj/adamw/loss"][:, 0], rtol=TRAJ_RTOL)
-    zero = _zero_grad_mask({p: ref[f"grad/wasserstein/float64/{p}"] for p in params})
-    _assert_params_close(params, {p: ref[f"traj/adamw/final/{p}"] for p in params}, zero)
+    zero = zero_grad_mask({p: ref[f"grad/wasserstein/float64/{p}"] for p in params})
+    assert_params_close(params, {p: ref[f"traj/adamw/final/{p}"] for p in params}, zero)
 
 
 LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_ALL")
@@ -153,8 +142,8 @@ def _stored(g, floats: set) -> set:
 @pytest.mark.parametrize("model", ["llama_ts", "gpt2_dynamo"])
 def test_onnxruntime_neither_merges_nor_drops_the_recomputation(model, runtime, tmp_path):
     python = str(REPO / ".venv-rt" / "bin" / "python") if runtime == "1.31" else sys.executable
-    _step(model, tmp_path / "a.grad.onnx", "--split", *HEADS["fused"])
-    _step(model, tmp_path / "b.grad.onnx", "--split", "--recompute", "layers", *HEADS["fused"])
+    run_step(model, tmp_path / "a.grad.onnx", "--split", *HEADS["fused"])
+    run_step(model, tmp_path / "b.grad.onnx", "--split", "--recompute", "layers", *HEADS["fused"])
     plain_at = _stored_activations(tmp_path / "a.grad.onnx", tmp_path / "a.opt", python)
     recomputed_at = _stored_activations(tmp_path / "b.grad.onnx", tmp_path / "b.opt", python)
     for level in LEVELS:
@@ -193,9 +182,9 @@ def test_the_update_runs_after_its_gradient_in_onnxruntimes_order(model, tmp_pat
     parameter, until the update), and no weight gradient becomes a node onnxruntime adds
     (its Transpose + MatMul fusion made one that ran at the end of the backward, keeping every
     flattened activation alive)."""
-    ref = _hf_reference(model)
+    ref = hf_reference(model)
     np.savez(tmp_path / "batch.npz", input_ids=ref["batch/input_ids"], labels=ref["batch/labels"])
-    _step(model, tmp_path / "m.step.onnx", "--recompute", "layers", "--weight-decay", "0.1")
+    run_step(model, tmp_path / "m.step.onnx", "--recompute", "layers", "--weight-decay", "0.1")
     r = subprocess.run([str(REPO / ".venv-rt" / "bin" / "python"), "-c", _RUN_ORDER,
                         str(tmp_path / "m.step.onnx"), str(tmp_path / "batch.npz"), str(tmp_path)],
                        capture_output=True, text=True, timeout=600)
@@ -253,10 +242,10 @@ def test_layers_found_from_the_graph_structure_alone(model, tmp_path):
     reads that repeats once per layer, and the step keeps as few activations as with the names."""
     anonymous = tmp_path / "anonymous.onnx"
     _anonymise(MODELS / f"{model}.onnx", anonymous)
-    named = _step(model, tmp_path / "named.grad.onnx", "--split", "--recompute", "layers")
+    named = run_step(model, tmp_path / "named.grad.onnx", "--split", "--recompute", "layers")
     assert not named["recompute"]["layers"].startswith("(graph structure")
-    _step(anonymous, tmp_path / "a.grad.onnx", "--split")
-    s = _step(anonymous, tmp_path / "b.grad.onnx", "--split", "--recompute", "layers")
+    run_step(anonymous, tmp_path / "a.grad.onnx", "--split")
+    s = run_step(anonymous, tmp_path / "b.grad.onnx", "--split", "--recompute", "layers")
     assert s["recompute"]["blocks"] == 2, s["recompute"]
     assert s["recompute"]["layers"].startswith("(graph structure"), s["recompute"]
     stored = {}
@@ -266,7 +255,7 @@ def test_layers_found_from_the_graph_structure_alone(model, tmp_path):
         stored[name] = len(_stored(emitted, floats))
     print(model, stored)
     assert stored["b"] <= stored["named"] < 0.5 * stored["a"], stored
-    ref = _hf_reference(model)
+    ref = hf_reference(model)
     x, y = ref["batch/input_ids"], ref["batch/labels"]
     la, ga = _grads(tmp_path / "a.grad.onnx", x, y, optimise=False)
     lb, gb = _grads(tmp_path / "b.grad.onnx", x, y, optimise=False)
@@ -275,12 +264,12 @@ def test_layers_found_from_the_graph_structure_alone(model, tmp_path):
 
 
 def test_with_lora_and_fp16(tmp_path):
-    ref = _hf_reference("llama_dynamo")
+    ref = hf_reference("llama_dynamo")
     x, y = ref["batch/input_ids"], ref["batch/labels"]
     for extra, rtol in ((["--lora-r", "4", "--lora-targets", "q_proj,v_proj,down_proj"], GRAD_RTOL),
                         (["--precision", "fp16"], 1e-3)):
-        _step("llama_dynamo", tmp_path / "a.grad.onnx", "--split", *extra)
-        s = _step("llama_dynamo", tmp_path / "b.grad.onnx", "--split", "--recompute", "layers", *extra)
+        run_step("llama_dynamo", tmp_path / "a.grad.onnx", "--split", *extra)
+        s = run_step("llama_dynamo", tmp_path / "b.grad.onnx", "--split", "--recompute", "layers", *extra)
         assert s["recompute"]["blocks"] == 2
         la, ga = _grads(tmp_path / "a.grad.onnx", x, y, optimise=False)
         lb, gb = _grads(tmp_path / "b.grad.onnx", x, y, optimise=False)
@@ -292,7 +281,7 @@ def test_python_step_and_runner(tmp_path):
     sys.path.insert(0, str(REPO / "python"))
     import ntl_patch
 
-    ref = _hf_reference("gpt2_ts")
+    ref = hf_reference("gpt2_ts")
     batches = [(ref[f"traj/batch/{k:02d}/input_ids"], ref[f"traj/batch/{k:02d}/labels"]) for k in range(3)]
     losses = {}
     for mode in ("off", "layers"):
@@ -307,16 +296,16 @@ def test_python_step_and_runner(tmp_path):
 
 def test_auto_decides_from_the_step_shape(tmp_path):
     out = tmp_path / "m.step.onnx"
-    small = _step("llama_dynamo", out, "--recompute", "auto", "--batch", "1", "--seq", "2")
+    small = run_step("llama_dynamo", out, "--recompute", "auto", "--batch", "1", "--seq", "2")
     assert small["recompute"]["blocks"] == 0
     assert small["recompute"]["reason"].startswith("off: the forward keeps"), small["recompute"]
-    long = _step("llama_dynamo", out, "--recompute", "auto", "--batch", "8", "--seq", "4096")
+    long = run_step("llama_dynamo", out, "--recompute", "auto", "--batch", "8", "--seq", "4096")
     assert long["recompute"]["blocks"] == 2
     assert long["recompute"]["reason"].startswith("layers: the forward would keep"), long["recompute"]
-    unknown = _step("llama_dynamo", out, "--recompute", "auto")
+    unknown = run_step("llama_dynamo", out, "--recompute", "auto")
     assert unknown["recompute"]["blocks"] == 0 and "--batch and --seq" in unknown["recompute"]["reason"]
     # no repeated blocks: auto warns and keeps recomputation off
-    r = _step("lm_flat", out, "--recompute", "auto", ok=False)
+    r = run_step("lm_flat", out, "--recompute", "auto", ok=False)
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     assert summary["recompute"]["blocks"] == 0
@@ -325,10 +314,10 @@ def test_auto_decides_from_the_step_shape(tmp_path):
 
 def test_refusals_are_one_line_and_write_nothing(tmp_path):
     out = tmp_path / "m.step.onnx"
-    r = _step("lm_flat", out, "--recompute", "layers", ok=False)
+    r = run_step("lm_flat", out, "--recompute", "layers", ok=False)
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "found no repeated blocks" in lines[0] and "layers.N" in lines[0], r.stderr
-    r = _step("llama_ts", out, "--batch", "4", ok=False)
+    r = run_step("llama_ts", out, "--batch", "4", ok=False)
     assert r.returncode == 1 and "--recompute auto" in r.stderr
     assert list(tmp_path.iterdir()) == []

@@ -29,9 +29,9 @@ import numpy as np
 import pytest
 
 from conftest import MODELS, REPO, TOKENIZER, run_patch
-from test_data_parallel import _max_norm_rel, _params
-from test_ort_training import _batch
-from test_step import _zero_grad_mask
+from dp_results import max_norm_rel, run_params
+from ort_helpers import batch
+from step_helpers import zero_grad_mask
 
 sys.path.insert(0, str(REPO / "python"))
 from ntl_patch import DataParallel, _safetensors, _sharding  # noqa: E402
@@ -91,14 +91,14 @@ def zero_grad(weights) -> dict:
     import ntl_torch
     import torch
 
-    x, y = _batch()
-    return _zero_grad_mask(ntl_torch.model_reference(weights, torch.from_numpy(x), torch.from_numpy(y),
+    x, y = batch()
+    return zero_grad_mask(ntl_torch.model_reference(weights, torch.from_numpy(x), torch.from_numpy(y),
                                                      "wasserstein", weight=WEIGHT)[3])
 
 
 def _close(got: dict, want: dict, what: str, mask: dict) -> None:
     assert got.keys() == want.keys()
-    worst, err = _max_norm_rel(got, want, mask)
+    worst, err = max_norm_rel(got, want, mask)
     print(f"{what}: worst parameter {worst} {err:.1e}")
     assert err <= 1e-6, (what, worst, err)
 
@@ -111,7 +111,7 @@ def test_sharded_equals_unsharded(run, ranks, zero_grad):
             assert res[f"{mode}/{part}same"], f"{mode} {part}: parameters differ between ranks"
             np.testing.assert_allclose(res[f"{mode}/{part}losses"], res[f"none/{part}losses"],
                                        rtol=1e-6, err_msg=f"{mode} {part}")
-            _close(_params(res, f"{mode}/{part}".rstrip("/")), _params(res, f"none/{part}".rstrip("/")),
+            _close(run_params(res, f"{mode}/{part}".rstrip("/")), run_params(res, f"none/{part}".rstrip("/")),
                    f"{ranks} ranks {mode} {part}vs none", zero_grad)
     # the parameters of the last steps come from every shard's owner: all shards are non-empty
     assert list(res["optimizer/partition"]) == [len(s) for s in _partition(run, ranks)]
@@ -135,7 +135,7 @@ def test_fp16_overflow_skips_on_every_rank(run, ranks, zero_grad):
             np.testing.assert_array_equal(rows[r, :, 1:], want[r, :, 1:], err_msg=mode)
             np.testing.assert_allclose(rows[r, :, 0], want[r, :, 0], rtol=1e-6)
         assert list(rows[0, :, 2]) == [65536] * 2 + [32768] * 4
-        _close(_params(res, f"{mode}/amp"), _params(res, "none/amp"), f"{ranks} ranks fp16 {mode}", zero_grad)
+        _close(run_params(res, f"{mode}/amp"), run_params(res, "none/amp"), f"{ranks} ranks fp16 {mode}", zero_grad)
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
@@ -149,7 +149,7 @@ def test_equals_torch_zero_redundancy_optimizer(run, ranks, zero_grad):
         for part, zero in (("", "zero"), ("/accum", "zero_accum")):
             got, want = res[f"{mode}{part}/losses"], res[f"{zero}/losses"]
             np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=f"{mode}{part}")
-            worst, err = _max_norm_rel(_params(res, f"{mode}{part}"), _params(res, zero), zero_grad)
+            worst, err = max_norm_rel(run_params(res, f"{mode}{part}"), run_params(res, zero), zero_grad)
             print(f"{ranks} ranks {mode}{part} vs torch ZeroRedundancyOptimizer: losses "
                   f"{np.max(np.abs(got - want) / np.abs(want)):.1e}, worst parameter {worst} {err:.1e}")
             assert err <= 1e-6, (mode, part, worst, err)
@@ -159,7 +159,7 @@ def test_resume_and_reshard(run):
     for ranks in (2, 3):
         res = run[ranks]
         for mode in ("none", *SHARDED):
-            full, resumed = _params(res, mode), _params(res, f"{mode}/resume")
+            full, resumed = run_params(res, mode), run_params(res, f"{mode}/resume")
             for p in full:
                 np.testing.assert_array_equal(resumed[p], full[p], err_msg=f"{ranks} {mode} {p}")
             np.testing.assert_array_equal(res[f"{mode}/resume/losses"], res[f"{mode}/losses"][STEPS // 2:])

@@ -23,19 +23,16 @@ import torch
 import torch.nn.functional as F
 
 from conftest import MODELS, TOKENIZER, run_patch
-from test_ort_training import _batch, _norm_rel, _quiet_ort
+from hf_reference import HF_MODELS, hf_reference
+from ort_helpers import batch, norm_rel, quiet_ort
+from step_helpers import HEADS, STEPS, TRAJ_RTOL, assert_params_close, run_step_graph, session, zero_grad_mask
 
 WEIGHT = 0.3
 GRAD_RTOL = 1e-5
-TRAJ_RTOL = 1e-4
-STEPS = 20
 
 GRAD_CASES = [(m, l) for m in ("lm_flat", "lm_bvt", "lm_nll")
               for l in ("wasserstein", "mse", "ntil", "dist2", "del", "smmd")]
 NTIL_ARGS = ["--gumbel-noise", "0", "--combine", "add"]
-# the dense LM head, and the fused one (passes/fused_head) over chunks of 3 positions: chunk
-# borders fall inside sequences and the last chunk is padded
-HEADS = {"dense": ["--fused-head", "off"], "fused": ["--fused-head", "on", "--head-chunk-tokens", "3"]}
 
 
 def _step(model: Path, out: Path, loss: str, *extra) -> dict:
@@ -45,11 +42,6 @@ def _step(model: Path, out: Path, loss: str, *extra) -> dict:
     r = run_patch(["step", *args, *extra])
     assert r.returncode == 0, f"ntl-patch step exited {r.returncode}\n{r.stdout}\n{r.stderr}"
     return json.loads(r.stdout)
-
-
-def _session(path: Path):
-    ort = _quiet_ort()
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
 def _reference(loss: str, weights, input_ids, labels):
@@ -79,8 +71,8 @@ def test_gradient_graph_matches_torch(model, loss, head, weights, tmp_path):
     assert {n.domain for n in g.graph.node} <= {"", "ai.onnx"}, "non-default domain in the gradient graph"
     params = summary["parameters"]
     assert sorted(params) == sorted(weights), "every float initializer of the tiny LM trains"
-    input_ids, labels = _batch()
-    outs = _session(out).run(None, {"input_ids": input_ids, "labels": labels})
+    input_ids, labels = batch()
+    outs = session(out).run(None, {"input_ids": input_ids, "labels": labels})
     total, ce, number, want = _reference(loss, weights, input_ids, labels)
     assert abs(outs[0] - total) <= 1e-5 * abs(total)
     assert abs(outs[1] - ce) <= 1e-5 * abs(ce)
@@ -88,7 +80,7 @@ def test_gradient_graph_matches_torch(model, loss, head, weights, tmp_path):
     got = dict(zip(params, outs[3:]))
     all_want = np.concatenate([want[p].ravel() for p in params])
     floor = 1e-3 * float(np.linalg.norm(all_want))
-    errs = {p: _norm_rel(got[p].astype(np.float64), want[p], floor) for p in params}
+    errs = {p: norm_rel(got[p].astype(np.float64), want[p], floor) for p in params}
     worst = max(errs, key=errs.get)
     print(f"{model}/{loss}: worst parameter {worst} {errs[worst]:.2e}")
     assert errs[worst] <= GRAD_RTOL, errs
@@ -133,21 +125,6 @@ def _torch_run(weights, optimizer: str, batches, loss: str):
     return losses, {k: v.detach().numpy().copy() for k, v in params.items()}
 
 
-def _run_step_graph(path: Path, batches):
-    """Feeds each step's state outputs back as the next step's inputs (plain InferenceSession)."""
-    sess = _session(path)
-    meta = json.loads(sess.get_modelmeta().custom_metadata_map["ntl_step"])
-    state = {}
-    losses = []
-    out_names = [o.name for o in sess.get_outputs()]
-    for x, y in batches:
-        outs = sess.run(None, {"input_ids": x, "labels": y, **state})
-        got = dict(zip(out_names, outs))
-        losses.append(float(outs[0]))
-        state = {i: got[o] for i, o in meta["state"]}
-    return losses, {p: state[p] for p in meta["parameters"]}, meta
-
-
 @pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_step_graph_trains_like_torch(optimizer, head, weights, tmp_path):
@@ -156,14 +133,14 @@ def test_step_graph_trains_like_torch(optimizer, head, weights, tmp_path):
     extra += ["--lr", "1e-3"] if optimizer == "adamw" else ["--lr", "1e-2", "--momentum", "0.9", "--weight-decay", "0.01"]
     _step(MODELS / "lm_flat.onnx", out, "wasserstein", *extra)
     batches = _batches(STEPS)
-    got_losses, got_params, meta = _run_step_graph(out, batches)
+    got_losses, got_params, meta = run_step_graph(out, batches)
     want_losses, want_params = _torch_run(weights, optimizer, batches, "wasserstein")
     np.testing.assert_allclose(got_losses, want_losses, rtol=TRAJ_RTOL)
     zero = None
     if optimizer == "adamw":
-        x, y = _batch()
-        zero = _zero_grad_mask(_reference("wasserstein", weights, x, y)[3])
-    _assert_params_close(got_params, want_params, zero)
+        x, y = batch()
+        zero = zero_grad_mask(_reference("wasserstein", weights, x, y)[3])
+    assert_params_close(got_params, want_params, zero)
     assert got_losses[-1] < got_losses[0] or optimizer == "sgd"
 
 
@@ -175,7 +152,7 @@ def test_step_graph_matches_ort_training(tmp_path):
     from onnxruntime.training import artifacts
     from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
-    _quiet_ort()
+    quiet_ort()
     src = MODELS / "lm_flat.onnx"
     fwd = tmp_path / "m.ntl.onnx"
     r = run_patch([src, "--tokenizer", TOKENIZER, "--weight", str(WEIGHT), "-o", fwd])
@@ -203,35 +180,9 @@ def test_step_graph_matches_ort_training(tmp_path):
 
     out = tmp_path / "m.step.onnx"
     _step(src, out, "wasserstein", "--optimizer", "sgd", "--lr", "1e-2")
-    got_losses, got_params, _ = _run_step_graph(out, batches)
+    got_losses, got_params, _ = run_step_graph(out, batches)
     np.testing.assert_allclose(got_losses, ort_losses, rtol=TRAJ_RTOL)
-    _assert_params_close(got_params, ort_params)
-
-
-def _assert_params_close(got: dict, want: dict, zero_grad: dict | None = None) -> None:
-    """Norm-relative per parameter (floor 1e-3·‖all‖) and over all parameters.
-
-    `zero_grad` (AdamW runs): elements whose true gradient is exactly zero, e.g. the key bias of
-    attention (softmax ignores a shift of a whole row of scores). Their float32 gradient is
-    round-off, which Adam normalises into ±lr steps of arbitrary sign in any two
-    implementations, so they are left out; SGD keeps them small and compares everything."""
-    zero_grad = zero_grad or {}
-    keep = {p: ~zero_grad[p] if p in zero_grad else np.ones(w.shape, bool) for p, w in want.items()}
-    want = {p: w[keep[p]] for p, w in want.items()}
-    got = {p: got[p][keep[p]] for p in want}
-    all_want = np.concatenate([w.ravel() for w in want.values()])
-    floor = 1e-3 * float(np.linalg.norm(all_want))
-    errs = {p: _norm_rel(got[p], want[p], floor) for p in want}
-    worst = max(errs, key=errs.get)
-    assert errs[worst] <= TRAJ_RTOL, f"{worst}: {errs[worst]:.3g}"
-    all_got = np.concatenate([got[p].ravel() for p in want])
-    assert _norm_rel(all_got, all_want, 0.0) <= TRAJ_RTOL
-
-
-def _zero_grad_mask(grads64: dict) -> dict:
-    """Elements of an exactly-zero float64 reference gradient (relative to the largest)."""
-    top = max(float(np.max(np.abs(g))) for g in grads64.values())
-    return {p: np.abs(g) <= 1e-9 * top for p, g in grads64.items()}
+    assert_params_close(got_params, ort_params)
 
 
 def test_step_graph_contract(tmp_path):
@@ -262,8 +213,8 @@ def test_learning_rate_input(tmp_path):
     """`ntl/lr` overrides the default per step: lr 0 leaves the parameters unchanged."""
     out = tmp_path / "m.step.onnx"
     _step(MODELS / "lm_flat.onnx", out, "wasserstein", "--optimizer", "sgd", "--lr", "0.5")
-    sess = _session(out)
-    x, y = _batch()
+    sess = session(out)
+    x, y = batch()
     names = [o.name for o in sess.get_outputs()]
     outs = dict(zip(names, sess.run(None, {"input_ids": x, "labels": y, "ntl/lr": np.array(0.0, np.float32)})))
     w = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer}
@@ -272,20 +223,14 @@ def test_learning_rate_input(tmp_path):
 
 # ---------------------------------------------------------------- transformers GPT-2 / Llama
 # Exported with their own loss (HF's shifted cross-entropy) by both torch exporters; torch
-# references from fixtures/generate_step.py (fixtures/reference/step/).
-HF_MODELS = ["gpt2_ts", "gpt2_dynamo", "llama_ts", "llama_dynamo"]
+# references from fixtures/generate_step.py (fixtures/reference/step/; hf_reference.py).
 HF_CASES = [(m, l) for m in HF_MODELS for l in ("wasserstein", "mse", "ntil")]
-STEP_REF = MODELS.parent / "reference" / "step"
-
-
-def _hf_reference(model: str):
-    return np.load(STEP_REF / f"{model.split('_')[0]}.npz")
 
 
 @pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("model,loss", HF_CASES, ids=[f"{m}-{l}" for m, l in HF_CASES])
 def test_transformers_gradients_match_torch(model, loss, head, tmp_path):
-    ref = _hf_reference(model)
+    ref = hf_reference(model)
     out = tmp_path / "m.grad.onnx"
     summary = _step(MODELS / f"{model}.onnx", out, loss, "--split", *HEADS[head])
     params = summary["parameters"]
@@ -293,13 +238,13 @@ def test_transformers_gradients_match_torch(model, loss, head, tmp_path):
     assert len(params) == len([k for k in ref.files if k.startswith(f"grad/{loss}/float64/")]), \
         "every torch parameter trains, nothing else"
     x, y = ref["batch/input_ids"], ref["batch/labels"]
-    outs = _session(out).run(None, {"input_ids": x, "labels": y})
+    outs = session(out).run(None, {"input_ids": x, "labels": y})
     total, ce, number = ref[f"forward/{loss}/float64"]
     np.testing.assert_allclose(outs[:3], [total, ce, number], rtol=1e-5, atol=1e-7)
     got = dict(zip(params, outs[3:]))
     all_want = np.concatenate([want[p].ravel() for p in params])
     floor = 1e-3 * float(np.linalg.norm(all_want))
-    errs = {p: _norm_rel(got[p].astype(np.float64), want[p], floor) for p in params}
+    errs = {p: norm_rel(got[p].astype(np.float64), want[p], floor) for p in params}
     worst = max(errs, key=errs.get)
     print(f"{model}/{loss}: worst parameter {worst} {errs[worst]:.2e}")
     assert errs[worst] <= GRAD_RTOL, errs
@@ -309,19 +254,19 @@ def test_transformers_gradients_match_torch(model, loss, head, tmp_path):
 @pytest.mark.parametrize("model", HF_MODELS)
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_transformers_train_like_torch(model, optimizer, head, tmp_path):
-    ref = _hf_reference(model)
+    ref = hf_reference(model)
     out = tmp_path / "m.step.onnx"
     extra = ["--optimizer", optimizer, *HEADS[head]]
     extra += ["--lr", "1e-3"] if optimizer == "adamw" else ["--lr", "1e-2", "--momentum", "0.9", "--weight-decay", "0.01"]
     _step(MODELS / f"{model}.onnx", out, "wasserstein", *extra)
     batches = [(ref[f"traj/batch/{k:02d}/input_ids"], ref[f"traj/batch/{k:02d}/labels"]) for k in range(STEPS)]
-    got_losses, got_params, _ = _run_step_graph(out, batches)
+    got_losses, got_params, _ = run_step_graph(out, batches)
     np.testing.assert_allclose(got_losses, ref[f"traj/{optimizer}/loss"][:, 0], rtol=TRAJ_RTOL)
     want = {p: ref[f"traj/{optimizer}/final/{p}"] for p in got_params}
     zero = None
     if optimizer == "adamw":
-        zero = _zero_grad_mask({p: ref[f"grad/wasserstein/float64/{p}"] for p in got_params})
-    _assert_params_close(got_params, want, zero)
+        zero = zero_grad_mask({p: ref[f"grad/wasserstein/float64/{p}"] for p in got_params})
+    assert_params_close(got_params, want, zero)
 
 
 def test_clip_grad_norm_matches_torch(weights, tmp_path):
@@ -334,7 +279,7 @@ def test_clip_grad_norm_matches_torch(weights, tmp_path):
     _step(MODELS / "lm_flat.onnx", out, "wasserstein", "--optimizer", "sgd", "--lr", "0.1",
           "--max-grad-norm", "0.05")
     batches = _batches(3)
-    _, got, _ = _run_step_graph(out, batches)
+    _, got, _ = run_step_graph(out, batches)
     m = tiny_lm.build("flat", {k: v.clone() for k, v in weights.items()})
     params = dict(m.named_parameters())
     opt = torch.optim.SGD(params.values(), lr=0.1)
@@ -348,7 +293,7 @@ def test_clip_grad_norm_matches_torch(weights, tmp_path):
         norm = torch.nn.utils.clip_grad_norm_(params.values(), 0.05)
         assert norm > 0.05, "the clip must be active for this test to mean anything"
         opt.step()
-    _assert_params_close(got, {k: v.detach().numpy() for k, v in params.items()})
+    assert_params_close(got, {k: v.detach().numpy() for k, v in params.items()})
 
 
 def test_step_graph_in_onnxruntime_1_31_without_torch(weights, tmp_path):
@@ -388,9 +333,9 @@ np.savez({str(tmp_path / 'rt.npz')!r}, losses=np.array(losses), **{{k.replace("/
     got = np.load(tmp_path / "rt.npz")
     want_losses, want_params = _torch_run(weights, "adamw", batches, "wasserstein")
     np.testing.assert_allclose(got["losses"], want_losses, rtol=TRAJ_RTOL)
-    x, y = _batch()
-    zero = _zero_grad_mask(_reference("wasserstein", weights, x, y)[3])
-    _assert_params_close({p: got[p] for p in want_params}, want_params, zero)
+    x, y = batch()
+    zero = zero_grad_mask(_reference("wasserstein", weights, x, y)[3])
+    assert_params_close({p: got[p] for p in want_params}, want_params, zero)
 
 
 def test_external_data_model_keeps_weights_external(tmp_path):
@@ -416,8 +361,8 @@ def test_external_data_model_keeps_weights_external(tmp_path):
     inline = tmp_path / "inline.step.onnx"
     _step(MODELS / "lm_flat.onnx", inline, "wasserstein")
     batches = _batches(3)
-    got = _run_step_graph(step, batches)
-    want = _run_step_graph(inline, batches)
+    got = run_step_graph(step, batches)
+    want = run_step_graph(inline, batches)
     np.testing.assert_array_equal(got[0], want[0])
     for p in want[1]:
         np.testing.assert_array_equal(got[1][p], want[1][p])
@@ -467,7 +412,7 @@ def test_logits_only_export_with_added_loss(model, loss, tmp_path):
     automatically with a notice, or by --add-loss): losses and gradients equal the same GPT-2
     exported with its own loss (torch references of fixtures/reference/step/gpt2.npz,
     `model(labels=...).loss`)."""
-    ref = _hf_reference("gpt2")
+    ref = hf_reference("gpt2")
     names = _logits_only_names(model)
     src = MODELS / f"{model}.onnx"
     out = tmp_path / "m.grad.onnx"
@@ -484,12 +429,12 @@ def test_logits_only_export_with_added_loss(model, loss, tmp_path):
     data = [i.name for i in onnx.load(str(src)).graph.input]
     assert [i.name for i in g.graph.input][:len(data) + 1] == data + ["labels"]
     x, y = ref["batch/input_ids"], ref["batch/labels"]
-    outs = _session(out).run(None, _logits_only_feeds(g.graph, x, y))
+    outs = session(out).run(None, _logits_only_feeds(g.graph, x, y))
     np.testing.assert_allclose(outs[:3], ref[f"forward/{loss}/float64"], rtol=1e-5, atol=1e-7)
     want = _logits_only_want(ref, key, params, names)
     all_want = np.concatenate([w.ravel() for w in want.values()])
     floor = 1e-3 * float(np.linalg.norm(all_want))
-    errs = {p: _norm_rel(o.astype(np.float64), want[p], floor) for p, o in zip(params, outs[3:])}
+    errs = {p: norm_rel(o.astype(np.float64), want[p], floor) for p, o in zip(params, outs[3:])}
     worst = max(errs, key=errs.get)
     print(f"{model}/{loss}: worst parameter {worst} {errs[worst]:.2e}")
     assert errs[worst] <= GRAD_RTOL, errs
@@ -508,18 +453,18 @@ def test_optimum_export_patch_with_added_loss(tmp_path):
     """optimum's GPT-2 export through the patch command with --add-loss: the original inputs
     stay and `labels` follows them, `logits` is unchanged; `ce_loss` is Hugging Face's
     `model(input_ids, labels=labels).loss` and `loss` = ce + λ·NTL (reference/step/gpt2.npz)."""
-    ref = _hf_reference("gpt2")
+    ref = hf_reference("gpt2")
     src, out, before, patched = _optimum_patched(tmp_path)
     assert [i.name for i in patched.graph.input] == [i.name for i in before.graph.input] + ["labels"]
     out_names = [o.name for o in patched.graph.output]
     assert out_names == ["loss", "logits", "ce_loss", "number_loss"], out_names
     x, y = ref["batch/input_ids"], ref["batch/labels"]
     total, ce, number = ref["forward/wasserstein/float64"]
-    outs = dict(zip(out_names, _session(out).run(None, _logits_only_feeds(patched.graph, x, y))))
+    outs = dict(zip(out_names, session(out).run(None, _logits_only_feeds(patched.graph, x, y))))
     errs = {k: abs(float(outs[k]) - w) / abs(w) for k, w in (("ce_loss", ce), ("number_loss", number), ("loss", total))}
     print(f"gpt2_optimum patch: relative errors {errs}")
     assert max(errs.values()) <= 1e-5, errs
-    logits = _session(src).run(None, _logits_only_feeds(before.graph, x, y))[0]
+    logits = session(src).run(None, _logits_only_feeds(before.graph, x, y))[0]
     np.testing.assert_allclose(outs["logits"], logits, rtol=0, atol=1e-6)
 
 
@@ -528,11 +473,11 @@ def test_optimum_export_trains_in_ort_training(tmp_path):
     --add-loss: the first step's losses and gradients are torch's (reference/step/gpt2.npz),
     and the loss after one AdamW step is finite. (ORT's LayerNormalization gradient reads the
     optional Mean/InvStdDev outputs the exporters leave out; ntl-patch declares them.)"""
-    ort = _quiet_ort()
+    ort = quiet_ort()
     from onnxruntime.training import artifacts
     from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
-    ref = _hf_reference("gpt2")
+    ref = hf_reference("gpt2")
     names = _logits_only_names("gpt2_optimum")
     _, _, before, patched = _optimum_patched(tmp_path)
     out_names = [o.name for o in patched.graph.output]
@@ -558,7 +503,7 @@ def test_optimum_export_trains_in_ort_training(tmp_path):
     want = _logits_only_want(ref, "grad/wasserstein/float64", params, names)
     all_want = np.concatenate([w.ravel() for w in want.values()])
     floor = 1e-3 * float(np.linalg.norm(all_want))
-    errs = {p: _norm_rel(state.parameters[p].grad.astype(np.float64), want[p], floor) for p in params}
+    errs = {p: norm_rel(state.parameters[p].grad.astype(np.float64), want[p], floor) for p in params}
     worst = max(errs, key=errs.get)
     assert errs[worst] <= GRAD_RTOL, errs
     opt = Optimizer(str(art / "optimizer_model.onnx"), module)
@@ -583,9 +528,9 @@ def test_rescaled_loss_gets_the_number_loss_after_the_rescaling(weights, tmp_pat
                    "-o", out, "--split", "--json"])
     assert r.returncode == 0, r.stderr
     params = json.loads(r.stdout)["parameters"]
-    x, y = _batch()
+    x, y = batch()
     n_items = np.array(7.0, np.float32)
-    outs = _session(out).run(None, {"input_ids": x, "labels": y, "num_items_in_batch": n_items})
+    outs = session(out).run(None, {"input_ids": x, "labels": y, "num_items_in_batch": n_items})
 
     m = tiny_lm.build("flat", {k: v.double() for k, v in weights.items()}, dtype=torch.float64)
     logits = m.logits(torch.from_numpy(x))
@@ -598,5 +543,5 @@ def test_rescaled_loss_gets_the_number_loss_after_the_rescaling(weights, tmp_pat
     want = dict(zip(ps, (g.numpy() for g in torch.autograd.grad(total, list(ps.values())))))
     all_want = np.concatenate([w.ravel() for w in want.values()])
     floor = 1e-3 * float(np.linalg.norm(all_want))
-    errs = {p: _norm_rel(o.astype(np.float64), want[p], floor) for p, o in zip(params, outs[3:])}
+    errs = {p: norm_rel(o.astype(np.float64), want[p], floor) for p, o in zip(params, outs[3:])}
     assert max(errs.values()) <= GRAD_RTOL, errs

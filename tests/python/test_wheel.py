@@ -70,14 +70,14 @@ def venv(wheel, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def check(venv, tmp_path_factory) -> dict:
-    from test_artifacts import _generate
+    from ort_helpers import generate_artifacts
 
     d = tmp_path_factory.mktemp("wheel_check")
     work = d / "work"
     work.mkdir()
     model = work / "lm_flat.onnx"
     shutil.copyfile(MODELS / "lm_flat.onnx", model)
-    art = _generate(onnx.load(MODELS / "lm_flat.onnx"), d / "artifacts")
+    art = generate_artifacts(onnx.load(MODELS / "lm_flat.onnx"), d / "artifacts")
     rust_step = d / "rust.step.onnx"
     r = run_patch(["step", model, "--tokenizer", TOKENIZER, "--lr", "1e-3", "-o", rust_step])
     assert r.returncode == 0, r.stderr
