@@ -20,7 +20,6 @@ How each test was checked to be able to fail is written beside it.
 
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 

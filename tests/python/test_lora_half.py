@@ -25,7 +25,7 @@ import onnx
 import pytest
 import torch
 
-from conftest import MODELS, REPO, TOKENIZER, run_patch
+from conftest import REPO, TOKENIZER, run_patch
 from precision_helpers import batches, half_export
 from tract_step import TractStep
 

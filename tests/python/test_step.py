@@ -300,7 +300,6 @@ def test_step_graph_in_onnxruntime_1_31_without_torch(weights, tmp_path):
     """The step graph trains in the maintained runtime (onnxruntime 1.31.1 in .venv-rt, which
     has neither torch nor onnx) through ntl_patch.StepRunner, like torch's AdamW."""
     import subprocess
-    import sys
 
     from conftest import REPO
 

@@ -1,6 +1,6 @@
 """Runs ntl-patch step graphs in tract (real float16 kernels) with the state fed back."""
 from __future__ import annotations
-import json, tempfile, os
+import json
 from pathlib import Path
 import numpy as np
 import onnx
