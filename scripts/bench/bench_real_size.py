@@ -124,12 +124,20 @@ PRESETS = {
     "qwen0.5b-long": dict(layers=24, dim=896, heads=14, kv_heads=2, mlp=4864, vocab=151936, batch=1,
                           seq=4096, min_available_gib=21, max_load=1.5, rss_limit_gib=20,
                           configs="recompute,torch_ckpt,default,torch"),
+    # Qwen2-7B (issue 34): 7.6 B parameters, untied head, exported in bfloat16; QLoRA r 16 (NF4
+    # base) against torch + PEFT on the bfloat16 base and on bitsandbytes' NF4 layers
+    "qwen7b": dict(layers=28, dim=3584, heads=28, kv_heads=4, mlp=18944, vocab=152064, tied=0, batch=1,
+                   seq=256, export_dtype="bfloat16", min_available_gib=20, max_load=1.5, rss_limit_gib=22,
+                   configs="qlora,peft-nf4,peft", peft_of="qlora"),
     # a quick check of the script itself
     "small": dict(layers=2, dim=128, heads=4, kv_heads=2, mlp=256, vocab=4096, batch=2, seq=64,
                   min_available_gib=0, max_load=None),
 }
 LORA_ARGS = "--lora-r 16 --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 STEP_CONFIGS = {"dense": "--fused-head off", "default": "", "lora": LORA_ARGS,
+                # issue 34: the frozen base in bitsandbytes' NF4 (blocks of 64), with double quantisation
+                "qlora": f"{LORA_ARGS} --quantize-base nf4",
+                "qlora-dq": f"{LORA_ARGS} --quantize-base nf4 --double-quant",
                 "recompute": "--recompute layers",
                 # issue 33: attention as exported, or over blocks of query rows
                 "eager": "--attention eager", "chunked": "--attention chunked",
@@ -138,29 +146,33 @@ STEP_CONFIGS = {"dense": "--fused-head off", "default": "", "lora": LORA_ARGS,
 # torch configurations: (attn_implementation, gradient checkpointing); `peft` is eager attention
 # torch_ckpt: torch with model.gradient_checkpointing_enable() (each decoder layer recomputed)
 TORCH_ATTN = {"torch": ("eager", False), "torch_ckpt": ("eager", True),
-              "torch-sdpa": ("sdpa", False), "torch-sdpa-ckpt": ("sdpa", True), "peft": ("eager", False)}
-TORCH_KINDS = ("torch", "peft", "torch_ckpt", "torch-sdpa", "torch-sdpa-ckpt")
+              "torch-sdpa": ("sdpa", False), "torch-sdpa-ckpt": ("sdpa", True), "peft": ("eager", False),
+              "peft-nf4": ("eager", False)}
+TORCH_KINDS = ("torch", "peft", "peft-nf4", "torch_ckpt", "torch-sdpa", "torch-sdpa-ckpt")
+PEFT_KINDS = ("peft", "peft-nf4")  # torch + PEFT: the LoRA of a step graph (--peft-of)
 # the checkpointing variant of a torch baseline (the reference of a step configuration with --recompute)
 CKPT_OF = {"torch": "torch_ckpt", "torch-sdpa": "torch-sdpa-ckpt"}
 PEAK_FLOPS = 989e12  # H200 (and H100 SXM): dense bf16 tensor-core peak, FLOP/s
 PYTHONS = {"step": REPO / ".venv-rt/bin/python", "torch": REPO / ".venv/bin/python"}
 # keys of a preset that are not the model's shape
-RUN_KEYS = ("min_available_gib", "max_load", "rss_limit_gib", "configs")
+RUN_KEYS = ("min_available_gib", "max_load", "rss_limit_gib", "configs", "peft_of")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="small")
-    for k in ("layers", "dim", "heads", "kv_heads", "mlp", "vocab", "batch", "seq"):
+    for k in ("layers", "dim", "heads", "kv_heads", "mlp", "vocab", "tied", "batch", "seq"):
         p.add_argument(f"--{k.replace('_', '-')}", type=int, help=f"override the preset's {k}")
     p.add_argument("--configs", default=None,
                    help="comma-separated: step configurations (see --step-config; built in: dense, default, "
                         "lora, recompute, eager, chunked, eager-rc, chunked-rc) and torch configurations "
                         f"({', '.join(TORCH_KINDS)}) (default: dense,default,torch; qwen1.5b: lora,peft)")
-    p.add_argument("--peft-of", default="lora", help="the LoRA step configuration whose r, alpha, "
+    p.add_argument("--peft-of", default=None, help="the LoRA step configuration whose r, alpha, "
                    "targets and initial A the `peft` runs take")
-    p.add_argument("--export-dtype", choices=("float32", "float16"), default="float32",
-                   help="float16: export Qwen2ForCausalLM.half(); step configurations get --precision")
+    p.add_argument("--export-dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                   help="float16: export Qwen2ForCausalLM.half(); step configurations get --precision; "
+                        "bfloat16: the model made in bfloat16 (no float32 copy); default: the preset's, "
+                        "else float32")
     p.add_argument("--precision", choices=("fp32", "fp16", "bf16"),
                    help="--precision of every step configuration that does not give its own "
                         "(default: fp16 with --export-dtype float16, else none)")
@@ -212,7 +224,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=20240917)
     args = p.parse_args(argv)
     spec = dict(PRESETS[args.preset])
-    for k in ("layers", "dim", "heads", "kv_heads", "mlp", "vocab", "batch", "seq"):
+    for k in ("layers", "dim", "heads", "kv_heads", "mlp", "vocab", "tied", "batch", "seq"):
         if getattr(args, k) is not None:
             spec[k] = getattr(args, k)
     if args.min_available_gib is not None:
@@ -224,6 +236,12 @@ def parse_args(argv=None):
     if args.configs is None:
         args.configs = spec.get("configs", "dense,default,torch")
     spec.pop("configs", None)
+    if args.peft_of is None:
+        args.peft_of = spec.get("peft_of", "lora")
+    spec.pop("peft_of", None)
+    if args.export_dtype is None:
+        args.export_dtype = spec.get("export_dtype", "float32")
+    spec.setdefault("tied", 1)
     spec["seed"] = args.seed
     spec["export_dtype"] = args.export_dtype
     if args.precision is None and args.export_dtype == "float16":
@@ -263,9 +281,9 @@ def parse_args(argv=None):
         else:
             base = ref
     args.baseline_name = base
-    if "peft" in args.config_list:
+    if any(k in args.config_list for k in PEFT_KINDS):
         if args.peft_of not in args.step_configs or "--lora-r" not in shlex.split(args.step_configs[args.peft_of]):
-            p.error(f"`peft` takes its LoRA from the step configuration --peft-of {args.peft_of!r}, "
+            p.error(f"`peft` and `peft-nf4` take its LoRA from the step configuration --peft-of {args.peft_of!r}, "
                     f"which must be a LoRA one (--lora-r)")
         if args.peft_of not in args.config_list:  # its step graph is needed (it need not run)
             args.graph_only = [args.peft_of]
@@ -289,14 +307,22 @@ def qwen2(spec: dict, attn: str = "eager"):
     transformers.logging.set_verbosity_error()
     cfg = Qwen2Config(vocab_size=spec["vocab"], hidden_size=spec["dim"], intermediate_size=spec["mlp"],
                       num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
-                      num_key_value_heads=spec["kv_heads"], tie_word_embeddings=True,
+                      num_key_value_heads=spec["kv_heads"], tie_word_embeddings=bool(spec.get("tied", 1)),
                       max_position_embeddings=max(2048, spec["seq"]), rms_norm_eps=1e-6, rope_theta=1e6,
                       attention_dropout=0.0, attn_implementation=attn, use_cache=False,
                       bos_token_id=2, eos_token_id=3, pad_token_id=0)
     torch.manual_seed(spec["seed"])
-    model = Qwen2ForCausalLM(cfg)
+    bf16 = spec.get("export_dtype") == "bfloat16"
+    if bf16:  # made in bfloat16 (a 7B model's float32 copy would not fit): seeded as the float32 one
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = Qwen2ForCausalLM(cfg)
+    finally:
+        if bf16:
+            torch.set_default_dtype(default)
     assert model.config._attn_implementation == attn, model.config._attn_implementation
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == bool(spec.get("tied", 1))
     if spec.get("export_dtype", "float32") == "float16":
         model = model.half()  # the float32 weights rounded: the float16 export of the same model
     return model.train()
@@ -474,11 +500,12 @@ def worker(argv) -> None:
     ids, labels = z["input_ids"], z["labels"]
     t_load = time.perf_counter()
     phase("load")
-    if kind in TORCH_ATTN and kind != "peft":
+    if kind in TORCH_ATTN and kind not in PEFT_KINDS:
         attn, ckpt = TORCH_ATTN[kind]
         step, extra = torch_step(work, ids, labels, threads, device, attn=attn, checkpoint=ckpt)
-    elif kind == "peft":
-        step, extra = torch_step(work, ids, labels, threads, device, lora_graph=work / argv[5])
+    elif kind in PEFT_KINDS:
+        step, extra = torch_step(work, ids, labels, threads, device, lora_graph=work / argv[5],
+                                 nf4=kind == "peft-nf4")
     else:
         step, extra = runner_step(work / argv[5], Path(argv[6]), ids, labels, threads, device)
     load_s = time.perf_counter() - t_load
@@ -601,8 +628,33 @@ def torch_float32_matmul(torch, tf32: bool) -> str:
     return f"torch.backends.cuda.matmul.allow_tf32={m.allow_tf32}"
 
 
+def nf4_linears(model, targets) -> int:
+    """Replaces the model's linear layers named by targets (LoRA's target_modules) by
+    bitsandbytes' Linear4bit (NF4, blocks of 64, no double quantisation, bfloat16 compute), as
+    from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True)) makes them; one
+    layer at a time, so the float weights go as their codes come. Returns the layers replaced."""
+    import bitsandbytes as bnb
+    import torch
+
+    names = [n for n, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in targets]
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        old = model.get_submodule(name)
+        new = bnb.nn.Linear4bit(old.in_features, old.out_features, bias=old.bias is not None,
+                                compute_dtype=torch.bfloat16, compress_statistics=False, quant_type="nf4")
+        new.weight = bnb.nn.Params4bit(old.weight.data, requires_grad=False, quant_type="nf4", blocksize=64,
+                                       compress_statistics=False)
+        if old.bias is not None:
+            new.bias = torch.nn.Parameter(old.bias.data, requires_grad=False)
+        new = new.to("cpu")  # quantises
+        setattr(model.get_submodule(parent), leaf, new)
+        del old
+    return len(names)
+
+
 def torch_step(work: Path, ids, labels, threads: int, device: str, lora_graph: Path | None = None,
-               checkpoint: bool = False, attn: str = "eager"):
+               checkpoint: bool = False, attn: str = "eager", nf4: bool = False):
     import ntloss
     import torch
     from transformers import PreTrainedTokenizerFast
@@ -615,13 +667,21 @@ def torch_step(work: Path, ids, labels, threads: int, device: str, lora_graph: P
     meta = json.loads((work / "meta.json").read_text())
     spec = meta["spec"]
     half = spec.get("export_dtype", "float32") == "float16"
-    bf16 = os.environ.get("NTL_BENCH_PRECISION") == "bf16" and not half
+    # a bfloat16 base trains under bfloat16 autocast (bitsandbytes' compute dtype for peft-nf4)
+    bf16 = (os.environ.get("NTL_BENCH_PRECISION") == "bf16" or spec.get("export_dtype") == "bfloat16") \
+        and not half
     info = {"attn_implementation": attn, "gradient_checkpointing": checkpoint,
             "autocast": "float16" if half else "bfloat16" if bf16 else None}
     if device == "cuda":
         info["float32_matmul"] = torch_float32_matmul(torch, os.environ.get("NTL_BENCH_TF32", "0") == "1")
         info["gpu"] = torch.cuda.get_device_name(0)
     model = qwen2(spec, attn)
+    if nf4:  # QLoRA as PEFT users run it: the targeted layers in bitsandbytes' NF4
+        sys.path.insert(0, str(REPO / "python"))
+        from ntl_patch import _onnx_decode
+
+        lora = json.loads(_onnx_decode.read_metadata(lora_graph)["ntl_step"])["lora"]
+        info["nf4_layers"] = nf4_linears(model, set(lora["target_modules"]))
     if lora_graph is not None:  # LoRA: the frozen base in its exported type, float32 adapters
         model, trained, _ = peft_wrap(model, lora_graph)
     else:  # full fine-tune: float32 masters of every weight (the float16 export's values)
@@ -845,7 +905,7 @@ def run_one(args, work: Path, meta: dict, kind: str) -> dict:
     worker_kind = kind if kind in TORCH_KINDS else "step"
     python = args.python or str(PYTHONS["torch" if kind in TORCH_KINDS else "step"])
     cmd = [python, __file__, "worker", worker_kind, str(work), str(args.steps), str(args.threads), args.device]
-    if kind == "peft":
+    if kind in PEFT_KINDS:
         cmd += [meta["step_graphs"][args.peft_of]["path"]]
     elif kind not in TORCH_KINDS:
         cmd += [meta["step_graphs"][kind]["path"], args.runner_python]
@@ -921,8 +981,8 @@ def reference(args, meta: dict, kind: str) -> str | None:
         return args.baseline_of[kind]
     g = meta["step_graphs"].get(kind, {})
     a = shlex.split(g.get("args", args.step_configs.get(kind, "")))
-    if "--lora-r" in a:
-        return "peft"
+    if "--lora-r" in a:  # QLoRA against PEFT on bitsandbytes' NF4 layers where that runs
+        return "peft-nf4" if "--quantize-base" in a and "peft-nf4" in args.config_list else "peft"
     base = args.baseline_name
     if "--recompute" in a and a[a.index("--recompute") + 1:a.index("--recompute") + 2] != ["off"] \
             and CKPT_OF.get(base) in args.config_list:
@@ -941,13 +1001,13 @@ def baseline_of(args, meta: dict, kind: str) -> str | None:
 
 
 def model_params(s: dict) -> int:
-    """Parameters of the Qwen2 shape (the tied embedding once): embedding V d; per layer q
-    (d x d + bias), k and v (d x kv_heads hd + bias), o (d x d), the MLP's gate, up, down
+    """Parameters of the Qwen2 shape: embedding V d (and the head's V d when untied); per layer
+    q (d x d + bias), k and v (d x kv_heads hd + bias), o (d x d), the MLP's gate, up, down
     (3 d mlp), two RMSNorms; the final norm."""
     d, hd = s["dim"], s["dim"] // s["heads"]
     kv = s["kv_heads"] * hd
     layer = (d * d + d) + 2 * (d * kv + kv) + d * d + 3 * d * s["mlp"] + 2 * d
-    return s["vocab"] * d + s["layers"] * layer + d
+    return (1 if s.get("tied", 1) else 2) * s["vocab"] * d + s["layers"] * layer + d
 
 
 def model_flops(s: dict) -> float:
@@ -973,12 +1033,14 @@ def describe(args, meta: dict, kind: str) -> str:
         extra = meta["step_graphs"].get(kind, {}).get("args", args.step_configs.get(kind, ""))
         return f"step graph, `{extra}`" if extra else "step graph, no extra arguments"
     attn, ckpt = TORCH_ATTN[kind]
-    what = "torch + PEFT" if kind == "peft" else "torch"
+    what = {"peft": "torch + PEFT", "peft-nf4": "torch + PEFT + bitsandbytes NF4"}.get(kind, "torch")
     what += ", SDPA" if attn == "sdpa" else ", eager attention"
     if ckpt:
         what += " + gradient checkpointing"
     if meta["spec"].get("export_dtype", "float32") == "float16":
         what += ", float16 weights, autocast float16 + GradScaler"
+    elif meta["spec"].get("export_dtype") == "bfloat16":
+        what += ", bfloat16 weights, autocast bf16"
     elif args.precision == "bf16":
         what += ", autocast bf16"
     else:
@@ -1151,8 +1213,9 @@ def main():
               f"--precision {args.precision or '(none)'}", flush=True)
     meta = prepare(args, work)
     kinds = [k for k in args.config_list if k in TORCH_KINDS or "error" not in meta["step_graphs"][k]]
-    if "peft" in kinds and "error" in meta["step_graphs"][args.peft_of]:
-        kinds.remove("peft")
+    for k in PEFT_KINDS:
+        if k in kinds and "error" in meta["step_graphs"][args.peft_of]:
+            kinds.remove(k)
     runs: dict[str, list] = {k: [] for k in args.config_list}
     for rnd in range(args.rounds):
         order = kinds[rnd % len(kinds):] + kinds[: rnd % len(kinds)] if kinds else []
@@ -1172,7 +1235,7 @@ def main():
     for k in args.config_list:
         if k not in TORCH_KINDS and "error" in meta["step_graphs"].get(k, {}):
             res[k] = {"error": "no step graph: " + meta["step_graphs"][k]["error"]}
-        if k == "peft" and "error" in meta["step_graphs"][args.peft_of]:
+        if k in PEFT_KINDS and "error" in meta["step_graphs"][args.peft_of]:
             res[k] = {"error": f"no LoRA step graph `{args.peft_of}` to copy A from"}
     env["load_end"] = os.getloadavg()[0]
     derive(args, meta, res)

@@ -2,6 +2,7 @@
 //! memory-mapped read-only and decoded without copying weights, outputs are written atomically
 //! through registered temporaries, and input-controlled sizes are capped before they allocate.
 
+pub mod external_payloads;
 pub mod fsio;
 pub mod limits;
 pub mod model_io;

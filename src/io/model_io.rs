@@ -337,14 +337,14 @@ fn visit_model_tensors_mut(model: &mut ModelProto, f: &mut dyn FnMut(&mut Tensor
     }
 }
 
-fn is_external(t: &TensorProto) -> bool {
+pub fn is_external(t: &TensorProto) -> bool {
     t.data_location() as i32 == DataLocation::External as i32
 }
 
 /// The value of the one `key` entry of an external tensor's `external_data`; an error text
 /// when the key is missing or repeated (onnx and ONNX Runtime read the last of repeated
 /// keys, a check that read the first would check the wrong file).
-fn external_value<'a>(t: &'a TensorProto, key: &str) -> Result<Option<&'a str>, String> {
+pub fn external_value<'a>(t: &'a TensorProto, key: &str) -> Result<Option<&'a str>, String> {
     let mut found = t.external_data.iter().filter(|e| e.key() == key);
     let first = found.next().map(|e| e.value());
     if found.next().is_some() {
@@ -522,6 +522,15 @@ impl ExternalDataPlan {
                 }
             }
         });
+    }
+
+    /// The location a tensor had in the input model, given the one `apply` wrote (the
+    /// input's data files are where the input model is; copies are made only on save).
+    pub fn input_location<'l>(&'l self, location: &'l str) -> &'l str {
+        self.relocate
+            .iter()
+            .find(|(_, new)| new.as_str() == location)
+            .map_or(location, |(old, _)| old.as_str())
     }
 
     /// Bytes the plan copies.

@@ -5,7 +5,8 @@
 use std::path::{Path, PathBuf};
 
 use crate::error::Error;
-use crate::io::model_io::{load_model, model_dir, same_file, save_model_from};
+use crate::io::external_payloads::{read_external, write_external};
+use crate::io::model_io::{load_model, model_dir, same_file, save_model_from, ExternalDataAction};
 use crate::jobs::patch::{patch_model, PatchRequest, PatchSummary};
 use crate::passes::contract::{self, is_step_graph};
 use crate::passes::step::zero_state::SparseFile;
@@ -94,7 +95,10 @@ pub fn run_step(req: &StepRequest) -> Result<StepSummary, Error> {
             source,
         })?;
     }
-    let built = build(&mut patched.model, &req.options, &outputs)?;
+    let input_dir = model_dir(&req.patch.model);
+    let plan = &patched.external;
+    let read = |t: &crate::onnx::TensorProto| read_external(t, &input_dir, plan);
+    let mut built = build(&mut patched.model, &req.options, &outputs, &read)?;
     let summary = StepSummary {
         outputs: outputs.clone(),
         patch: patched.summary,
@@ -117,6 +121,17 @@ pub fn run_step(req: &StepRequest) -> Result<StepSummary, Error> {
         if let Some(file) = built.zeros.sparse_file() {
             written.push(write_sparse(&model_dir(holder), &file)?);
         }
+        // QLoRA's codes of a model kept in external data go to a data file of their own: the
+        // quantised base of a large model is more than one protobuf file may hold (2 GiB)
+        if patched.external.action != ExternalDataAction::None
+            && !built.quantized_payloads.is_empty()
+        {
+            let data = quantized_data_file(&outputs[0]);
+            let names = std::mem::take(&mut built.quantized_payloads);
+            if write_external(&mut patched.model, &names, &data)? {
+                written.push(data);
+            }
+        }
         if let Some(update) = &built.update {
             save_model_from(update, &outputs[1], None, None)?;
             written.push(outputs[1].clone());
@@ -135,6 +150,15 @@ pub fn run_step(req: &StepRequest) -> Result<StepSummary, Error> {
         return Err(e);
     }
     Ok(summary)
+}
+
+/// `OUT.onnx` → `OUT.qlora.data` beside it: QLoRA's codes and scales.
+fn quantized_data_file(out: &Path) -> PathBuf {
+    let stem = out
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    model_dir(out).join(format!("{stem}.qlora.data"))
 }
 
 /// Creates the optimizer state's zeros file in `dir`: a temporary file of the full length,

@@ -365,3 +365,70 @@ def test_patch_command_refuses_quantize_base(tmp_path):
                    "--quantize-base", "nf4"])
     assert r.returncode != 0 and "--quantize-base" in r.stderr
     assert not list(tmp_path.iterdir())
+
+
+def bnb_quantize_nf4(w: torch.Tensor, code, block: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """bitsandbytes 0.50.2's quantize_4bit(quant_type="nf4") as its CPU backend runs it
+    (backends/default/ops.py): the weight widened with `.float()` (a half weight exactly),
+    per block absmax, scaled, clamped, bucketised on the midpoints of the code values, two
+    codes a byte. Checked against bitsandbytes' own codes below before it is used."""
+    code = torch.tensor(code, dtype=torch.float32)
+    bounds = (code[:-1] + code[1:]) / 2
+    a = w.reshape(-1).float().reshape(-1, block)
+    absmax = a.abs().max(dim=-1)[0]
+    scaled = torch.clamp(a * (1.0 / absmax.clamp(min=1e-38).view(-1, 1)), -1, 1).reshape(-1)
+    q = torch.bucketize(scaled, bounds, out_int32=True).to(torch.uint8)
+    return ((q[::2] << 4) | q[1::2]).numpy(), absmax.numpy()
+
+
+def out_in(w: np.ndarray, layer: dict) -> torch.Tensor:
+    """A stored weight in torch's [out, in] order."""
+    t = torch.from_numpy(np.array(w))
+    return t if layer["weight_layout"] == "out_in" else t.T.contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_half_export_in_external_data(dtype, tmp_path):
+    """A float16/bfloat16 export whose weights are external data (how large models are
+    exported): the codes and absmax are bitsandbytes' of the half weights, the codes go to a
+    data file beside the step graph (`<out>.qlora.data`), the bytes before count 2 a value, and
+    StepRunner trains it."""
+    from precision_helpers import as_f32, half_export
+
+    # the port above is bitsandbytes on the float32 fixture
+    out32 = tmp_path / "f32.onnx"
+    build("lm_flat", out32)
+    meta32 = lh.step_meta(out32)["quantize_base"]
+    source32, ref = initializers(MODELS / "lm_flat.onnx"), reference("lm_flat")
+    for la in meta32["layers"]:
+        codes, absmax = bnb_quantize_nf4(out_in(source32[la["weight"]], la), meta32["code"])
+        np.testing.assert_array_equal(codes, ref[f"{la['module']}/codes"], err_msg=la["module"])
+        np.testing.assert_array_equal(bits(absmax), bits(ref[f"{la['module']}/absmax"]), err_msg=la["module"])
+
+    inline = tmp_path / "inline.onnx"
+    half_export(inline, dtype)
+    half = tmp_path / "half" / "m.onnx"
+    half.parent.mkdir()
+    onnx.save_model(onnx.load(str(inline)), str(half), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="m.data", size_threshold=0)
+    out = tmp_path / "out" / "q.onnx"
+    out.parent.mkdir()
+    lh.build_step_from(half, out, "--lora-r", "4", "--lora-targets", "q,v,fc1", "--quantize-base", "nf4",
+                       "--precision", "fp32", "--copy-external-data")
+    assert (out.parent / "q.qlora.data").is_file(), sorted(p.name for p in out.parent.iterdir())
+    meta = lh.step_meta(out)["quantize_base"]
+    stored = {t.name: t for t in onnx.load(str(half)).graph.initializer}
+    inits = initializers(out)
+    step = onnx.load(str(out), load_external_data=False)
+    external = {t.name for t in step.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+    assert meta["layers"]
+    for la in meta["layers"]:
+        w = out_in(as_f32(stored[la["weight"]]), la).to(dtype)  # exact: the stored half values
+        codes, absmax = bnb_quantize_nf4(w, meta["code"])
+        np.testing.assert_array_equal(inits[la["codes"]], codes, err_msg=la["module"])
+        np.testing.assert_array_equal(bits(inits[la["absmax"]]), bits(absmax), err_msg=la["module"])
+        assert {la["codes"], la["absmax"]} <= external, "the codes and absmax live in the data file"
+    assert meta["bytes_before"] == sum(la["shape"][0] * la["shape"][1] * 2 for la in meta["layers"])
+    runner = StepRunner(out, providers=["CPUExecutionProvider"])
+    losses = [float(runner.step(dict(zip(runner.data_inputs, b)))[0]) for b in lh.batches("lm_flat", 3)]
+    assert all(np.isfinite(losses)), losses

@@ -2,7 +2,9 @@
 //! weights of the linear layers stored as bitsandbytes' NF4 codes or symmetric int8/int4 values
 //! with per-block scales, and dequantised in the graph by standard ops.
 //!
-//! `quantize` runs right after LoRA: each chosen weight `W` (float32) is quantised in torch's
+//! `quantize` runs right after LoRA: each chosen weight `W` (float32, or float16/bfloat16 widened
+//! exactly to float32 first, as bitsandbytes' `quantize_4bit` does; stored inside the model or as
+//! external data, read through the job's reader) is quantised in torch's
 //! `[out, in]` order (`nf4.rs`, bit-equal to bitsandbytes 0.50's `quantize_4bit`), its
 //! initializer replaced by `ntl/qlora/<W>.codes` (uint8, two codes a byte) and
 //! `ntl/qlora/<W>.absmax` (float32 `[blocks, 1]`), and one shared chain of nodes at the top of
@@ -43,6 +45,9 @@ use crate::onnx::{
     default_opset, int_attr, ints_attr, proto::tensor_proto::DataType, ModelProto, NodeProto,
     TensorProto, FLOAT, INT32,
 };
+/// The half types a weight may be exported in (widened exactly before it is quantised).
+const FLOAT16: i32 = DataType::Float16 as i32;
+const BFLOAT16: i32 = DataType::Bfloat16 as i32;
 use crate::passes::contract;
 use crate::passes::lora::linear::{linear_layers, Layout, Linear};
 use ntl_ops::names::PREFIX;
@@ -177,7 +182,7 @@ pub struct QuantizedBase {
     pub weights: Vec<QuantizedWeight>,
     /// The IR version the model was raised from (int4 needs 10), if it was.
     pub raised_ir: Option<i64>,
-    /// float32 bytes of the quantised weights, and of their codes and scales.
+    /// Bytes of the quantised weights as the export stores them, and of their codes and scales.
     pub bytes_before: u64,
     pub bytes_after: u64,
 }
@@ -302,25 +307,59 @@ fn head_weights(index: &GraphIndex, model: &ModelProto, layers: &[Linear]) -> BT
     heads
 }
 
-/// A 2-D float32 initializer's values, in torch's `[out, in]` order.
-fn weight_values(t: &TensorProto, layer: &Linear) -> Result<Vec<f32>, Error> {
+/// Reads the payload of a tensor stored as external data (the job's reader: passes read no
+/// files).
+pub type ReadExternal<'a> = &'a dyn Fn(&TensorProto) -> Result<Vec<u8>, Error>;
+
+/// Bytes a value of a weight's element type takes (float32, float16, bfloat16).
+fn value_bytes(t: &TensorProto) -> u64 {
+    if t.data_type() == FLOAT {
+        4
+    } else {
+        2
+    }
+}
+
+/// A 2-D float initializer's values widened exactly to float32 (as bitsandbytes' CPU
+/// `quantize_4bit` widens a half weight before it quantises), in torch's `[out, in]` order.
+fn weight_values(
+    t: &TensorProto,
+    layer: &Linear,
+    read_external: ReadExternal,
+) -> Result<Vec<f32>, Error> {
     let name = t.name();
-    if t.data_type() != FLOAT {
+    let ty = t.data_type();
+    if ty != FLOAT && ty != FLOAT16 && ty != BFLOAT16 {
         return Err(Error::Usage(format!(
-            "--quantize-base: the weight '{name}' is not float32; quantising float16/bfloat16 exports is not built yet (export in float32)"
+            "--quantize-base: the weight '{name}' is {}, not float32, float16 or bfloat16; export the model's weights in one of those",
+            crate::graph::elem_types::elem_type_name(ty).unwrap_or("of an unknown type")
         )));
     }
-    if !t.external_data.is_empty() {
-        return Err(Error::Usage(format!(
-            "--quantize-base: the weight '{name}' is stored as external data, which is not quantised yet; export the model with its weights inside the .onnx file"
-        )));
-    }
-    let stored: Vec<f32> = match t.raw_data.as_deref().filter(|r| !r.is_empty()) {
-        Some(raw) => raw
+    let external;
+    let raw = if t.data_location() as i32
+        == crate::onnx::proto::tensor_proto::DataLocation::External as i32
+    {
+        external = read_external(t)?;
+        Some(external.as_slice())
+    } else {
+        t.raw_data.as_deref().filter(|r| !r.is_empty())
+    };
+    let stored: Vec<f32> = match (raw, ty) {
+        (Some(raw), FLOAT) => raw
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect(),
-        None => t.float_data.clone(),
+        (Some(raw), _) => raw
+            .chunks_exact(2)
+            .map(|c| half_to_f32(ty, u16::from_le_bytes([c[0], c[1]])))
+            .collect(),
+        (None, FLOAT) => t.float_data.clone(),
+        // ONNX keeps float16/bfloat16 bits in int32_data when there is no raw_data
+        (None, _) => t
+            .int32_data
+            .iter()
+            .map(|&bits| half_to_f32(ty, bits as u16))
+            .collect(),
     };
     let (rows, cols) = (t.dims[0] as usize, t.dims[1] as usize);
     if stored.len() != rows * cols {
@@ -349,6 +388,15 @@ fn weight_values(t: &TensorProto, layer: &Linear) -> Result<Vec<f32>, Error> {
             v
         }
     })
+}
+
+/// A float16 or bfloat16 value's bits, widened exactly.
+fn half_to_f32(ty: i32, bits: u16) -> f32 {
+    if ty == BFLOAT16 {
+        f32::from_bits(u32::from(bits) << 16)
+    } else {
+        half::f16::from_bits(bits).to_f32()
+    }
 }
 
 /// The layers `options` choose among `layers` (LoRA's adapters excluded).
@@ -420,7 +468,11 @@ fn examples(layers: &[Linear]) -> String {
 }
 
 /// Quantises the chosen frozen weights of `model` (see the module doc). Runs after LoRA.
-pub fn quantize(model: &mut ModelProto, o: &QuantizeOptions) -> Result<QuantizedBase, Error> {
+pub fn quantize(
+    model: &mut ModelProto,
+    o: &QuantizeOptions,
+    read_external: ReadExternal,
+) -> Result<QuantizedBase, Error> {
     o.check()?;
     let opset = default_opset(model).expect("checked by the patch step");
     if opset < o.scheme.min_opset() {
@@ -456,7 +508,7 @@ pub fn quantize(model: &mut ModelProto, o: &QuantizeOptions) -> Result<Quantized
             continue;
         }
         let t = by_name[layer.weight.as_str()];
-        let values = weight_values(t, layer)?;
+        let values = weight_values(t, layer, read_external)?;
         check_block(o, layer, values.len())?;
         let codes = claim(&mut b, format!("{PREFIX}/qlora/{}.codes", layer.weight))?;
         let scales_name = match o.scheme {
@@ -502,7 +554,7 @@ pub fn quantize(model: &mut ModelProto, o: &QuantizeOptions) -> Result<Quantized
                 (raw, q.scales, vec![blocks, o.block], vec![blocks])
             }
         };
-        before += values.len() as u64 * 4;
+        before += values.len() as u64 * value_bytes(t);
         after += raw.len() as u64;
         b.initializers.push(TensorProto {
             name: Some(codes.clone()),

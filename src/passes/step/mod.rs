@@ -29,7 +29,7 @@ use crate::passes::contract::{self, StepMetadata};
 use crate::passes::fused_head::{self, FusedHeadOptions, FusedView, Outcome};
 use crate::passes::grad::{self, Ctx};
 use crate::passes::lora::{self, Adapted, LoraOptions};
-use crate::passes::quantize_base::{self, per_use, QuantizeOptions, QuantizedBase};
+use crate::passes::quantize_base::{self, per_use, QuantizeOptions, QuantizedBase, ReadExternal};
 use crate::passes::recompute::{self, RecomputeOptions, StepFacts};
 use ntl_ops::names::{CE_OUTPUT, NUMBER_OUTPUT, PREFIX};
 use ntl_ops::Builder;
@@ -142,6 +142,8 @@ pub struct Built {
     pub lora: Option<contract::Lora>,
     pub recompute: contract::Recompute,
     pub attention: contract::Attention,
+    /// QLoRA's stored codes and scales (the job may move them to a data file of their own).
+    pub quantized_payloads: Vec<String>,
 }
 
 /// One stage of the step graph: it reads what earlier stages left in the context and leaves
@@ -179,8 +181,9 @@ pub fn build(
     model: &mut ModelProto,
     req: &StepOptions,
     outputs: &[PathBuf],
+    read_external: ReadExternal,
 ) -> Result<Built, Error> {
-    let mut ctx = StepCtx::new(model, req, outputs);
+    let mut ctx = StepCtx::new(model, req, outputs, read_external);
     for stage in STAGES {
         stage(&mut ctx)?;
     }
@@ -208,6 +211,8 @@ struct OptimizerState {
 struct StepCtx<'a> {
     req: &'a StepOptions,
     outputs: &'a [PathBuf],
+    /// The payloads of weights stored as external data (QLoRA quantises them).
+    read_external: ReadExternal<'a>,
     model: &'a mut ModelProto,
     opset: i64,
     precision: Precision,
@@ -246,10 +251,16 @@ struct StepCtx<'a> {
 }
 
 impl<'a> StepCtx<'a> {
-    fn new(model: &'a mut ModelProto, req: &'a StepOptions, outputs: &'a [PathBuf]) -> Self {
+    fn new(
+        model: &'a mut ModelProto,
+        req: &'a StepOptions,
+        outputs: &'a [PathBuf],
+        read_external: ReadExternal<'a>,
+    ) -> Self {
         StepCtx {
             req,
             outputs,
+            read_external,
             opset: default_opset(model).expect("checked by the patch step"),
             model,
             precision: req.precision(),
@@ -302,6 +313,9 @@ impl<'a> StepCtx<'a> {
             lora: meta.lora,
             recompute: meta.recompute.expect("recompute_layers ran"),
             attention: meta.attention.expect("lower_attention ran"),
+            quantized_payloads: self.quantized.as_ref().map_or_else(Vec::new, |q| {
+                q.stored().into_iter().map(|(name, _, _)| name).collect()
+            }),
         })
     }
 }
@@ -372,7 +386,7 @@ fn quantize_base(ctx: &mut StepCtx) -> Result<(), Error> {
     let Some(options) = &ctx.req.quantize else {
         return Ok(());
     };
-    let q = quantize_base::quantize(ctx.model, options)?;
+    let q = quantize_base::quantize(ctx.model, options, ctx.read_external)?;
     if let Some(ir) = q.raised_ir {
         ctx.warnings.push(format!(
             "the model's IR version {ir} was raised to 10, the first with int4 tensors (--quantize-base int4)"
