@@ -256,4 +256,33 @@ impl Builder {
     pub fn where_(&mut self, cond: &str, a: &str, b: &str, hint: &str) -> String {
         self.node("Where", &[cond, a, b], hint, vec![])
     }
+
+    /// `t` unchanged, as a tensor no runtime can compute before the activation `x`: a
+    /// `Reshape` of `t` to its own shape (onnxruntime's is a view, no copy), the shape read
+    /// through `Where(c, s, s)` with `c` taken from `x`'s first element. Runtimes order nodes
+    /// by their inputs, and `Where` on a value known only at run time survives their
+    /// optimisers, where a `CastLike(t, x)` becomes a `Cast(t)` that reads `t` alone and may
+    /// run at the start of the step (onnxruntime's PRIORITY_BASED order runs it there). `x`
+    /// must have an element. Constants as `Constant` nodes: the caller takes only nodes.
+    pub fn after(&mut self, t: &str, x: &str, hint: &str) -> String {
+        let constant = |b: &mut Builder, name: &str, data: &[i64]| {
+            let out = b.fresh(name);
+            let value = i64_tensor(&out, &[1], data);
+            b.node_to(
+                "Constant",
+                &[],
+                &[&out],
+                vec![crate::onnx::tensor_attr("value", value)],
+            );
+            out
+        };
+        let minus_one = constant(self, &format!("{hint}_flat_shape"), &[-1]);
+        let flat = self.node("Reshape", &[x, &minus_one], &format!("{hint}_flat"), vec![]);
+        let zero = constant(self, &format!("{hint}_first_index"), &[0]);
+        let first = self.gather(&flat, &zero, 0, &format!("{hint}_first"));
+        let cond = self.cast(&first, crate::onnx::BOOL, &format!("{hint}_cond"));
+        let shape = self.node("Shape", &[t], &format!("{hint}_shape"), vec![]);
+        let shape = self.where_(&cond, &shape, &shape, &format!("{hint}_shape_after"));
+        self.node("Reshape", &[t, &shape], hint, vec![])
+    }
 }

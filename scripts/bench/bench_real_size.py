@@ -7,6 +7,8 @@ of Qwen2-0.5B, in time per step, peak RSS and losses (bench/README.md, section "
     .venv/bin/python scripts/bench/bench_real_size.py --preset small         # 2 layers, d 128: a check
     .venv/bin/python scripts/bench/bench_real_size.py --preset qwen1.5b      # LoRA r 16 vs torch + PEFT
     .venv/bin/python scripts/bench/bench_real_size.py --preset qwen1.5b --export-dtype float16
+    PYTHONPATH=<bitsandbytes 0.50.2> .venv/bin/python scripts/bench/bench_real_size.py --preset qwen7b \
+        --precision fp32                                                # QLoRA (issue 34), ~40 GB disk
 
 The model: transformers' Qwen2ForCausalLM from a Qwen2Config (random weights, seed --seed, no
 download): d 896, 14 query / 2 key-value heads, MLP 4864, vocab 151 936, tied embeddings, eager
@@ -32,6 +34,16 @@ Configurations (--configs, default `dense,default,torch`):
          to the step graph's initial A (read from the graph's initializers by the metadata's
          names; B is zeros on both sides), torch.optim.AdamW over the LoRA parameters only (the
          step graph's defaults), loss = the model's own CE + 0.3·ntloss as `torch`.
+  qlora  (built in) `lora` + `--quantize-base nf4` (qlora-dq: + `--double-quant`): the frozen
+         linear weights in bitsandbytes' NF4.
+  peft-nf4 `peft` with the targeted linear layers replaced by bitsandbytes' Linear4bit (NF4,
+         blocks of 64, bfloat16 compute: what from_pretrained(load_in_4bit=True) makes), on its
+         CPU backend; bitsandbytes must be importable (PYTHONPATH).
+Preset qwen7b (issue 34): the Qwen2-7B shape (28 layers, d 3584, 28/4 heads, MLP 18 944, V 152 064,
+untied head), made and exported in bfloat16 (no float32 copy: 15 GB), configurations
+`qlora,peft-nf4,peft` with `peft*` taking A from `qlora`; torch trains the bfloat16 base under
+bfloat16 autocast. onnxruntime's CPU provider has no bfloat16 MatMul: give the step graph
+`--precision fp32` (bitsandbytes' compute dtype float32) on the CPU.
 --export-dtype float16: the model is exported in float16 (Qwen2ForCausalLM.half() of the same
 float32 weights; work dir <preset>-float16), the step configurations get `--precision fp16`
 (--precision), and `torch` / `peft` train the float16 model under torch.autocast("cpu",
@@ -39,9 +51,11 @@ float16) with CUDA autocast's float32 list (tests/python/torch_amp.py: what `--p
 follows) and torch.amp.GradScaler("cpu") (the step graph's loss scaling defaults); PEFT keeps
 its adapters float32 (autocast_adapter_dtype), as the step graph's masters. --baseline
 JSON (the --json of the float32 run) adds the resident weight bytes and losses against it.
-Resident weights: the step graph's float initializers by kind (frozen weights = the float
-initializers that are not training state; trained parameters; optimizer state), from the graph
-file's TensorProto headers (no payload is read).
+Resident weights: the step graph's initializers by kind (frozen weights = the initializers that
+are not training state, a quantised base's codes and scales included; trained parameters;
+optimizer state), from the graph file's TensorProto headers (no payload is read), the frozen
+bytes also against the export's initializer bytes and, with --quantize-base, the quantised
+layers' bytes before and after (the step's metadata).
 Each run is its own process (a worker mode of this script) that loads, trains --steps steps and
 reports its step times, losses and peak RSS (VmHWM, with the resident anonymous and file-backed
 parts at the end): no run shares memory with another. The runs are interleaved: --rounds rounds,
@@ -138,6 +152,7 @@ STEP_CONFIGS = {"dense": "--fused-head off", "default": "", "lora": LORA_ARGS,
                 # issue 34: the frozen base in bitsandbytes' NF4 (blocks of 64), with double quantisation
                 "qlora": f"{LORA_ARGS} --quantize-base nf4",
                 "qlora-dq": f"{LORA_ARGS} --quantize-base nf4 --double-quant",
+                "qlora-rc": f"{LORA_ARGS} --quantize-base nf4 --recompute layers",
                 "recompute": "--recompute layers",
                 # issue 33: attention as exported, or over blocks of query rows
                 "eager": "--attention eager", "chunked": "--attention chunked",
@@ -147,9 +162,11 @@ STEP_CONFIGS = {"dense": "--fused-head off", "default": "", "lora": LORA_ARGS,
 # torch_ckpt: torch with model.gradient_checkpointing_enable() (each decoder layer recomputed)
 TORCH_ATTN = {"torch": ("eager", False), "torch_ckpt": ("eager", True),
               "torch-sdpa": ("sdpa", False), "torch-sdpa-ckpt": ("sdpa", True), "peft": ("eager", False),
-              "peft-nf4": ("eager", False)}
-TORCH_KINDS = ("torch", "peft", "peft-nf4", "torch_ckpt", "torch-sdpa", "torch-sdpa-ckpt")
-PEFT_KINDS = ("peft", "peft-nf4")  # torch + PEFT: the LoRA of a step graph (--peft-of)
+              "peft-nf4": ("eager", False), "peft-nf4-ckpt": ("eager", True), "peft-nf4-fp32": ("eager", False)}
+# torch + PEFT: the LoRA of a step graph (--peft-of); peft-nf4*: on bitsandbytes' NF4 layers
+NF4_KINDS = ("peft-nf4", "peft-nf4-ckpt", "peft-nf4-fp32")
+PEFT_KINDS = ("peft", *NF4_KINDS)
+TORCH_KINDS = ("torch", "torch_ckpt", "torch-sdpa", "torch-sdpa-ckpt", *PEFT_KINDS)
 # the checkpointing variant of a torch baseline (the reference of a step configuration with --recompute)
 CKPT_OF = {"torch": "torch_ckpt", "torch-sdpa": "torch-sdpa-ckpt"}
 PEAK_FLOPS = 989e12  # H200 (and H100 SXM): dense bf16 tensor-core peak, FLOP/s
@@ -409,6 +426,8 @@ def prepare(args, work: Path) -> dict:
         how = stdout.strip().splitlines()[-1]
         meta = {"spec": spec, "exporter": how, "export_s": time.perf_counter() - t0, "export_peak_mib": peak,
                 "step_graphs": {}}
+    if "export_bytes" not in meta:
+        meta["export_bytes"] = export_weights(work / "model.onnx")
     for name in [c for c in args.config_list if c not in TORCH_KINDS] + args.graph_only:
         extra = args.step_configs[name]
         done = meta["step_graphs"].get(name)
@@ -436,13 +455,36 @@ def prepare(args, work: Path) -> dict:
     return meta
 
 
-FLOAT_BYTES = {1: 4, 10: 2, 11: 8, 16: 2}  # TensorProto FLOAT, FLOAT16, DOUBLE, BFLOAT16
+# bytes per element of TensorProto's types: FLOAT, UINT8, INT8, INT32, INT64, FLOAT16, DOUBLE,
+# BFLOAT16, UINT4 and INT4 (two to a byte)
+ELEMENT_BYTES = {1: 4, 2: 1, 3: 1, 6: 4, 7: 8, 10: 2, 11: 8, 16: 2, 21: 0.5, 22: 0.5}
+
+
+def initializer_bytes(tensors, kind_of) -> dict:
+    """Bytes of initializers by kind_of(name) and, for "frozen", by element type."""
+    from ntl_patch import _onnx_decode
+
+    out = {"frozen": 0, "parameters": 0, "optimizer": 0, "frozen_by_type": {}}
+    for t in tensors:
+        size = ELEMENT_BYTES.get(t.data_type)
+        if size is None:
+            continue
+        n = size
+        for d in t.dims:
+            n *= d
+        kind = kind_of(t.name)
+        out[kind] += int(n)
+        if kind == "frozen":
+            ty = _onnx_decode.type_name(t.data_type)
+            out["frozen_by_type"][ty] = out["frozen_by_type"].get(ty, 0) + int(n)
+    return out
 
 
 def resident_weights(graph: Path) -> dict:
-    """Bytes of the step graph's float initializers by kind, from the TensorProto headers:
-    frozen (not training state: the base weights, buffers), parameters (trained), optimizer
-    (the rest of the state), and the frozen bytes by element type."""
+    """Bytes of the step graph's initializers (headers only) by kind: frozen (not training state:
+    the base weights, a quantised base's codes and scales, buffers), parameters (trained),
+    optimizer (the rest of the state), and the frozen bytes by element type; with a quantised
+    base also its bytes before and after quantisation (the step's metadata)."""
     sys.path.insert(0, str(REPO / "python"))
     from ntl_patch import _onnx_decode
 
@@ -455,20 +497,26 @@ def resident_weights(graph: Path) -> dict:
         mm.close()
     state = {name for name, _ in meta["state"]}
     params = set(meta["parameters"])
-    out = {"frozen": 0, "parameters": 0, "optimizer": 0, "frozen_by_type": {}}
-    for t in tensors:
-        size = FLOAT_BYTES.get(t.data_type)
-        if size is None:
-            continue
-        n = size
-        for d in t.dims:
-            n *= d
-        kind = "parameters" if t.name in params else "optimizer" if t.name in state else "frozen"
-        out[kind] += n
-        if kind == "frozen":
-            ty = _onnx_decode.type_name(t.data_type)
-            out["frozen_by_type"][ty] = out["frozen_by_type"].get(ty, 0) + n
+    out = initializer_bytes(tensors, lambda n: "parameters" if n in params else "optimizer" if n in state
+                            else "frozen")
+    q = meta.get("quantize_base")
+    if q:
+        out["quantized"] = {"before": q["bytes_before"], "after": q["bytes_after"]}
     return out
+
+
+def export_weights(model: Path) -> int:
+    """Bytes of the export's initializers (headers only)."""
+    sys.path.insert(0, str(REPO / "python"))
+    from ntl_patch import _onnx_decode
+
+    mm, buf = _onnx_decode.map_file(model)
+    try:
+        tensors = _onnx_decode.initializers(buf)
+    finally:
+        del buf
+        mm.close()
+    return initializer_bytes(tensors, lambda n: "frozen")["frozen"]
 
 
 # ----------------------------------------------------------------------------- workers
@@ -505,7 +553,9 @@ def worker(argv) -> None:
         step, extra = torch_step(work, ids, labels, threads, device, attn=attn, checkpoint=ckpt)
     elif kind in PEFT_KINDS:
         step, extra = torch_step(work, ids, labels, threads, device, lora_graph=work / argv[5],
-                                 nf4=kind == "peft-nf4")
+                                 checkpoint=TORCH_ATTN[kind][1],
+                                 nf4=None if kind not in NF4_KINDS else "float32" if kind == "peft-nf4-fp32"
+                                 else "bfloat16")
     else:
         step, extra = runner_step(work / argv[5], Path(argv[6]), ids, labels, threads, device)
     load_s = time.perf_counter() - t_load
@@ -628,9 +678,9 @@ def torch_float32_matmul(torch, tf32: bool) -> str:
     return f"torch.backends.cuda.matmul.allow_tf32={m.allow_tf32}"
 
 
-def nf4_linears(model, targets) -> int:
+def nf4_linears(model, targets, compute_dtype) -> int:
     """Replaces the model's linear layers named by targets (LoRA's target_modules) by
-    bitsandbytes' Linear4bit (NF4, blocks of 64, no double quantisation, bfloat16 compute), as
+    bitsandbytes' Linear4bit (NF4, blocks of 64, no double quantisation, compute_dtype), as
     from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True)) makes them; one
     layer at a time, so the float weights go as their codes come. Returns the layers replaced."""
     import bitsandbytes as bnb
@@ -642,7 +692,7 @@ def nf4_linears(model, targets) -> int:
         parent, _, leaf = name.rpartition(".")
         old = model.get_submodule(name)
         new = bnb.nn.Linear4bit(old.in_features, old.out_features, bias=old.bias is not None,
-                                compute_dtype=torch.bfloat16, compress_statistics=False, quant_type="nf4")
+                                compute_dtype=compute_dtype, compress_statistics=False, quant_type="nf4")
         new.weight = bnb.nn.Params4bit(old.weight.data, requires_grad=False, quant_type="nf4", blocksize=64,
                                        compress_statistics=False)
         if old.bias is not None:
@@ -654,7 +704,7 @@ def nf4_linears(model, targets) -> int:
 
 
 def torch_step(work: Path, ids, labels, threads: int, device: str, lora_graph: Path | None = None,
-               checkpoint: bool = False, attn: str = "eager", nf4: bool = False):
+               checkpoint: bool = False, attn: str = "eager", nf4: str | None = None):
     import ntloss
     import torch
     from transformers import PreTrainedTokenizerFast
@@ -669,7 +719,7 @@ def torch_step(work: Path, ids, labels, threads: int, device: str, lora_graph: P
     half = spec.get("export_dtype", "float32") == "float16"
     # a bfloat16 base trains under bfloat16 autocast (bitsandbytes' compute dtype for peft-nf4)
     bf16 = (os.environ.get("NTL_BENCH_PRECISION") == "bf16" or spec.get("export_dtype") == "bfloat16") \
-        and not half
+        and not half and nf4 != "float32"
     info = {"attn_implementation": attn, "gradient_checkpointing": checkpoint,
             "autocast": "float16" if half else "bfloat16" if bf16 else None}
     if device == "cuda":
@@ -681,7 +731,13 @@ def torch_step(work: Path, ids, labels, threads: int, device: str, lora_graph: P
         from ntl_patch import _onnx_decode
 
         lora = json.loads(_onnx_decode.read_metadata(lora_graph)["ntl_step"])["lora"]
-        info["nf4_layers"] = nf4_linears(model, set(lora["target_modules"]))
+        info["nf4_layers"] = nf4_linears(model, set(lora["target_modules"]), getattr(torch, nf4))
+        info["nf4_compute_dtype"] = nf4
+        if nf4 == "float32":  # bnb_4bit_compute_dtype=float32: the rest widened too, no autocast
+            for m in model.modules():  # (the step graph's --precision fp32 on a half export)
+                for name, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False)):
+                    if t.dtype in (torch.bfloat16, torch.float16):
+                        t.data = t.data.float()
     if lora_graph is not None:  # LoRA: the frozen base in its exported type, float32 adapters
         model, trained, _ = peft_wrap(model, lora_graph)
     else:  # full fine-tune: float32 masters of every weight (the float16 export's values)
@@ -982,7 +1038,8 @@ def reference(args, meta: dict, kind: str) -> str | None:
     g = meta["step_graphs"].get(kind, {})
     a = shlex.split(g.get("args", args.step_configs.get(kind, "")))
     if "--lora-r" in a:  # QLoRA against PEFT on bitsandbytes' NF4 layers where that runs
-        return "peft-nf4" if "--quantize-base" in a and "peft-nf4" in args.config_list else "peft"
+        nf4 = "peft-nf4-ckpt" if "--recompute" in a else "peft-nf4"
+        return nf4 if "--quantize-base" in a and nf4 in args.config_list else "peft"
     base = args.baseline_name
     if "--recompute" in a and a[a.index("--recompute") + 1:a.index("--recompute") + 2] != ["off"] \
             and CKPT_OF.get(base) in args.config_list:
@@ -1033,11 +1090,14 @@ def describe(args, meta: dict, kind: str) -> str:
         extra = meta["step_graphs"].get(kind, {}).get("args", args.step_configs.get(kind, ""))
         return f"step graph, `{extra}`" if extra else "step graph, no extra arguments"
     attn, ckpt = TORCH_ATTN[kind]
-    what = {"peft": "torch + PEFT", "peft-nf4": "torch + PEFT + bitsandbytes NF4"}.get(kind, "torch")
+    what = "torch + PEFT + bitsandbytes NF4" if kind in NF4_KINDS else "torch + PEFT" if kind == "peft" \
+        else "torch"
     what += ", SDPA" if attn == "sdpa" else ", eager attention"
     if ckpt:
         what += " + gradient checkpointing"
-    if meta["spec"].get("export_dtype", "float32") == "float16":
+    if kind == "peft-nf4-fp32":
+        what += f", {meta['spec'].get('export_dtype', 'float32')} values widened to float32, float32 compute"
+    elif meta["spec"].get("export_dtype", "float32") == "float16":
         what += ", float16 weights, autocast float16 + GradScaler"
     elif meta["spec"].get("export_dtype") == "bfloat16":
         what += ", bfloat16 weights, autocast bf16"
@@ -1101,7 +1161,8 @@ def summary_table(args, meta: dict, res: dict) -> list[str]:
 def markdown(args, meta: dict, res: dict, env: dict, baseline: dict | None = None) -> str:
     s = meta["spec"]
     lines = [f"Preset `{args.preset}`: Qwen2 shape, {s['layers']} layers, d {s['dim']}, {s['heads']}/"
-             f"{s['kv_heads']} heads, MLP {s['mlp']}, V {s['vocab']}, tied embeddings, B={s['batch']}, "
+             f"{s['kv_heads']} heads, MLP {s['mlp']}, V {s['vocab']}, "
+             f"{'tied embeddings' if s.get('tied', 1) else 'untied head'}, B={s['batch']}, "
              f"T={s['seq']}; export: {meta['exporter']}, {s.get('export_dtype', 'float32')}; {args.steps} "
              f"steps per run, {args.rounds} interleaved rounds, {args.threads} threads; load average "
              f"{env['load_start']:.1f} → {env['load_end']:.1f}" + ("; step configurations without "
@@ -1120,8 +1181,15 @@ def markdown(args, meta: dict, res: dict, env: dict, baseline: dict | None = Non
             wtxt = ""
             if w:
                 types = ", ".join(f"{t} {gib(b)}" for t, b in sorted(w["frozen_by_type"].items()))
-                wtxt = (f"; float initializers: frozen {gib(w['frozen'])} GiB ({types}), trained "
+                wtxt = (f"; initializers: frozen {gib(w['frozen'])} GiB ({types}), trained "
                         f"{gib(w['parameters'])} GiB, optimizer state {gib(w['optimizer'])} GiB")
+                if meta.get("export_bytes"):
+                    wtxt += (f"; frozen = **{w['frozen'] / meta['export_bytes']:.3f}×** the export's "
+                             f"{gib(meta['export_bytes'])} GiB")
+                if w.get("quantized"):
+                    q = w["quantized"]
+                    wtxt += (f"; the quantised layers {gib(q['before'])} → {gib(q['after'])} GiB "
+                             f"(**{q['after'] / q['before']:.3f}×**)")
             lines.append(f"- `{name}` (extra arguments {extra}): {g['parameters']} trained tensors, "
                          f"{g['parameter_elements'] / 1e6:.1f} M elements; `ntl-patch step` {g['step_s']:.1f} s{wtxt}")
     if args.device == "cuda":
@@ -1166,9 +1234,11 @@ def markdown(args, meta: dict, res: dict, env: dict, baseline: dict | None = Non
             ratio = f"{c['memory_ratio']:.2f} ({c['baseline']})" if c.get("memory_ratio") else "-"
             reserved = f"{c['torch_reserved_mib']:.0f}" if kind in TORCH_KINDS else "-"
             lines.append(f"| `{kind}` | {c['gpu_peak_mib']:.0f} | {ratio} | {reserved} |")
-    for kind in args.config_list:
-        c, refname = res.get(kind), reference(args, meta, kind)
-        t = res.get(refname or "")
+    pairs = [(kind, reference(args, meta, kind)) for kind in args.config_list]
+    pairs += [(kind, nf4) for kind in args.config_list if "--quantize-base" in meta["step_graphs"].get(kind, {})
+              .get("args", "") for nf4 in NF4_KINDS if nf4 in args.config_list and nf4 != reference(args, meta, kind)]
+    for kind, refname in pairs:
+        c, t = res.get(kind), res.get(refname or "")
         if not refname or not c or "error" in c or not t or "error" in t:
             continue
         lines.append(f"\n`{kind}` vs `{refname}`: largest relative difference of the three losses over "
@@ -1187,7 +1257,7 @@ def markdown(args, meta: dict, res: dict, env: dict, baseline: dict | None = Non
             g, bg = meta["step_graphs"].get(kind, {}), bmeta["step_graphs"].get(kind, {})
             if g.get("weights") and bg.get("weights"):
                 w, bw = g["weights"], bg["weights"]
-                txt += (f"; resident weights (float initializers less training state) {gib(w['frozen'])} vs "
+                txt += (f"; resident weights (initializers less training state) {gib(w['frozen'])} vs "
                         f"{gib(bw['frozen'])} GiB: **{w['frozen'] / bw['frozen']:.3f}×**; with the trained "
                         f"parameters and optimizer state {gib(w['frozen'] + w['parameters'] + w['optimizer'])} vs "
                         f"{gib(bw['frozen'] + bw['parameters'] + bw['optimizer'])} GiB")

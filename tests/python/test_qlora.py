@@ -105,19 +105,31 @@ def test_codes_bit_equal_bitsandbytes(fixture, dq, tmp_path):
         assert "absmax_code" not in meta and "absmax_blocksize" not in meta
 
 
+def activation_waited_for(wait: onnx.NodeProto, produced: dict) -> str:
+    """The activation x of `Builder::after`'s `Reshape(t, Where(Cast(Gather(Reshape(x, [-1]), [0])), s, s))`."""
+    where = produced[wait.input[1]]
+    assert where.op_type == "Where", where.op_type
+    cast = produced[where.input[0]]
+    gather = produced[cast.input[0]]
+    flat = produced[gather.input[0]]
+    assert (cast.op_type, gather.op_type, flat.op_type) == ("Cast", "Gather", "Reshape")
+    return flat.input[0]
+
+
 def chain_model(step: onnx.ModelProto, codes: str) -> tuple[onnx.ModelProto, str, bool]:
     """One per-use copy of a weight's dequantisation in the step graph, as a model: every node
-    from the stored tensors to the copy's float weight, the activation its CastLike nodes are
-    like a graph input. Returns the model, its activation input and whether the copy ends
-    transposed (a joined Transpose)."""
+    from the stored tensors to the copy's float weight, the activation it waits for (its reads
+    of stored tensors go through `Reshape(t, Where(c(x), Shape(t), Shape(t)))`) a graph input.
+    Returns the model, its activation input and whether the copy ends transposed (a joined
+    Transpose)."""
     nodes = list(step.graph.node)
     produced = {o: n for n in nodes for o in n.output}
     readers = {}
     for n in nodes:
         for i in n.input:
             readers.setdefault(i, []).append(n)
-    start = next(n for n in readers[codes] if n.op_type == "CastLike")
-    like = start.input[1]
+    start = next(n for n in readers[codes] if n.op_type == "Reshape")
+    like = activation_waited_for(start, produced)
     t, transposed = start.output[0], False
     while len(readers.get(t, [])) == 1 and readers[t][0].op_type in ("Cast", "Gather", "Reshape", "Mul", "Transpose"):
         n = readers[t][0]
@@ -157,7 +169,7 @@ def test_graph_dequantises_as_bitsandbytes(fixture, dq, tmp_path):
     for la in meta["layers"]:
         model, _, transposed = chain_model(step, la["codes"])
         if dq:
-            assert sum(n.op_type == "CastLike" for n in model.graph.node) == 2, "the absmax' chain is per use too"
+            assert sum(n.op_type == "Where" for n in model.graph.node) == 2, "the absmax' chain is per use too"
         s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
         (w,) = s.run(None, {s.get_inputs()[0].name: np.zeros((1,), np.float32)})
         w = w.T if transposed else w
@@ -335,6 +347,38 @@ def test_onnxruntime_keeps_no_float_copy(dq, tmp_path):
     assert len(gathers) > len(meta["layers"]), "per-use dequantisations merged"
     absmax_gathers = [n for n in opt.graph.node if n.op_type == "Gather" and "dynamic_map" in n.input[0]]
     assert len(absmax_gathers) == (len(gathers) if dq else 0), "one absmax dequantisation per weight's"
+
+
+@pytest.mark.parametrize("extra", [[], ["--double-quant"], ["--recompute", "layers"],
+                                   ["--double-quant", "--recompute", "layers"]],
+                         ids=["nf4", "nf4-dq", "nf4-recompute", "nf4-dq-recompute"])
+def test_dequantisation_waits_for_its_reader(extra, tmp_path):
+    """In onnxruntime's optimised graph every node that reads the stored codes or scales (a
+    Shape aside) also reads something computed from the batch, so no order can run a
+    dequantisation before its reader's activation exists. A chain of stored tensors alone ran
+    at the start of the step in the PRIORITY_BASED order StepRunner uses for --recompute: every
+    weight's float32 copy at once (the Qwen2-7B shape passed 22 GiB; with the wait, 8.5 GiB)."""
+    out = tmp_path / "q.onnx"
+    lh.build_step("llama_dynamo", out, "--lora-r", "4", "--quantize-base", "nf4", *extra)
+    meta = lh.step_meta(out)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    so.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    ort.InferenceSession(str(out), so, providers=["CPUExecutionProvider"])
+    g = onnx.load(str(tmp_path / "opt.onnx")).graph
+    stored = {t for la in meta["quantize_base"]["layers"] for k, t in la.items()
+              if k in ("codes", "absmax", "absmax_codes", "absmax_scales")}
+    data, grew = set(meta["data_inputs"]), True
+    while grew:  # computed from the batch, whatever order the file keeps
+        grew = False
+        for n in g.node:
+            if any(i in data for i in n.input) and not set(n.output) <= data:
+                data |= set(n.output)
+                grew = True
+    early = [f"{n.op_type} {n.name}" for n in g.node if n.op_type != "Shape"
+             and any(i in stored for i in n.input) and not any(i in data for i in n.input)]
+    assert stored and not early, f"onnxruntime {ort.__version__}: reads of stored tensors alone: {early[:4]}"
 
 
 BAD = [

@@ -161,15 +161,24 @@ print(ort.__version__)
 
 def dequantize_model(step: Path, out: Path) -> dict[str, str]:
     """A model of the step graph's own DequantizeLinear nodes (one per quantised weight, with
-    their attributes), the codes and scales as initializers, each output a graph output."""
+    their attributes), the codes and scales as initializers (the scales as stored, not through
+    the wait for an activation), each output a graph output."""
     m = onnx.load(str(step))
     meta = json.loads({p.key: p.value for p in m.metadata_props}["ntl_step"])["quantize_base"]
     inits = {t.name: t for t in m.graph.initializer}
+    produced = {o: n for n in m.graph.node for o in n.output}
+
+    def stored(t: str) -> str:  # the scales are read after an activation: Reshape(scales, ...)
+        while t not in inits and t in produced and produced[t].op_type == "Reshape":
+            t = produced[t].input[0]
+        return t
+
     nodes, outputs, used, names = [], [], [], {}
     for k, la in enumerate(meta["layers"]):
         dq = next(n for n in m.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == la["codes"])
         node = onnx.NodeProto()
         node.CopyFrom(dq)
+        node.input[:] = [stored(i) for i in node.input]
         node.output[0] = f"w{k}"
         nodes.append(node)
         outputs.append(onnx.helper.make_tensor_value_info(f"w{k}", onnx.TensorProto.FLOAT, [None, BLOCK]))

@@ -7,16 +7,20 @@
 //! linear layer's `Transpose`, the backward's, autocast's cast to the compute type) join the
 //! copy instead of reading a shared float tensor.
 //!
-//! Each NF4 copy starts `CastLike(codes, x)` with one of the reading node's activations `x`
-//! (then `Cast` to int32 for the Gather): onnxruntime's common-subexpression elimination
-//! merges identical nodes of one input back into one — whose float output would then live
-//! from the forward to the backward — and an activation makes each copy's first node
-//! different. With `--double-quant` the absmax' own dequantisation is part of the chain, so it
-//! is copied too, its codes' Cast likewise through `CastLike`: no float32 absmax outlives its
-//! reader either. The codes and scales are declared graph inputs (by the step), so its constant
-//! folding cannot turn a chain into a float32 initializer either. An int8/int4 copy starts
-//! with its own `DequantizeLinear` of the stored codes, which onnxruntime (1.19, 1.31) does not
-//! merge (test_qlora_int.py checks the optimised graph).
+//! Each NF4 copy reads its codes through `Builder::after(codes, x)` with one of the reading
+//! node's activations `x` (then `Cast` to int32 for the Gather), for two reasons:
+//! onnxruntime's common-subexpression elimination merges identical nodes of one input back
+//! into one — whose float output would then live from the forward to the backward — and an
+//! activation makes each copy's first node different; and a chain that reads stored tensors
+//! alone may run at the start of the step (onnxruntime's PRIORITY_BASED order, which StepRunner
+//! uses for `--recompute`, ran every chain's first nodes there: 4 bytes a weight held until its
+//! reader). An earlier `CastLike(codes, x)` did the first only: onnxruntime rewrites it to a
+//! `Cast` of the codes alone. With `--double-quant` the absmax' own dequantisation is part of
+//! the chain, so it is copied too, its codes' Cast likewise after `x`: no float32 absmax
+//! outlives its reader either. An int8/int4 copy starts with its own `DequantizeLinear` of
+//! the stored codes, which onnxruntime (1.19, 1.31) does not merge (test_qlora_int.py checks the
+//! optimised graph), its scales read after `x`. The codes and scales are declared graph inputs
+//! (by the step), so constant folding cannot turn a chain into a float32 initializer either.
 
 use crate::graph::patch::{splice, Splice};
 use crate::graph::reads::{outer_reads, rename_reads};
@@ -24,7 +28,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 
 use super::{is_chain_node, QuantizedBase};
 use crate::graph::elem_types::ElemTypes;
-use crate::onnx::{GraphProto, NodeProto, FLOAT, FLOAT16, INT32};
+use crate::onnx::{GraphProto, NodeProto, FLOAT, FLOAT16};
 
 const BFLOAT16: i32 = crate::onnx::proto::tensor_proto::DataType::Bfloat16 as i32;
 use ntl_ops::Builder;
@@ -109,16 +113,17 @@ pub fn dequantize_per_use(
         if wanted.is_empty() {
             continue;
         }
-        let like = node
+        // the activation to wait for: a float one where types are known, else any
+        let activations: Vec<&String> = node
             .input
             .iter()
-            .find(|n| {
-                !n.is_empty()
-                    && !recipes.contains_key(*n)
-                    && !inits.contains(*n)
-                    && matches!(types.get(n), Some(FLOAT | FLOAT16 | BFLOAT16))
-            })
-            .cloned();
+            .filter(|n| !n.is_empty() && !recipes.contains_key(*n) && !inits.contains(*n))
+            .collect();
+        let like = activations
+            .iter()
+            .find(|n| matches!(types.get(n), Some(FLOAT | FLOAT16 | BFLOAT16)))
+            .or(activations.first())
+            .map(|n| n.to_string());
         let mut renames = HashMap::new();
         let mut nodes = Vec::new();
         for t in wanted {
@@ -149,9 +154,9 @@ fn joins_chain(
         && node.input[1..].iter().all(|i| !recipes.contains_key(i))
 }
 
-/// A fresh copy of `recipe` (fresh tensor and node names); each Cast of a stored tensor (the
-/// codes', the nested absmax codes') to int32 goes through `CastLike(codes, like)` where there
-/// is an activation to be like.
+/// A fresh copy of `recipe` (fresh tensor and node names); each node of stored tensors alone
+/// (the Cast of the codes or of the nested absmax codes, DequantizeLinear) reads one of them
+/// through `Builder::after(stored, like)` where there is an activation to wait for.
 fn instantiate(
     recipe: &[NodeProto],
     like: Option<&str>,
@@ -175,19 +180,17 @@ fn instantiate(
         n.name = Some(b.fresh(n.op_type()));
         // NF4's chains start with the codes' Cast; int8/int4's DequantizeLinear copies are
         // left apart by onnxruntime's common-subexpression elimination as they are
-        if reads_stored && n.op_type() == "Cast" {
-            if let Some(x) = like {
-                let tmp = b.fresh("qlora/codes_like");
-                out.push(NodeProto {
-                    name: Some(b.fresh("CastLike")),
-                    op_type: Some("CastLike".into()),
-                    input: vec![n.input[0].clone(), x.to_string()],
-                    output: vec![tmp.clone()],
-                    ..Default::default()
-                });
-                n.input[0] = tmp;
-                n.attribute = vec![crate::onnx::int_attr("to", INT32 as i64)];
-            }
+        // a node of stored tensors alone waits for the activation: NF4's Cast through its
+        // codes, DequantizeLinear through its float32 scales (any runtime reshapes those)
+        let anchor = match n.op_type() {
+            "Cast" => Some(0),
+            "DequantizeLinear" => Some(1),
+            _ => None,
+        };
+        if let (true, Some(i), Some(x)) = (reads_stored, anchor, like) {
+            let start = b.nodes.len();
+            n.input[i] = b.after(&n.input[i], x, "qlora/stored_after");
+            out.extend(b.nodes.drain(start..));
         }
         out.push(n);
     }

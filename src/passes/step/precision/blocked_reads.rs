@@ -1,8 +1,9 @@
 //! A loop body's `Gemm` that reads a large frozen half weight whole (the fused head's `h·Wᵀ`
 //! and `dz·W` in its `Scan`s, W the `[V, d]` head or tied embedding) reads it in row blocks:
-//! per block a `Slice` of the half weight, widened by its own `CastLike`, and a `Gemm` of its
-//! own; the blocks' products are concatenated (`transB`: the rows are output columns) or
-//! summed (the rows are the contraction).
+//! per block a `Slice` of the half weight (sliced no earlier than the product's activation,
+//! `Builder::after`), widened by its own `Cast`, and a `Gemm` of its own; the blocks' products
+//! are concatenated (`transB`: the rows are output columns) or summed (the rows are the
+//! contraction).
 //!
 //! Without it the body reads the widened weight from the outer graph, so `cast_per_use` widens
 //! all of it before the `Scan` and that float32 copy lives through the whole loop: at the
@@ -31,12 +32,11 @@ pub fn block_bodies(
     node: &mut NodeProto,
     widened: &HashMap<String, Widened>,
     dims: &HashMap<String, Vec<i64>>,
-    opset: i64,
     b: &mut Builder,
 ) {
     for a in &mut node.attribute {
         for g in a.g.iter_mut().chain(a.graphs.iter_mut()) {
-            block_body(g, widened, dims, opset, b);
+            block_body(g, widened, dims, b);
         }
     }
 }
@@ -45,14 +45,13 @@ fn block_body(
     body: &mut GraphProto,
     widened: &HashMap<String, Widened>,
     dims: &HashMap<String, Vec<i64>>,
-    opset: i64,
     b: &mut Builder,
 ) {
     let mut replace = std::collections::BTreeMap::new();
     for (at, node) in body.node.iter().enumerate() {
         if let Some((half, rows, per)) = blocks_of(node, widened, dims) {
             let before = b.nodes.len();
-            emit_blocked(b, node, half, rows, per, opset);
+            emit_blocked(b, node, half, rows, per);
             replace.insert(at, b.nodes.drain(before..).collect());
         }
     }
@@ -88,7 +87,7 @@ pub(super) fn plan(shape: &[i64]) -> Option<(i64, i64)> {
 }
 
 /// `node`'s product over row blocks of `half` (module doc), writing `node`'s output.
-fn emit_blocked(b: &mut Builder, node: &NodeProto, half: &str, rows: i64, per: i64, opset: i64) {
+fn emit_blocked(b: &mut Builder, node: &NodeProto, half: &str, rows: i64, per: i64) {
     let trans_b = attr_i(node, "transB").unwrap_or(0) == 1;
     // the two uses in one body (z's recomputation and dh) slice with differently written
     // axes, so onnxruntime's constant sharing and CSE cannot merge their slices into blocks
@@ -96,19 +95,17 @@ fn emit_blocked(b: &mut Builder, node: &NodeProto, half: &str, rows: i64, per: i
     let axis = if trans_b { 0 } else { -2 };
     let mut parts = Vec::new();
     let mut start = 0;
+    // the blocks are sliced no earlier than the activation (see `Builder::after`)
+    let half = b.after(half, &node.input[0], "amp/frozen_after");
     while start < rows {
         let end = (start + per).min(rows);
-        let block = b.slice(half, start, end, axis, "amp/frozen_block");
+        let block = b.slice(&half, start, end, axis, "amp/frozen_block");
         let a = if trans_b {
             node.input[0].clone()
         } else {
             b.slice(&node.input[0], start, end, 1, "amp/block_rows")
         };
-        let wide = if opset >= 15 {
-            b.node("CastLike", &[&block, &a], "amp/frozen_block_f32", vec![])
-        } else {
-            b.cast(&block, FLOAT, "amp/frozen_block_f32")
-        };
+        let wide = b.cast(&block, FLOAT, "amp/frozen_block_f32");
         let attrs = vec![int_attr("transB", trans_b as i64)];
         parts.push(b.node("Gemm", &[&a, &wide], "amp/block_product", attrs));
         start = end;
@@ -125,6 +122,7 @@ fn emit_blocked(b: &mut Builder, node: &NodeProto, half: &str, rows: i64, per: i
 #[cfg(test)]
 mod tests {
     use super::{block_bodies, MIN_BLOCKS};
+    use crate::onnx::{attr_i, FLOAT};
     use crate::onnx::{graph_attr, int_attr, GraphProto, NodeProto};
     use crate::passes::step::precision::widened::Widened;
     use ntl_ops::Builder;
@@ -161,7 +159,7 @@ mod tests {
         )]);
         let dims = HashMap::from([("w".to_string(), vec![rows, 1024])]);
         let mut b = Builder::new("ntl", 17, HashSet::new());
-        block_bodies(&mut scan, &widened, &dims, 17, &mut b);
+        block_bodies(&mut scan, &widened, &dims, &mut b);
         scan.attribute[0].g.clone().unwrap()
     }
 
@@ -174,11 +172,24 @@ mod tests {
         let body = blocked(65536); // 256 MiB as float32: 8 blocks per use
         let blocks = MIN_BLOCKS as usize;
         assert_eq!(count(&body, "Gemm"), 2 * blocks);
-        assert_eq!(count(&body, "CastLike"), 2 * blocks);
+        let widening = body
+            .node
+            .iter()
+            .filter(|n| n.op_type() == "Cast" && attr_i(n, "to") == Some(FLOAT as i64))
+            .count();
+        assert_eq!(widening, 2 * blocks);
+        // each use reads the half weight once, through a wait for its activation, then slices
+        let waits: Vec<&str> = body
+            .node
+            .iter()
+            .filter(|n| n.op_type() == "Reshape" && n.input[0] == "w")
+            .map(|n| n.output[0].as_str())
+            .collect();
+        assert_eq!(waits.len(), 2);
         let reads_half = body
             .node
             .iter()
-            .filter(|n| n.op_type() == "Slice" && n.input[0] == "w")
+            .filter(|n| n.op_type() == "Slice" && waits.contains(&n.input[0].as_str()))
             .count();
         assert_eq!(reads_half, 2 * blocks);
         assert!(body

@@ -9,11 +9,13 @@
 //! - under `--precision`, autocast reads the half tensor itself where it computes in that
 //!   type (`Widened::lookup`), so no float32 copy exists at all;
 //! - elsewhere, `cast_per_use` gives every reading node a Cast of its own, made just before it
-//!   (so the float32 copy is freed after that node), written `CastLike(W, x)` with one of the
-//!   node's activations `x`: onnxruntime's common-subexpression elimination merges identical
-//!   Casts of one weight back into one (whose copy then lives from the forward to the
-//!   backward), and its constant folding turns a Cast of an initializer into a float32
-//!   initializer. A `Gather` (an embedding) gathers from the half table and widens the rows
+//!   (so the float32 copy is freed after that node), reading `W` through
+//!   `Builder::after(W, x)` with one of the node's activations `x`: onnxruntime's
+//!   common-subexpression elimination merges identical Casts of one weight back into one
+//!   (whose copy then lives from the forward to the backward), its constant folding turns a
+//!   Cast of an initializer into a float32 initializer, and a Cast of the weight alone may run
+//!   at the start of the step (PRIORITY_BASED order, StepRunner's for `--recompute`: every
+//!   copy made at once). An earlier `CastLike(W, x)` became such a Cast in onnxruntime. A `Gather` (an embedding) gathers from the half table and widens the rows
 //!   it took. A loop body reading a large weight in a product (the fused head's `Scan`s)
 //!   reads it in blocks, each widened in the body (`blocked_reads.rs`; under `--precision`
 //!   its half products too, `blocked_half.rs`); smaller ones are widened once before the loop.
@@ -267,7 +269,7 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
         }
         // a loop body's product with a large weight reads it in blocks (blocked_reads.rs)
         let mut blocked = node.clone();
-        blocked_reads::block_bodies(&mut blocked, &set.by_wide, &dims, opset, &mut b);
+        blocked_reads::block_bodies(&mut blocked, &set.by_wide, &dims, &mut b);
         blocked_half::block_half_bodies(&mut blocked, &aliases, &mut b);
         let changed = blocked != *node;
         let node = &blocked;
@@ -299,6 +301,13 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
                     && (types.get(n) == Some(FLOAT)
                         || param(i).is_some_and(|p| widened_params.contains(&Some(p))))
             })
+            .or_else(|| {
+                // any activation will do to wait for (its type unknown)
+                (0..node.input.len()).find(|&i| {
+                    let n = &node.input[i];
+                    !n.is_empty() && !set.contains(n) && !inits.contains(n.as_str())
+                })
+            })
             .map(|i| node.input[i].clone());
         let mut renames = HashMap::new();
         let wanted = direct
@@ -310,16 +319,16 @@ pub fn cast_per_use(graph: &mut GraphProto, set: &WidenedSet, opset: i64, taken:
         for wide in wanted {
             let w = &set.by_wide[&wide];
             let mine = b.fresh("amp/frozen_f32");
-            nodes.push(match (&like, opset >= 15) {
-                (Some(x), true) => NodeProto {
-                    name: Some(b.fresh("CastLike")),
-                    op_type: Some("CastLike".into()),
-                    input: vec![w.half.clone(), x.clone()],
-                    output: vec![mine.clone()],
-                    ..Default::default()
-                },
-                _ => cast(&mut b, &w.half, &mine),
-            });
+            let half = match &like {
+                Some(x) => {
+                    let start = b.nodes.len();
+                    let after = b.after(&w.half, x, "amp/frozen_after");
+                    nodes.extend(b.nodes.drain(start..));
+                    after
+                }
+                None => w.half.clone(),
+            };
+            nodes.push(cast(&mut b, &half, &mine));
             renames.insert(wide, mine);
         }
         let mut node = node.clone();
