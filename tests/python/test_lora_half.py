@@ -148,6 +148,40 @@ def test_onnxruntime_keeps_one_cast_per_use_and_folds_none(graphs, runtime, tmp_
         assert per_weight.get(name, 0) >= 2, per_weight
 
 
+@pytest.mark.parametrize("runtime", ["1.31", "1.19"])
+def test_each_widening_waits_for_its_reader(graphs, runtime, tmp_path):
+    """In onnxruntime's optimised graph every Cast that widens a frozen half weight (or a
+    layout op of it) reads a tensor computed from the batch, so no execution order runs it
+    before its reader's activation exists. A Cast of the weight alone (what onnxruntime makes
+    of a `CastLike(W, x)`) ran at the start of the step in the PRIORITY_BASED order StepRunner
+    uses for --recompute: every float32 copy at once."""
+    half, out = graphs
+    python = str(REPO / ".venv-rt" / "bin" / "python") if runtime == "1.31" else sys.executable
+    frozen = {t.name for t in onnx.load(str(half)).graph.initializer if int(np.prod(t.dims)) > 16}
+    g = _optimised(out["half", "fp32"], tmp_path / "opt.onnx", python)
+    data, grew = set(_meta(out["half", "fp32"])["data_inputs"]), True
+    while grew:  # computed from the batch
+        grew = False
+        for n in g.node:
+            if any(i in data for i in n.input) and not set(n.output) <= data:
+                data |= set(n.output)
+                grew = True
+    producers = {o: n for n in g.node for o in n.output}
+    layout = ("Transpose", "Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten")
+    widening, early = 0, []
+    for n in g.node:
+        if n.op_type not in ("Cast", "CastLike"):
+            continue
+        src = n.input[0]
+        while src not in frozen and src in producers and producers[src].op_type in layout:
+            src = producers[src].input[0]  # through layout ops (and the wait's Reshape)
+        if src in frozen:
+            widening += 1
+            if n.input[0] not in data:
+                early.append(n.name)
+    assert widening and not early, f"widenings of the weight alone: {early[:4]} ({widening} in all)"
+
+
 def _runner(path):
     sys.path.insert(0, str(REPO / "python"))
     from ntl_patch import StepRunner
