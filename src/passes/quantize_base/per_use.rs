@@ -178,10 +178,9 @@ fn instantiate(
             *o = fresh;
         }
         n.name = Some(b.fresh(n.op_type()));
-        // NF4's chains start with the codes' Cast; int8/int4's DequantizeLinear copies are
-        // left apart by onnxruntime's common-subexpression elimination as they are
         // a node of stored tensors alone waits for the activation: NF4's Cast through its
-        // codes, DequantizeLinear through its float32 scales (any runtime reshapes those)
+        // codes, int8/int4's DequantizeLinear through its float32 scales (any runtime
+        // reshapes those; not every one reshapes int4)
         let anchor = match n.op_type() {
             "Cast" => Some(0),
             "DequantizeLinear" => Some(1),

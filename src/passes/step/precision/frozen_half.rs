@@ -15,8 +15,8 @@
 //!   (whose copy then lives from the forward to the backward), its constant folding turns a
 //!   Cast of an initializer into a float32 initializer, and a Cast of the weight alone may run
 //!   at the start of the step (PRIORITY_BASED order, StepRunner's for `--recompute`: every
-//!   copy made at once). An earlier `CastLike(W, x)` became such a Cast in onnxruntime. A `Gather` (an embedding) gathers from the half table and widens the rows
-//!   it took. A loop body reading a large weight in a product (the fused head's `Scan`s)
+//!   copy made at once). An earlier `CastLike(W, x)` became such a Cast in onnxruntime. A
+//!   `Gather` (an embedding) gathers from the half table and widens the rows it took. A loop body reading a large weight in a product (the fused head's `Scan`s)
 //!   reads it in blocks, each widened in the body (`blocked_reads.rs`; under `--precision`
 //!   its half products too, `blocked_half.rs`); smaller ones are widened once before the loop.
 //!
