@@ -485,16 +485,8 @@ def resident_weights(graph: Path) -> dict:
     the base weights, a quantised base's codes and scales, buffers), parameters (trained),
     optimizer (the rest of the state), and the frozen bytes by element type; with a quantised
     base also its bytes before and after quantisation (the step's metadata)."""
-    sys.path.insert(0, str(REPO / "python"))
-    from ntl_patch import _onnx_decode
-
-    mm, buf = _onnx_decode.map_file(graph)
-    try:
-        meta = json.loads(_onnx_decode.model_metadata(buf)["ntl_step"])
-        tensors = _onnx_decode.initializers(buf)
-    finally:
-        del buf
-        mm.close()
+    tensors, metadata = initializer_headers(graph)
+    meta = json.loads(metadata["ntl_step"])
     state = {name for name, _ in meta["state"]}
     params = set(meta["parameters"])
     out = initializer_bytes(tensors, lambda n: "parameters" if n in params else "optimizer" if n in state
@@ -507,16 +499,20 @@ def resident_weights(graph: Path) -> dict:
 
 def export_weights(model: Path) -> int:
     """Bytes of the export's initializers (headers only)."""
+    return initializer_bytes(initializer_headers(model)[0], lambda n: "frozen")["frozen"]
+
+
+def initializer_headers(path: Path):
+    """The model file's initializers (TensorProto headers, no payload read) and metadata."""
     sys.path.insert(0, str(REPO / "python"))
     from ntl_patch import _onnx_decode
 
-    mm, buf = _onnx_decode.map_file(model)
+    mm, buf = _onnx_decode.map_file(path)
     try:
-        tensors = _onnx_decode.initializers(buf)
+        return _onnx_decode.initializers(buf), _onnx_decode.model_metadata(buf)
     finally:
         del buf
         mm.close()
-    return initializer_bytes(tensors, lambda n: "frozen")["frozen"]
 
 
 # ----------------------------------------------------------------------------- workers

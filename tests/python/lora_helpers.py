@@ -16,9 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from conftest import MODELS, REPO, TOKENIZER, run_patch
+import precision_helpers
+from precision_helpers import torch_model  # peft_model reads it here (tests replace it here)
 
 sys.path.insert(0, str(REPO / "python"))
 from ntl_patch import _lora, _onnx_decode  # noqa: E402
@@ -77,48 +78,7 @@ def step_meta(path: Path) -> dict:
 
 
 def batches(fixture: str, n: int = STEPS):
-    if fixture == "lm_flat":  # test_step.py's: changing shapes, -100 labels
-        rng = np.random.default_rng(0)
-        ids = np.array([18, 29, 25, 36, 35, 7, 27, 21, 10, 38, 4, 5, 6, 8, 9, 11], dtype=np.int64)
-        out = []
-        for k in range(n):
-            b, t = [(2, 7), (3, 5), (1, 9)][k % 3]
-            x, y = rng.choice(ids, size=(b, t)), rng.choice(ids, size=(b, t))
-            y[rng.random((b, t)) < 0.2] = -100
-            out.append((x, y))
-        return out
-    z = np.load(MODELS.parent / "reference" / "step" / f"{fixture_arch(fixture)}.npz")
-    return [(z[f"traj/batch/{k:02d}/input_ids"], z[f"traj/batch/{k:02d}/labels"]) for k in range(n)]
-
-
-def torch_model(fixture: str, dtype=torch.float32):
-    """(module, logits function, loss function (m, x, y) -> total) of the fixture in dtype."""
-    if fixture == "lm_flat":
-        import ntl_torch
-        import tiny_lm
-
-        m = tiny_lm.build("flat", {k: v.to(dtype) for k, v in ntl_torch.load_weights().items()}, dtype=dtype)
-        m.train()
-        obj = ntl_torch.ntloss_object("wasserstein")
-        obj.number_values = obj.number_values.to(dtype)
-
-        def loss(m, x, y):
-            logits = m.logits(x)
-            ce = F.cross_entropy(logits.reshape(-1, tiny_lm.VOCAB), y.reshape(-1), ignore_index=-100)
-            return ce + WEIGHT * ntl_torch.ntl_value(obj, logits, y)
-        return m, (lambda x: m.logits(x)), loss
-    import generate_step as gs
-
-    m = gs.model_in(gs.build_model(fixture_arch(fixture)), dtype)
-    obj = gs.ntloss_object("wasserstein", reweigh=False, squash=None, digit_level=True)
-    obj.number_values = obj.number_values.to(dtype)
-
-    def loss(m, x, y):
-        logits = m.lm_logits(x)
-        lab = gs.shifted(y)
-        ce = F.cross_entropy(logits.reshape(-1, gs.VOCAB).float(), lab.reshape(-1), ignore_index=-100)
-        return ce + WEIGHT * obj(logits, lab, reduction="mean")
-    return m, (lambda x: m.lm_logits(x)), loss
+    return precision_helpers.batches(fixture, n)
 
 
 def peft_config(case: str):

@@ -36,10 +36,9 @@ import numpy as np
 import onnx
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import MODELS, TOKENIZER, run_patch
-from precision_helpers import U16, as_f32, batches, dist, half_export
+from precision_helpers import U16, as_f32, batches, dist, half_export, torch_model
 from tract_step import TractStep
 
 WEIGHT = 0.3
@@ -67,37 +66,6 @@ def scaler_args(opts: dict) -> list[str]:
 
 # ---------------------------------------------------------------------------- torch references
 
-
-def _torch_model(model: str, dtype):
-    """(module, loss function of (module, x, y) -> total) in dtype."""
-    if model == "lm_flat":
-        import ntl_torch
-        import tiny_lm
-
-        m = tiny_lm.build("flat", {k: v.to(dtype) for k, v in ntl_torch.load_weights().items()}, dtype=dtype)
-        obj = ntl_torch.ntloss_object("wasserstein")
-        obj.number_values = obj.number_values.to(dtype)
-
-        def loss(m, x, y):
-            logits = m.logits(x)
-            ce = F.cross_entropy(logits.reshape(-1, tiny_lm.VOCAB), y.reshape(-1), ignore_index=-100)
-            return ce + WEIGHT * ntl_torch.ntl_value(obj, logits, y)
-        m.train()
-        return m, loss
-    import generate_step as gs
-
-    m = gs.model_in(gs.build_model(model.split("_")[0]), dtype)
-    obj = gs.ntloss_object("wasserstein", reweigh=False, squash=None, digit_level=True)
-    obj.number_values = obj.number_values.to(dtype)
-
-    def loss(m, x, y):
-        logits = m.lm_logits(x)
-        lab = gs.shifted(y)
-        ce = F.cross_entropy(logits.reshape(-1, gs.VOCAB).float(), lab.reshape(-1), ignore_index=-100)
-        return ce + WEIGHT * obj(logits, lab, reduction="mean")
-    return m, loss
-
-
 SGD_CLIP = dict(lr=1e-2, momentum=0.9, weight_decay=0.01, max_grad_norm=2.0)  # the true norms are 1.4 - 2.8: clipped on some steps only
 
 
@@ -107,7 +75,7 @@ def torch_run(model: str, dtype=torch.float32, amp: bool = False, scaler: dict |
     skip (without amp): the steps whose update is left out, as a scaler skipped them."""
     import torch_amp
 
-    m, loss_fn = _torch_model(model, dtype)
+    m, _, loss_fn = torch_model(model, dtype)
     params = dict(m.named_parameters())
     if sgd_clip:
         sgd = {k: v for k, v in SGD_CLIP.items() if k != "max_grad_norm"}
@@ -200,7 +168,7 @@ def test_fp16_trains_like_torch_autocast(model, optimizer, references, tmp_path)
     assert meta["precision"] == "fp16" and meta["skip_output"] == "ntl/skipped"
     l64, p64, *_ = references(model, "float64" if optimizer == "adamw" else "sgd_clip64")
     lam, pam, am_skip, am_scale, am_steps = references(model, "amp" if optimizer == "adamw" else "sgd_clip")
-    start = _torch_model(model, torch.float64)[0].state_dict()
+    start = torch_model(model, torch.float64)[0].state_dict()
     start = {k: v.numpy() for k, v in start.items() if k in p64}
     assert got_skip == am_skip and got_scale == am_scale, (got_skip, am_skip)
     loss_err = np.max(np.abs(got - lam) / np.abs(lam))
@@ -255,7 +223,7 @@ def test_fused_head_projects_in_float16_like_autocast(model, tmp_path):
     lam, pam, am_skip, *_ = torch_run(model, torch.float32, amp=True, scaler=low)
     assert not any(am_skip) and not any(skipped)
     l64, p64, *_ = torch_run(model, torch.float64)
-    start = _torch_model(model, torch.float64)[0].state_dict()
+    start = torch_model(model, torch.float64)[0].state_dict()
     start = {k: v.numpy() for k, v in start.items() if k in p64}
     loss_err = np.max(np.abs(np.array(got) - lam) / np.abs(lam))
     d_graph, d_torch, d_both = dist(got_p, p64, start), dist(pam, p64, start), dist(got_p, pam, start)
