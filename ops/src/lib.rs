@@ -4,6 +4,7 @@
 //! - [`builder`]: the node emitter every subgraph is written through (unique `ntl/` names,
 //!   opset-aware op forms); [`names`]: the names every patched graph has;
 //! - [`numbers`]: the number tokens a loss reads; [`options`]: what a user chooses;
+//!   [`row_blocks`]: a loop body's product with a large weight, a block of rows at a time;
 //! - [`ce`]: the trainable cross-entropy node and label smoothing; [`losses`]: the number
 //!   losses, one module each; [`combine`]: how the number loss joins the reported loss.
 //!
@@ -18,6 +19,7 @@ pub mod names;
 pub mod numbers;
 pub mod onnx;
 pub mod options;
+pub mod row_blocks;
 pub mod schema;
 
 pub use builder::Builder;

@@ -35,7 +35,8 @@ Configurations (--configs, default `dense,default,torch`):
          names; B is zeros on both sides), torch.optim.AdamW over the LoRA parameters only (the
          step graph's defaults), loss = the model's own CE + 0.3·ntloss as `torch`.
   qlora  (built in) `lora` + `--quantize-base nf4` (qlora-dq: + `--double-quant`): the frozen
-         linear weights in bitsandbytes' NF4.
+         linear weights in bitsandbytes' NF4; qlora-head: the LM head in NF4 too; qlora-all: the
+         embedding as well (every frozen weight); qlora-all-rc: + --recompute layers.
   peft-nf4 `peft` with the targeted linear layers replaced by bitsandbytes' Linear4bit (NF4,
          blocks of 64, bfloat16 compute: what from_pretrained(load_in_4bit=True) makes), on its
          CPU backend; bitsandbytes must be importable (PYTHONPATH).
@@ -147,12 +148,17 @@ PRESETS = {
     "small": dict(layers=2, dim=128, heads=4, kv_heads=2, mlp=256, vocab=4096, batch=2, seq=64,
                   min_available_gib=0, max_load=None),
 }
+QUANTIZE_WITH_HEAD = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
 LORA_ARGS = "--lora-r 16 --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 STEP_CONFIGS = {"dense": "--fused-head off", "default": "", "lora": LORA_ARGS,
                 # issue 34: the frozen base in bitsandbytes' NF4 (blocks of 64), with double quantisation
                 "qlora": f"{LORA_ARGS} --quantize-base nf4",
                 "qlora-dq": f"{LORA_ARGS} --quantize-base nf4 --double-quant",
                 "qlora-rc": f"{LORA_ARGS} --quantize-base nf4 --recompute layers",
+                # the LM head in NF4 too (read by rows: src/passes/quantize_base/rows.rs)
+                "qlora-head": f"{LORA_ARGS} --quantize-base nf4 --quantize-targets {QUANTIZE_WITH_HEAD}",
+                "qlora-all": f"{LORA_ARGS} --quantize-base nf4 --quantize-targets {QUANTIZE_WITH_HEAD},embed_tokens",
+                "qlora-all-rc": f"{LORA_ARGS} --quantize-base nf4 --quantize-targets {QUANTIZE_WITH_HEAD},embed_tokens --recompute layers",
                 "recompute": "--recompute layers",
                 # issue 33: attention as exported, or over blocks of query rows
                 "eager": "--attention eager", "chunked": "--attention chunked",

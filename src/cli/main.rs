@@ -147,8 +147,8 @@ struct StepArgs {
     /// QLoRA: values per quantisation block (bitsandbytes' blocksize) [default: 64].
     #[arg(long, value_name = "N", allow_negative_numbers = true)]
     quant_block: Option<i64>,
-    /// QLoRA: the modules to quantise, comma-separated [default: every linear layer but the
-    /// LM head, as bitsandbytes' load_in_4bit].
+    /// QLoRA: the modules to quantise, comma-separated; may name the LM head and the
+    /// embedding [default: every linear layer but the LM head, as bitsandbytes' load_in_4bit].
     #[arg(long, value_name = "NAMES")]
     quantize_targets: Option<String>,
     /// QLoRA nf4: store the blocks' absmax quantised too, as bitsandbytes'

@@ -22,7 +22,7 @@ import precision_helpers
 from precision_helpers import torch_model  # peft_model reads it here (tests replace it here)
 
 sys.path.insert(0, str(REPO / "python"))
-from ntl_patch import _lora, _onnx_decode  # noqa: E402
+from ntl_patch import StepRunner, _lora, _onnx_decode  # noqa: E402
 
 import peft  # noqa: E402  (tests/python/requirements.txt pins peft 0.21.2)
 
@@ -152,3 +152,30 @@ def torch_train(case: str, lora: dict, initial: dict, data, dtype=torch.float32)
 
 def norm_rel(got, want, floor=0.0) -> float:
     return float(np.linalg.norm(np.asarray(got, np.float64) - want) / max(np.linalg.norm(want), floor, 1e-30))
+
+
+QLORA_LORA_CASE = {"lm_flat": "tiny", "gpt2_ts": "gpt2_ts", "gpt2_dynamo": "gpt2_ts",
+                   "llama_ts": "llama_ts", "llama_dynamo": "llama_ts"}
+
+
+def assert_trains_like_peft(fixture: str, path: Path, monkeypatch, label: str = "") -> None:
+    """10 AdamW steps of the (quantised-base) step graph at `path` equal torch + PEFT (float64)
+    from the same initial A, on the reference model `torch_model` is set to (the tests set it to
+    the model with the graph's quantised weights): losses within LOSS_RTOL, A and B within
+    PARAM_RTOL norm-relative."""
+    meta = step_meta(path)
+    lora = meta["lora"]
+    initial = _onnx_decode.read_initializers(path, meta["parameters"])
+    data = batches(fixture)
+    runner = StepRunner(path, providers=["CPUExecutionProvider"])
+    losses = np.array([runner.step({"input_ids": x, "labels": y})[0] for x, y in data])
+    params = runner.parameters()
+    monkeypatch.setitem(CASES, "qlora", (fixture, 4, None, CASES[QLORA_LORA_CASE[fixture]][3], False))
+    want_losses, want_params, _ = torch_train("qlora", lora, initial, data, torch.float64)
+    loss_err = float(np.max(np.abs(losses - want_losses) / np.abs(want_losses)))
+    errs = {n: norm_rel(params[n], want_params[n]) for n in params}
+    worst = max(errs, key=errs.get)
+    print(f"{fixture} {label}: worst loss rel {loss_err:.2e}, worst A/B norm-rel {errs[worst]:.2e} ({worst})")
+    assert loss_err <= LOSS_RTOL, (losses, want_losses)
+    assert errs[worst] <= PARAM_RTOL, f"{worst}: {errs[worst]:.3g}"
+    assert losses[-1] != losses[0]

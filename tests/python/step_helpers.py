@@ -4,7 +4,7 @@ test_data_parallel.py, test_sharding.py): the dense and fused LM heads, the plai
 InferenceSession that feeds each step's state back, the norm-relative parameter check (floor
 1e-3·‖all‖) and the mask of exactly-zero gradients AdamW may not be held to; and `run_step`,
 `ntl-patch step` with the wasserstein loss at weight 0.3 on a fixture or a path (from
-test_recompute.py).
+test_recompute.py); `reads_past_views`, what reads a stored tensor (the QLoRA tests).
 """
 
 from __future__ import annotations
@@ -79,3 +79,23 @@ def run_step(model: str | Path, out: Path, *extra, ok=True):
         assert r.returncode == 0, f"exit {r.returncode}\n{r.stderr}"
         return json.loads(r.stdout)
     return r
+
+
+def reads_past_views(graph, stored: str) -> list[tuple[str, str]]:
+    """(where, op) of each first node past the zero-copy views (Reshape) of the stored tensor
+    `stored`, in `graph` and its loop bodies: what reads a quantised weight's codes."""
+    return _reads_past(graph, {stored}, "graph")
+
+
+def _reads_past(graph, views: set[str], where: str) -> list[tuple[str, str]]:
+    found, views = [], set(views)
+    for n in graph.node:
+        for a in n.attribute:
+            for g in [a.g] * a.HasField("g") + list(a.graphs):
+                found += _reads_past(g, views, f"{n.op_type} body")
+        if n.input and n.input[0] in views:
+            if n.op_type == "Reshape":
+                views.add(n.output[0])
+            elif n.op_type != "Shape":
+                found.append((where, n.op_type))
+    return found

@@ -33,8 +33,9 @@ import torch
 
 import lora_helpers as lh
 from conftest import MODELS, REPO, TOKENIZER, run_patch
+from step_helpers import reads_past_views
 
-from ntl_patch import StepRunner, _onnx_decode  # noqa: E402  (lora_helpers put python/ on the path)
+from ntl_patch import StepRunner  # noqa: E402  (lora_helpers put python/ on the path)
 
 NF4 = REPO / "fixtures" / "reference" / "nf4"
 FIXTURES = ["lm_flat", "gpt2_ts", "gpt2_dynamo", "llama_ts", "llama_dynamo"]
@@ -177,9 +178,9 @@ def test_graph_dequantises_as_bitsandbytes(fixture, dq, tmp_path):
         np.testing.assert_array_equal(bits(np.ascontiguousarray(w)), bits(want), err_msg=la["module"])
 
 
-def dequantized_model(fixture: str, original, dq: bool = False):
+def dequantized_model(fixture: str, original, dq: bool = False, head: bool = False):
     """lora_helpers.torch_model with every quantised weight replaced by bitsandbytes' dequantised one
-    (dq: dequantised with the nested state, `compress_statistics=True`)."""
+    (dq: dequantised with the nested state, `compress_statistics=True`; head: the LM head too)."""
     ref = reference(fixture)
     wanted = "dq_dequantized" if dq else "dequantized"
 
@@ -188,7 +189,7 @@ def dequantized_model(fixture: str, original, dq: bool = False):
         mods = dict(m.named_modules())
         for key in ref:
             name, _, kind = key.rpartition("/")
-            if kind != wanted or name == HEAD[lh.fixture_arch(fixture)] or name == "adversarial":
+            if kind != wanted or (name == HEAD[lh.fixture_arch(fixture)] and not head) or name == "adversarial":
                 continue
             w = torch.from_numpy(ref[key])
             mod = mods[name]
@@ -204,31 +205,93 @@ CASES = {"tiny": "lm_flat", "gpt2_ts": "gpt2_ts", "llama_dynamo": "llama_dynamo"
          "llama_ts": "llama_ts", "gpt2_dynamo": "gpt2_dynamo"}
 
 
+def trains_like_peft(fixture: str, path: Path, dq: bool, monkeypatch, head: bool = False) -> None:
+    """10 AdamW steps of the step graph at `path` equal torch + PEFT (float64) on the model whose
+    quantised weights are bitsandbytes' dequantised ones, from the same initial A."""
+    monkeypatch.setattr(lh, "torch_model", dequantized_model(fixture, lh.torch_model, dq, head))
+    lh.assert_trains_like_peft(fixture, path, monkeypatch)
+
+
 @pytest.mark.parametrize("case,dq", [(c, False) for c in CASES] + [(c, True) for c in ("tiny", "gpt2_ts", "llama_dynamo")],
                          ids=[c for c in CASES] + [f"{c}-dq" for c in ("tiny", "gpt2_ts", "llama_dynamo")])
 def test_trains_like_peft_on_dequantized_base(case, dq, tmp_path, monkeypatch):
     fixture = CASES[case]
     path = tmp_path / "q.onnx"
     build(fixture, path, dq=dq)
-    meta = lh.step_meta(path)
-    lora = meta["lora"]
-    initial = _onnx_decode.read_initializers(path, meta["parameters"])
-    data = lh.batches(fixture)
+    trains_like_peft(fixture, path, dq, monkeypatch)
+
+
+def linear_modules(fixture: str) -> list[str]:
+    """The fixture's linear layers (bitsandbytes' reference names them), the head included."""
+    return sorted({k.rpartition("/")[0] for k in reference(fixture) if k.endswith("/codes")} - {"adversarial"})
+
+
+def train(path: Path, fixture: str) -> tuple[np.ndarray, dict]:
     runner = StepRunner(path, providers=["CPUExecutionProvider"])
-    losses = np.array([runner.step({"input_ids": x, "labels": y})[0] for x, y in data])
-    params = runner.parameters()
-    monkeypatch.setattr(lh, "torch_model", dequantized_model(fixture, lh.torch_model, dq))
-    lora_case = {"lm_flat": "tiny", "gpt2_ts": "gpt2_ts", "gpt2_dynamo": "gpt2_ts",
-               "llama_ts": "llama_ts", "llama_dynamo": "llama_ts"}[fixture]
-    monkeypatch.setitem(lh.CASES, "qlora", (fixture, 4, None, lh.CASES[lora_case][3], False))
-    want_losses, want_params, _ = lh.torch_train("qlora", lora, initial, data, torch.float64)
-    loss_err = float(np.max(np.abs(losses - want_losses) / np.abs(want_losses)))
-    errs = {n: lh.norm_rel(params[n], want_params[n]) for n in params}
-    worst = max(errs, key=errs.get)
-    print(f"{case}: worst loss rel {loss_err:.2e}, worst A/B norm-rel {errs[worst]:.2e} ({worst})")
-    assert loss_err <= lh.LOSS_RTOL, (losses, want_losses)
-    assert errs[worst] <= lh.PARAM_RTOL, f"{worst}: {errs[worst]:.3g}"
-    assert losses[-1] != losses[0]
+    losses = np.array([runner.step({"input_ids": x, "labels": y})[0] for x, y in lh.batches(fixture)])
+    return losses, runner.parameters()
+
+
+@DQ
+@pytest.mark.parametrize("fixture", ["lm_flat", "llama_dynamo"])
+def test_quantised_head_gathers_its_rows(fixture, dq, tmp_path):
+    """With the LM head quantised too (`--quantize-targets` naming it, blocks of 16 that divide
+    the fixtures' widths), the fused head's Gather of the number rows takes those rows of the
+    codes and absmax and dequantises them alone, instead of a whole float copy of the head; it
+    trains as the same graph with the head unfused, whose MatMuls dequantise it whole."""
+    targets = ["--quantize-targets", ",".join(linear_modules(fixture)), "--quant-block", "16"]
+    fused, dense = tmp_path / "fused.onnx", tmp_path / "dense.onnx"
+    build(fixture, fused, *targets, "--fused-head", "on", dq=dq)
+    build(fixture, dense, *targets, "--fused-head", "off", dq=dq)
+    meta = lh.step_meta(fused)
+    head = next(la for la in meta["quantize_base"]["layers"] if la["module"] == HEAD[lh.fixture_arch(fixture)])
+    reads = [op for _, op in reads_past_views(onnx.load(str(fused)).graph, head["codes"])]
+    assert reads.count("Gather") == 1, f"the number rows are not gathered from the codes: {reads}"
+    (got, got_params), (want, want_params) = train(fused, fixture), train(dense, fixture)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for n in want_params:
+        assert lh.norm_rel(got_params[n], want_params[n]) <= 1e-5, n
+
+
+def bnb_dequantized_model(fixture: str, original, meta: dict):
+    """lora_helpers.torch_model with every weight the step graph quantised (embeddings
+    included) replaced by bitsandbytes' NF4 round trip at the graph's block size, from the
+    fixture's own float32 weights (`bnb_quantize_nf4`, the port checked against bitsandbytes)."""
+    source = initializers(MODELS / f"{fixture}.onnx")
+    code = torch.tensor(meta["code"], dtype=torch.float32)
+    wanted = {}
+    for la in meta["layers"]:
+        w = out_in(source[la["weight"]], la)
+        packed, absmax = bnb_quantize_nf4(w, meta["code"], meta["blocksize"])
+        q = torch.from_numpy(np.stack([packed >> 4, packed & 15], axis=1).reshape(-1).astype(np.int64))
+        blocks = code[q].reshape(-1, meta["blocksize"]) * torch.from_numpy(absmax).reshape(-1, 1)
+        wanted[la["module"]] = blocks.reshape(w.shape)
+
+    def model(fx, dtype=torch.float32):
+        m, logits, loss = original(fx, dtype)
+        mods = dict(m.named_modules())
+        for name, w in wanted.items():
+            with torch.no_grad():
+                mods[name].weight.data = w.to(dtype).contiguous()
+        return m, logits, loss
+    return model
+
+
+def test_quantised_embedding_and_head_train_like_peft(tmp_path, monkeypatch):
+    """`--quantize-targets` may name the embedding (and the LM head): its table is stored in
+    NF4 and the embedding's Gather dequantises only the rows it takes (rows.rs). 10 AdamW steps
+    equal torch + PEFT on the model whose quantised weights, embedding and head included, are
+    bitsandbytes' NF4 round trip."""
+    fixture = "llama_dynamo"
+    path = tmp_path / "q.onnx"
+    targets = ",".join(linear_modules(fixture) + ["embed_tokens"])
+    build(fixture, path, "--quantize-targets", targets, "--quant-block", "16", "--fused-head", "on")
+    meta = lh.step_meta(path)["quantize_base"]
+    embedding = next(la for la in meta["layers"] if la["module"] == "model.embed_tokens")
+    reads = [op for _, op in reads_past_views(onnx.load(str(path)).graph, embedding["codes"])]
+    assert reads == ["Gather"], f"the embedding's codes are not read by rows: {reads}"
+    monkeypatch.setattr(lh, "torch_model", bnb_dequantized_model(fixture, lh.torch_model, meta))
+    lh.assert_trains_like_peft(fixture, path, monkeypatch)
 
 
 @DQ

@@ -193,6 +193,40 @@ pub fn linear_layers(index: &GraphIndex) -> Vec<Linear> {
         .collect()
 }
 
+/// Every embedding table of the graph's top level as `--quantize-targets` names it: the 2-D
+/// float initializer a `Gather` on axis 0 reads, `[rows, width]` taken as a linear layer's
+/// `[out, in]` (its rows are what the Gather takes); its module from the weight's name, else
+/// the Gather's TorchScript scope.
+pub fn embedding_tables(index: &GraphIndex) -> Vec<Linear> {
+    let inits: HashSet<&str> = index.graph.initializer.iter().map(|t| t.name()).collect();
+    let mut seen = HashSet::new();
+    let mut tables = Vec::new();
+    for (i, n) in index.graph.node.iter().enumerate() {
+        let axis_0 = attr_i(n, "axis").unwrap_or(0) == 0;
+        if n.op_type() != "Gather" || !n.domain().is_empty() || n.input.len() != 2 || !axis_0 {
+            continue;
+        }
+        let Some((t, false)) = weight_read(index, &inits, &n.input[0]) else {
+            continue;
+        };
+        if !seen.insert(t.name()) {
+            continue;
+        }
+        let module = module_of_weight(t.name())
+            .map(|m| (m, PathSource::WeightName))
+            .or_else(|| module_of_scope(n.name()).map(|m| (m, PathSource::NodeScope)));
+        tables.push(Linear {
+            node: i,
+            weight: t.name().to_string(),
+            layout: Layout::OutIn,
+            in_features: t.dims[1],
+            out_features: t.dims[0],
+            module,
+        });
+    }
+    tables
+}
+
 impl Linear {
     /// PEFT's rule: a target matches a module whose path is the target or ends in `.target`.
     /// Without a module path, the weight's name matches where one of its `.`/`/`-separated

@@ -34,6 +34,7 @@
 mod double_quant;
 mod nf4;
 pub mod per_use;
+mod rows;
 mod symmetric;
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
@@ -49,7 +50,7 @@ use crate::onnx::{
 const FLOAT16: i32 = DataType::Float16 as i32;
 const BFLOAT16: i32 = DataType::Bfloat16 as i32;
 use crate::passes::contract;
-use crate::passes::lora::linear::{linear_layers, Layout, Linear};
+use crate::passes::lora::linear::{embedding_tables, linear_layers, Layout, Linear};
 use ntl_ops::names::PREFIX;
 use ntl_ops::Builder;
 
@@ -162,6 +163,9 @@ pub struct QuantizedWeight {
     /// `--double-quant`: the absmax are stored quantised (`scales` then names their codes, as
     /// `nested.codes`; no float32 absmax is stored).
     pub nested: Option<NestedAbsmax>,
+    /// The float32 per-block factors the chain multiplies by (NF4: the stored absmax, or with
+    /// `--double-quant` the chain's own dequantised absmax; int8/int4: `scales`).
+    pub factors: String,
 }
 
 /// The initializers of one weight's quantised absmax (`--double-quant`, `double_quant.rs`).
@@ -180,6 +184,8 @@ pub struct NestedAbsmax {
 pub struct QuantizedBase {
     pub options: QuantizeOptions,
     pub weights: Vec<QuantizedWeight>,
+    /// NF4's `[256, 2]` byte → code-pair table (a constant initializer).
+    pub pair_table: Option<String>,
     /// The IR version the model was raised from (int4 needs 10), if it was.
     pub raised_ir: Option<i64>,
     /// Bytes of the quantised weights as the export stores them, and of their codes and scales.
@@ -399,37 +405,33 @@ fn half_to_f32(ty: i32, bits: u16) -> f32 {
     }
 }
 
-/// The layers `options` choose among `layers` (LoRA's adapters excluded).
+/// The layers `options` choose among `layers` (LoRA's adapters excluded) and, where
+/// `--quantize-targets` names them, the embedding `tables`.
 fn choose(
     index: &GraphIndex,
     model: &ModelProto,
     layers: Vec<Linear>,
+    tables: Vec<Linear>,
     o: &QuantizeOptions,
 ) -> Result<Vec<Linear>, Error> {
-    let gathered: HashSet<&str> = index
-        .graph
-        .node
-        .iter()
-        .filter(|n| n.op_type() == "Gather" && n.domain().is_empty())
-        .filter_map(|n| n.input.first().map(String::as_str))
-        .collect();
     let layers: Vec<Linear> = layers
         .into_iter()
         .filter(|l| !l.weight.starts_with(&format!("{PREFIX}/")))
         .collect();
     let chosen: Vec<Linear> = match &o.targets {
         Some(targets) => {
+            let candidates: Vec<Linear> = layers.into_iter().chain(tables).collect();
             for t in targets {
-                if !layers.iter().any(|l| l.matches(t.trim())) {
+                if !candidates.iter().any(|l| l.matches(t.trim())) {
                     return Err(Error::Usage(format!(
-                        "--quantize-targets '{}' matches no linear layer (module paths ending in '.{}'); name linear layers such as {}",
+                        "--quantize-targets '{}' matches no linear layer or embedding (module paths ending in '.{}'); name modules such as {}",
                         t.trim(),
                         t.trim(),
-                        examples(&layers)
+                        examples(&candidates)
                     )));
                 }
             }
-            layers
+            candidates
                 .into_iter()
                 .filter(|l| targets.iter().any(|t| l.matches(t.trim())))
                 .collect()
@@ -442,13 +444,6 @@ fn choose(
                 .collect()
         }
     };
-    // an embedding's table (a tied head) stays float: the embedding gathers rows of it
-    if let Some(l) = chosen.iter().find(|l| gathered.contains(l.weight.as_str())) {
-        return Err(Error::Usage(format!(
-            "--quantize-targets: '{}' is also an embedding's table (a tied LM head), which is not quantised; leave it out of --quantize-targets",
-            l.key()
-        )));
-    }
     if chosen.is_empty() {
         return Err(Error::Usage(
             "--quantize-base found no linear layer to quantise besides the LM head; name layers with --quantize-targets".into(),
@@ -486,7 +481,13 @@ pub fn quantize(
     }
     let graph = model.graph.as_ref().expect("loaded models have a graph");
     let index = GraphIndex::new(graph);
-    let chosen = choose(&index, model, linear_layers(&index), o)?;
+    let chosen = choose(
+        &index,
+        model,
+        linear_layers(&index),
+        embedding_tables(&index),
+        o,
+    )?;
     let mut b = Builder::new(PREFIX, opset, index.taken_names(PREFIX, &[]));
     drop(index);
 
@@ -608,6 +609,7 @@ pub fn quantize(
             layout: layer.layout,
             chain,
             nested,
+            factors: absmax,
         });
     }
     let graph = model.graph.as_mut().expect("graph");
@@ -624,6 +626,7 @@ pub fn quantize(
     Ok(QuantizedBase {
         options: o.clone(),
         weights,
+        pair_table: table,
         raised_ir,
         bytes_before: before,
         bytes_after: after,

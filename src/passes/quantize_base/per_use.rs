@@ -26,6 +26,7 @@ use crate::graph::patch::{splice, Splice};
 use crate::graph::reads::{outer_reads, rename_reads};
 use std::collections::{BTreeSet, HashMap, HashSet};
 
+use super::rows::{self, gathered_weight, Rows};
 use super::{is_chain_node, QuantizedBase};
 use crate::graph::elem_types::ElemTypes;
 use crate::onnx::{GraphProto, NodeProto, FLOAT, FLOAT16};
@@ -89,6 +90,16 @@ pub fn dequantize_per_use(
         .collect();
     let outputs: HashSet<String> = graph.output.iter().map(|o| o.name().to_string()).collect();
     let mut b = Builder::new(ntl_ops::names::PREFIX, opset, taken);
+    // the weights a Gather or a loop body's product may read by rows (rows.rs)
+    let by_rows: HashMap<&str, Rows> = q
+        .weights
+        .iter()
+        .filter_map(|w| {
+            let rows = Rows::of(q, w, recipes.get(&w.weight)?)?;
+            Some((w.weight.as_str(), rows))
+        })
+        .collect();
+    let rows_of = |name: &str| by_rows.get(name);
     // each reader of a chain's tensor replaced by its own copy of the chain and itself; a
     // node joining a chain by nothing
     let mut replace = std::collections::BTreeMap::new();
@@ -103,39 +114,48 @@ pub fn dequantize_per_use(
             replace.insert(at, Vec::new());
             continue;
         }
+        if let Some(rows) = gathered_weight(node).and_then(rows_of) {
+            rows.gather(&mut b, &node.input[1], &node.output[0]);
+            replace.insert(at, b.nodes.drain(..).collect());
+            continue;
+        }
+        let mut node = node.clone();
+        let blocked = rows::block_bodies(&mut node, &rows_of, &mut b);
+        let mut nodes: Vec<NodeProto> = Vec::new();
         let wanted: BTreeSet<String> = node
             .input
             .iter()
             .cloned()
-            .chain(outer_reads(node).into_iter().map(str::to_string))
+            .chain(outer_reads(&node).into_iter().map(str::to_string))
             .filter(|i| recipes.contains_key(i))
             .collect();
-        if wanted.is_empty() {
+        if !wanted.is_empty() {
+            // the activation to wait for: a float one where types are known, else any
+            let activations: Vec<&String> = node
+                .input
+                .iter()
+                .filter(|n| !n.is_empty() && !recipes.contains_key(*n) && !inits.contains(*n))
+                .collect();
+            let like = activations
+                .iter()
+                .find(|n| matches!(types.get(n), Some(FLOAT | FLOAT16 | BFLOAT16)))
+                .or(activations.first())
+                .map(|n| n.to_string());
+            let mut renames = HashMap::new();
+            for t in wanted {
+                let (mut copy, mine) = instantiate(&recipes[&t], like.as_deref(), &mut b);
+                nodes.append(&mut copy);
+                renames.insert(t, mine);
+            }
+            rename_reads(&mut node, &renames);
+        } else if !blocked {
             continue;
         }
-        // the activation to wait for: a float one where types are known, else any
-        let activations: Vec<&String> = node
-            .input
-            .iter()
-            .filter(|n| !n.is_empty() && !recipes.contains_key(*n) && !inits.contains(*n))
-            .collect();
-        let like = activations
-            .iter()
-            .find(|n| matches!(types.get(n), Some(FLOAT | FLOAT16 | BFLOAT16)))
-            .or(activations.first())
-            .map(|n| n.to_string());
-        let mut renames = HashMap::new();
-        let mut nodes = Vec::new();
-        for t in wanted {
-            let (mut copy, mine) = instantiate(&recipes[&t], like.as_deref(), &mut b);
-            nodes.append(&mut copy);
-            renames.insert(t, mine);
-        }
-        let mut node = node.clone();
-        rename_reads(&mut node, &renames);
         nodes.push(node);
         replace.insert(at, nodes);
     }
+    // the constants of the rows' views and blocks (bodies read them from here)
+    graph.initializer.append(&mut b.initializers);
     splice(graph, Splice::replace(replace));
     graph.value_info.retain(|v| !gone.contains(v.name()));
 }
@@ -157,7 +177,7 @@ fn joins_chain(
 /// A fresh copy of `recipe` (fresh tensor and node names); each node of stored tensors alone
 /// (the Cast of the codes or of the nested absmax codes, DequantizeLinear) reads one of them
 /// through `Builder::after(stored, like)` where there is an activation to wait for.
-fn instantiate(
+pub(super) fn instantiate(
     recipe: &[NodeProto],
     like: Option<&str>,
     b: &mut Builder,

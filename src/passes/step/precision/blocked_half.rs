@@ -16,9 +16,8 @@ use std::collections::{HashMap, HashSet};
 use crate::graph::patch::{splice, Splice};
 use crate::graph::reads::outer_reads;
 use crate::onnx::{attr_ints, int_attr, GraphProto, NodeProto, FLOAT};
+use ntl_ops::row_blocks::plan;
 use ntl_ops::Builder;
-
-use super::blocked_reads::plan;
 
 /// An outer half tensor that is a kept half weight itself: the weight, its type, its shape.
 #[derive(Debug, Clone)]
@@ -159,7 +158,7 @@ fn emit_blocked(
 mod tests {
     use super::{block_half_bodies, HalfAlias};
     use crate::onnx::{attr_i, graph_attr, ints_attr, GraphProto, NodeProto};
-    use crate::passes::step::precision::blocked_reads::MIN_BLOCKS;
+    use ntl_ops::row_blocks::MIN_BLOCKS;
     use ntl_ops::Builder;
     use std::collections::{HashMap, HashSet};
 

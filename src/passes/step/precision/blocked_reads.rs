@@ -14,17 +14,11 @@
 
 use std::collections::HashMap;
 
-use crate::onnx::{attr_i, int_attr, GraphProto, NodeProto, FLOAT};
+use crate::onnx::{attr_i, GraphProto, NodeProto, FLOAT};
+use ntl_ops::row_blocks::{plan, product_in_blocks};
 use ntl_ops::Builder;
 
 use super::widened::Widened;
-
-/// The most bytes of one block's float32 copy; weights up to this size keep one widening
-/// before the loop (cheaper than a cast per iteration, and no bigger).
-pub const BLOCK_BYTES: i64 = 32 << 20;
-/// Blocks of a weight over `BLOCK_BYTES` at least: each block's copies (float16 and float32,
-/// 1.5x the block's float32 bytes) stay well under the half it saves.
-pub const MIN_BLOCKS: i64 = 8;
 
 /// Rewrites, in each body of `node`, the Gemms that read a widened weight of `widened` from
 /// the outer graph whole (`dims`: the half tensors' shapes where known).
@@ -76,16 +70,6 @@ fn blocks_of<'a>(
     Some((w.half.as_str(), rows, per))
 }
 
-/// A 2-D weight's rows and rows per block, where it is over `BLOCK_BYTES` as float32.
-pub(super) fn plan(shape: &[i64]) -> Option<(i64, i64)> {
-    let [rows, cols] = shape[..] else { return None };
-    let bytes = rows * cols * 4;
-    let blocks = MIN_BLOCKS
-        .max((bytes + BLOCK_BYTES - 1) / BLOCK_BYTES)
-        .min(rows);
-    (bytes > BLOCK_BYTES && blocks > 1).then(|| (rows, (rows + blocks - 1) / blocks))
-}
-
 /// `node`'s product over row blocks of `half` (module doc), writing `node`'s output.
 fn emit_blocked(b: &mut Builder, node: &NodeProto, half: &str, rows: i64, per: i64) {
     let trans_b = attr_i(node, "transB").unwrap_or(0) == 1;
@@ -93,38 +77,30 @@ fn emit_blocked(b: &mut Builder, node: &NodeProto, half: &str, rows: i64, per: i
     // axes, so onnxruntime's constant sharing and CSE cannot merge their slices into blocks
     // that live from the first use to the second
     let axis = if trans_b { 0 } else { -2 };
-    let mut parts = Vec::new();
-    let mut start = 0;
     // the blocks are sliced no earlier than the activation (see `Builder::after`)
     let half = b.after(half, &node.input[0], "amp/frozen_after");
-    while start < rows {
-        let end = (start + per).min(rows);
-        let block = b.slice(&half, start, end, axis, "amp/frozen_block");
-        let a = if trans_b {
-            node.input[0].clone()
-        } else {
-            b.slice(&node.input[0], start, end, 1, "amp/block_rows")
-        };
-        let wide = b.cast(&block, FLOAT, "amp/frozen_block_f32");
-        let attrs = vec![int_attr("transB", trans_b as i64)];
-        parts.push(b.node("Gemm", &[&a, &wide], "amp/block_product", attrs));
-        start = end;
-    }
-    let parts: Vec<&str> = parts.iter().map(String::as_str).collect();
-    let (op, attrs) = if trans_b {
-        ("Concat", vec![int_attr("axis", 1)])
-    } else {
-        ("Sum", vec![])
-    };
-    b.node_to(op, &parts, &[&node.output[0]], attrs);
+    let a = &node.input[0];
+    product_in_blocks(
+        b,
+        a,
+        trans_b,
+        (rows, per),
+        &node.output[0],
+        "amp",
+        |b, start, end| {
+            let block = b.slice(&half, start, end, axis, "amp/frozen_block");
+            b.cast(&block, FLOAT, "amp/frozen_block_f32")
+        },
+    );
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{block_bodies, MIN_BLOCKS};
+    use super::block_bodies;
     use crate::onnx::{attr_i, FLOAT};
     use crate::onnx::{graph_attr, int_attr, GraphProto, NodeProto};
     use crate::passes::step::precision::widened::Widened;
+    use ntl_ops::row_blocks::MIN_BLOCKS;
     use ntl_ops::Builder;
     use std::collections::{HashMap, HashSet};
 
