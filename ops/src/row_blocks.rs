@@ -5,7 +5,7 @@
 //! instead (a half weight widened block by block, a quantised one dequantised block by block),
 //! so one block's copy exists at a time.
 
-use crate::onnx::int_attr;
+use crate::onnx::{int_attr, NodeProto};
 use crate::Builder;
 
 /// The most bytes of one block's float32 copy; weights up to this size keep one copy before
@@ -23,6 +23,16 @@ pub fn plan(shape: &[i64]) -> Option<(i64, i64)> {
         .max((bytes + BLOCK_BYTES - 1) / BLOCK_BYTES)
         .min(rows);
     (bytes > BLOCK_BYTES && blocks > 1).then(|| (rows, (rows + blocks - 1) / blocks))
+}
+
+/// The weight W of a plain `Gemm(a, W[, transB])` (no `C`, `transA`, `alpha`, `beta`): the
+/// products [`product_in_blocks`] can write over W's row blocks.
+pub fn plain_gemm_weight(node: &NodeProto) -> Option<&str> {
+    if node.op_type() != "Gemm" || !node.domain().is_empty() || node.input.len() != 2 {
+        return None;
+    }
+    let plain = node.attribute.iter().all(|a| a.name() == "transB");
+    plain.then(|| node.input[1].as_str())
 }
 
 /// `Gemm(a, W[, transB])` written to `out` over W's `rows` in blocks of `per`: `block(b, start,

@@ -73,6 +73,25 @@ impl Splice {
     }
 }
 
+/// Each node of each body of `node` (a loop's, an `If`'s branches) that `rewrite` gives nodes
+/// for, replaced by them. Returns whether any was.
+pub fn rewrite_bodies(
+    node: &mut NodeProto,
+    mut rewrite: impl FnMut(&NodeProto) -> Option<Vec<NodeProto>>,
+) -> bool {
+    let mut changed = false;
+    for a in &mut node.attribute {
+        for g in a.g.iter_mut().chain(a.graphs.iter_mut()) {
+            let replace: BTreeMap<usize, Vec<NodeProto>> = (g.node.iter().enumerate())
+                .filter_map(|(at, n)| Some((at, rewrite(n)?)))
+                .collect();
+            changed |= !replace.is_empty();
+            splice(g, Splice::replace(replace));
+        }
+    }
+    changed
+}
+
 /// Applies `edits` to `graph`'s nodes in one pass from the first edited one (the nodes before
 /// stay where they are: a loss is usually near the end of a graph of millions of nodes), so
 /// any number of edits costs one walk.

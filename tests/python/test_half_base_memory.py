@@ -177,10 +177,10 @@ def test_blocked_head_trains_as_the_float32_export(graphs):
 
 
 def test_quantised_head_is_read_by_rows(graphs):
-    meta = json.loads(next(p.value for p in onnx.load(str(graphs["qhead"]), load_external_data=False).metadata_props
-                           if p.key == "ntl_step"))
+    model = onnx.load(str(graphs["qhead"]), load_external_data=False)
+    meta = json.loads(next(p.value for p in model.metadata_props if p.key == "ntl_step"))
     head = next(la for la in meta["quantize_base"]["layers"] if la["module"] == "head")
-    reads = reads_past_views(onnx.load(str(graphs["qhead"]), load_external_data=False).graph, head["codes"])
+    reads = reads_past_views(model.graph, head["codes"])
     whole = [r for r in reads if r[1] not in ("Slice", "Gather")]
     assert not whole, f"the head's codes dequantised whole: {whole}"
     assert sum(op == "Slice" for _, op in reads) >= 2 * 8, reads  # two products, 8 blocks each

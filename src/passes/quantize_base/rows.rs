@@ -21,12 +21,12 @@
 //! - blocks that do not divide `cols`;
 //! - int4 (not every runtime reshapes or slices int4 tensors).
 
-use ntl_ops::row_blocks::{plan, product_in_blocks};
+use ntl_ops::row_blocks::{plain_gemm_weight, plan, product_in_blocks};
 use ntl_ops::Builder;
 
 use super::{per_use::instantiate, QuantizedBase, QuantizedWeight, Scheme};
-use crate::graph::patch::{splice, Splice};
-use crate::onnx::{attr_i, int_attr, GraphProto, NodeProto, INT32};
+use crate::graph::patch::rewrite_bodies;
+use crate::onnx::{attr_i, int_attr, NodeProto, INT32};
 use crate::passes::lora::linear::Layout;
 
 /// A quantised weight whose rows can be read alone.
@@ -157,54 +157,19 @@ pub fn gathered_weight(node: &NodeProto) -> Option<&str> {
     (gather && attr_i(node, "axis").unwrap_or(0) == 0).then(|| node.input[0].as_str())
 }
 
-/// Rewrites, in each body of `node`, the `Gemm`s that read a large weight `rows_of` can read
-/// by rows (and that weight whole) into products over row blocks. Returns whether any changed.
+/// Rewrites, in each body of `node`, the plain `Gemm`s that read a large weight `rows_of` can
+/// read by rows (and that weight whole) into products over row blocks. Returns whether any
+/// changed.
 pub fn block_bodies<'a>(
     node: &mut NodeProto,
     rows_of: &dyn Fn(&str) -> Option<&'a Rows<'a>>,
     b: &mut Builder,
 ) -> bool {
-    let mut changed = false;
-    for a in &mut node.attribute {
-        for g in a.g.iter_mut().chain(a.graphs.iter_mut()) {
-            changed |= block_body(g, rows_of, b);
-        }
-    }
-    changed
-}
-
-fn block_body<'a>(
-    body: &mut GraphProto,
-    rows_of: &dyn Fn(&str) -> Option<&'a Rows<'a>>,
-    b: &mut Builder,
-) -> bool {
-    let mut replace = std::collections::BTreeMap::new();
-    for (at, node) in body.node.iter().enumerate() {
-        let Some((rows, per)) = whole_product(node, rows_of) else {
-            continue;
-        };
+    rewrite_bodies(node, |n| {
+        let rows = rows_of(plain_gemm_weight(n)?)?;
+        let (_, per) = plan(&[rows.w.out_features, rows.w.in_features])?;
         let before = b.nodes.len();
-        rows.blocked_product(b, node, per);
-        replace.insert(at, b.nodes.drain(before..).collect());
-    }
-    let changed = !replace.is_empty();
-    splice(body, Splice::replace(replace));
-    changed
-}
-
-/// The weight a body `Gemm(a, W)` reads whole and its rows per block, where W is read by rows
-/// and over the blocked size as float32 (no `C`, `transA`, `alpha`, `beta`).
-fn whole_product<'a>(
-    node: &NodeProto,
-    rows_of: &dyn Fn(&str) -> Option<&'a Rows<'a>>,
-) -> Option<(&'a Rows<'a>, i64)> {
-    if node.op_type() != "Gemm" || !node.domain().is_empty() || node.input.len() != 2 {
-        return None;
-    }
-    if node.attribute.iter().any(|a| a.name() != "transB") {
-        return None;
-    }
-    let rows = rows_of(&node.input[1])?;
-    let (_, per) = plan(&[rows.w.out_features, rows.w.in_features])?;
-    Some((rows, per))
+        rows.blocked_product(b, n, per);
+        Some(b.nodes.drain(before..).collect())
+    })
 }

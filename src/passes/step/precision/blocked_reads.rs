@@ -14,8 +14,9 @@
 
 use std::collections::HashMap;
 
-use crate::onnx::{attr_i, GraphProto, NodeProto, FLOAT};
-use ntl_ops::row_blocks::{plan, product_in_blocks};
+use crate::graph::patch::rewrite_bodies;
+use crate::onnx::{attr_i, NodeProto, FLOAT};
+use ntl_ops::row_blocks::{plain_gemm_weight, plan, product_in_blocks};
 use ntl_ops::Builder;
 
 use super::widened::Widened;
@@ -28,44 +29,22 @@ pub fn block_bodies(
     dims: &HashMap<String, Vec<i64>>,
     b: &mut Builder,
 ) {
-    for a in &mut node.attribute {
-        for g in a.g.iter_mut().chain(a.graphs.iter_mut()) {
-            block_body(g, widened, dims, b);
-        }
-    }
+    rewrite_bodies(node, |n| {
+        let (half, rows, per) = blocks_of(n, widened, dims)?;
+        let before = b.nodes.len();
+        emit_blocked(b, n, half, rows, per);
+        Some(b.nodes.drain(before..).collect())
+    });
 }
 
-fn block_body(
-    body: &mut GraphProto,
-    widened: &HashMap<String, Widened>,
-    dims: &HashMap<String, Vec<i64>>,
-    b: &mut Builder,
-) {
-    let mut replace = std::collections::BTreeMap::new();
-    for (at, node) in body.node.iter().enumerate() {
-        if let Some((half, rows, per)) = blocks_of(node, widened, dims) {
-            let before = b.nodes.len();
-            emit_blocked(b, node, half, rows, per);
-            replace.insert(at, b.nodes.drain(before..).collect());
-        }
-    }
-    crate::graph::patch::splice(body, crate::graph::patch::Splice::replace(replace));
-}
-
-/// The half weight a body `Gemm(a, W)` reads whole, its rows and the rows per block, where
-/// W is widened, 2-D and over `BLOCK_BYTES` as float32 (no `C`, `transA`, `alpha`, `beta`).
+/// The half weight a body's plain `Gemm(a, W)` reads whole, its rows and the rows per block,
+/// where W is widened, 2-D and over `BLOCK_BYTES` as float32.
 fn blocks_of<'a>(
     node: &NodeProto,
     widened: &'a HashMap<String, Widened>,
     dims: &HashMap<String, Vec<i64>>,
 ) -> Option<(&'a str, i64, i64)> {
-    if node.op_type() != "Gemm" || !node.domain().is_empty() || node.input.len() != 2 {
-        return None;
-    }
-    if node.attribute.iter().any(|a| a.name() != "transB") {
-        return None;
-    }
-    let w = widened.get(&node.input[1])?;
+    let w = widened.get(plain_gemm_weight(node)?)?;
     let (rows, per) = plan(dims.get(&w.half)?)?;
     Some((w.half.as_str(), rows, per))
 }
