@@ -31,7 +31,7 @@ _OPTIMIZER = {
     "use_rslora": FLAG, "lora_init": VALUE, "lora_dropout": VALUE, "seed": VALUE, "train": MULTI,
     "recompute": VALUE, "batch": VALUE, "seq": VALUE, "attention": VALUE,
     "attention_block": VALUE, "quantize_base": VALUE, "quant_block": VALUE,
-    "quantize_targets": VALUE, "double_quant": FLAG,
+    "quantize_targets": VALUE, "double_quant": FLAG, "update_bucket": VALUE,
 }
 
 # one-value options whose value is a comma-separated list

@@ -163,7 +163,10 @@ STEP_CONFIGS = {"dense": "--fused-head off", "default": "", "lora": LORA_ARGS,
                 # issue 33: attention as exported, or over blocks of query rows
                 "eager": "--attention eager", "chunked": "--attention chunked",
                 "eager-rc": "--attention eager --recompute layers",
-                "chunked-rc": "--attention chunked --recompute layers"}
+                "chunked-rc": "--attention chunked --recompute layers",
+                # issue 33: the optimizer update over flat buckets of 32 MiB (torch's multi-tensor AdamW)
+                "chunked-mt": "--attention chunked --update-bucket 32",
+                "lora-mt": f"{LORA_ARGS} --update-bucket 32"}
 # torch configurations: (attn_implementation, gradient checkpointing); `peft` is eager attention
 # torch_ckpt: torch with model.gradient_checkpointing_enable() (each decoder layer recomputed)
 TORCH_ATTN = {"torch": ("eager", False), "torch_ckpt": ("eager", True),

@@ -5,10 +5,12 @@
 # against torch + transformers with SDPA, at the Qwen2-0.5B shape (scripts/bench/bench_real_size.py
 # --preset qwen0.5b --device cuda; CE + 0.3·NTL-WAS, AdamW, random weights, one process per run):
 #
-#   A  bf16, B 4, T 512:                 chunked, eager, torch-sdpa          (baseline torch-sdpa)
+#   A  bf16, B 4, T 512:                 chunked, chunked-mt, eager, torch-sdpa (baseline torch-sdpa)
 #   B  bf16, B 1, T 4096:                chunked, eager, torch-sdpa
 #      bf16 + recomputation, B 1, T 4096: chunked-rc (--recompute layers), torch-sdpa-ckpt
-#   C  float32 strict, B 4, T 512:       chunked, torch (eager attention)     (baseline torch)
+#   C  float32 strict, B 4, T 512:       chunked, chunked-mt, torch (eager attention) (baseline torch)
+#   L  LoRA r 16, float32 strict, B 4, T 512: lora, lora-mt, peft              (baseline peft)
+#      (-mt: the optimizer update over flat buckets of 32 MiB, `step --update-bucket 32`)
 #   A2 A once more when the deadline leaves time for it (a second round, its own tables)
 #
 # --steps 5, the median over steps 3-5 (--warmup 2); --tf32 off: onnxruntime's CUDA provider gets
@@ -30,8 +32,8 @@
 # step graphs, ~2-10 GB a shape; default /tmp/bench-attention), BENCH_DEADLINE_S (seconds from the
 # start within which every benchmark must end, default 400: later parts get what is left and are
 # killed with their workers when it runs out), BENCH_THREADS (CPU threads of torch / onnxruntime, 8),
-# BENCH_ATTENTION_BLOCK (passed as --attention-block N when set), BENCH_PARTS (which of A P B C A2 to
-# run, default all; P: scripts/gpu/profile_step.py on A's chunked step graph; PB: its --kernels on B's),
+# BENCH_ATTENTION_BLOCK (passed as --attention-block N when set), BENCH_PARTS (which of A P B C L A2 to
+# run, default all (L: after C); P: scripts/gpu/profile_step.py on A's chunked step graph; PB: its --kernels on B's),
 # BENCH_A_CONFIGS / BENCH_B_CONFIGS (the configurations of parts A and B), BENCH_EXTRA_CONFIGS (",NAME"
 # appended to B's) with BENCH_STEP_CONFIG (one --step-config NAME=ARGS).
 # $OUT ends with summary.md, bench-attention.log and all.tgz (every table, JSON and log): the device
@@ -45,7 +47,7 @@ out="${OUT:-$root/target/gpu-bench-attention}"
 work="${BENCH_WORK:-/tmp/bench-attention}"
 deadline=$((t_start + ${BENCH_DEADLINE_S:-400}))
 threads="${BENCH_THREADS:-8}"
-parts_to_run=" ${BENCH_PARTS:-A P B C A2} "
+parts_to_run=" ${BENCH_PARTS:-A P B C L A2} "
 extra_configs="${BENCH_EXTRA_CONFIGS:-}"   # e.g. ",chunked4k": more configurations of part B
 extra_args=()
 [[ -n "${BENCH_STEP_CONFIG:-}" ]] && extra_args+=(--step-config "$BENCH_STEP_CONFIG")
@@ -165,7 +167,7 @@ bench() {
 }
 
 if [[ "$parts_to_run" == *" A "* ]]; then
-  bench bf16-b4-t512 --batch 4 --seq 512 --precision bf16 --configs "${BENCH_A_CONFIGS:-chunked,eager,torch-sdpa}" \
+  bench bf16-b4-t512 --batch 4 --seq 512 --precision bf16 --configs "${BENCH_A_CONFIGS:-chunked,chunked-mt,eager,torch-sdpa}" \
     --baseline-config torch-sdpa --rounds 1 --workdir "$work/b4-t512"
 fi
 if [[ "$parts_to_run" == *" P "* ]] && [[ -f "$work/b4-t512/model.chunked.step.onnx" ]]; then
@@ -188,8 +190,12 @@ if [[ "$parts_to_run" == *" B "* ]]; then
   fi
 fi
 if [[ "$parts_to_run" == *" C "* ]]; then
-  bench fp32-b4-t512 --batch 4 --seq 512 --configs chunked,torch --baseline-config torch --rounds 1 \
+  bench fp32-b4-t512 --batch 4 --seq 512 --configs chunked,chunked-mt,torch --baseline-config torch --rounds 1 \
     --workdir "$work/b4-t512"
+fi
+if [[ "$parts_to_run" == *" L "* ]]; then
+  bench lora-fp32-b4-t512 --batch 4 --seq 512 --configs lora,lora-mt,peft --peft-of lora --baseline-config peft \
+    --rounds 1 --workdir "$work/b4-t512"
 fi
 if [[ "$parts_to_run" == *" A2 "* ]] && (($(date +%s) + 100 < deadline)); then
   bench bf16-b4-t512-round2 --batch 4 --seq 512 --precision bf16 --configs torch-sdpa,eager,chunked \

@@ -6,7 +6,9 @@
 
 mod copies;
 mod in_place;
+mod multi_tensor;
 pub mod optimizer;
+mod param_update;
 mod parameters;
 pub mod precision;
 pub mod zero_state;
@@ -33,8 +35,9 @@ use crate::passes::quantize_base::{self, per_use, QuantizeOptions, QuantizedBase
 use crate::passes::recompute::{self, RecomputeOptions, StepFacts};
 use ntl_ops::names::{CE_OUTPUT, NUMBER_OUTPUT, PREFIX};
 use ntl_ops::Builder;
-use optimizer::{emit_update, ParamUpdate};
+use optimizer::emit_update;
 pub use optimizer::{OptimizerKind, OptimizerOptions};
+use param_update::ParamUpdate;
 use parameters::{Rule, Selection};
 use precision::frozen_half::{self, WidenedSet};
 use precision::loss_scale::{
@@ -79,6 +82,10 @@ impl StepOptions {
     /// The options' own checks, before any file is read.
     pub fn check(&self) -> Result<(), Error> {
         check_options(&self.optimizer)?;
+        if self.split && self.optimizer.update_bucket_mib != 0 {
+            // DataParallel's ZeRO cuts the update graph per parameter: a bucket spans shards
+            return Err(Error::Usage("--update-bucket lays out the one-graph step's update; drop it with --split (the update graph is cut per parameter for DataParallel)".into()));
+        }
         if let Some(o) = &self.lora {
             o.check()?;
         } else if !self.train.is_empty() {
@@ -121,6 +128,9 @@ fn check_options(o: &OptimizerOptions) -> Result<(), Error> {
         if !(n > 0.0 && n.is_finite() && n < 3e38) {
             return bad("--max-grad-norm must be a finite number > 0");
         }
+    }
+    if o.update_bucket_mib > 1 << 20 {
+        return bad("--update-bucket is in MiB and at most 1048576 (e.g. --update-bucket 32)");
     }
     Ok(())
 }

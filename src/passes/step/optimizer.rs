@@ -1,6 +1,8 @@
 //! The optimizer update in ONNX ops, with torch's semantics: `torch.optim.AdamW`,
 //! `torch.optim.SGD`, and `torch.nn.utils.clip_grad_norm_` over all trained parameters.
 
+use super::multi_tensor;
+use super::param_update::ParamUpdate;
 use crate::onnx::FLOAT;
 use crate::passes::grad::Ctx;
 
@@ -20,6 +22,10 @@ pub struct OptimizerOptions {
     pub weight_decay: f64,
     pub momentum: f64,
     pub max_grad_norm: Option<f64>,
+    /// `--update-bucket`: tensors of at most this many MiB are updated together in flat
+    /// buckets of this size (`multi_tensor`); 0 updates each tensor on its own. The layout of
+    /// the update, not its values.
+    pub update_bucket_mib: u64,
 }
 
 impl OptimizerOptions {
@@ -42,18 +48,6 @@ impl OptimizerOptions {
     }
 }
 
-/// One trained parameter as the update sees it: its tensor, its gradient, its state inputs
-/// (in `slots()` order) and the names its next values must be written to.
-pub struct ParamUpdate {
-    pub param: String,
-    /// The parameter's dims (its gradient's and state's too).
-    pub dims: Vec<i64>,
-    pub grad: String,
-    pub slots: Vec<String>,
-    pub next_param: String,
-    pub next_slots: Vec<String>,
-}
-
 /// Emits the update of every parameter; `step` is the int64 step-count input, written
 /// incremented to `next_step`; `lr` the learning-rate input. Returns the clipping's Σ‖g‖²
 /// tensor (with `--max-grad-norm`), which the metadata names for sharded trainers.
@@ -67,24 +61,32 @@ pub fn emit_update(
 ) -> Option<String> {
     let one_i = ctx.b.const_i64("opt/one", &[], &[1]);
     ctx.b.node_to("Add", &[step, &one_i], &[next_step], vec![]);
-    let (grads, norm_sq) = clip(ctx, opts, params);
+    let (coef, norm_sq) = clip(ctx, opts, params).unzip();
+    let runs = multi_tensor::plan(params, opts.update_bucket_mib << 20);
+    let updates = multi_tensor::flatten(ctx, params, &runs);
+    let grads: Vec<String> = updates
+        .iter()
+        .map(|u| match &coef {
+            Some(coef) => ctx.op("Mul", &[&u.grad, coef], "opt/clipped_grad"),
+            None => u.grad.clone(),
+        })
+        .collect();
     match opts.kind {
-        OptimizerKind::AdamW => adamw(ctx, opts, params, &grads, next_step, lr),
-        OptimizerKind::Sgd => sgd(ctx, opts, params, &grads, lr),
+        OptimizerKind::AdamW => adamw(ctx, opts, &updates, &grads, next_step, lr),
+        OptimizerKind::Sgd => sgd(ctx, opts, &updates, &grads, lr),
     }
+    multi_tensor::unflatten(ctx, params, &updates, &runs);
     norm_sq
 }
 
-/// `clip_grad_norm_`: every gradient times `min(max_norm / (‖g‖ + 1e-6), 1)`, the norm over
-/// all trained parameters together. Returns the gradients to apply and the Σ‖g‖² tensor.
+/// `clip_grad_norm_`'s factor `min(max_norm / (‖g‖ + 1e-6), 1)`, the norm over all trained
+/// parameters together, and the Σ‖g‖² tensor; None without `--max-grad-norm`.
 fn clip(
     ctx: &mut Ctx,
     opts: &OptimizerOptions,
     params: &[ParamUpdate],
-) -> (Vec<String>, Option<String>) {
-    let Some(max_norm) = opts.max_grad_norm else {
-        return (params.iter().map(|p| p.grad.clone()).collect(), None);
-    };
+) -> Option<(String, String)> {
+    let max_norm = opts.max_grad_norm?;
     let squares: Vec<String> = params
         .iter()
         .map(|p| {
@@ -101,11 +103,7 @@ fn clip(
     let coef = ctx.op("Div", &[&max, &denom], "opt/clip_coef");
     let one = ctx.f32(1.0);
     let coef = ctx.op("Min", &[&coef, &one], "opt/clip_coef_clamped");
-    let clipped = params
-        .iter()
-        .map(|p| ctx.op("Mul", &[&p.grad, &coef], "opt/clipped_grad"))
-        .collect();
-    (clipped, Some(total))
+    Some((coef, total))
 }
 
 fn adamw(

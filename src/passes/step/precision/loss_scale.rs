@@ -13,7 +13,8 @@ use crate::onnx::{BOOL, FLOAT, INT64};
 use crate::passes::contract;
 use crate::passes::grad::Ctx;
 
-use crate::passes::step::optimizer::{emit_update, OptimizerOptions, ParamUpdate};
+use crate::passes::step::optimizer::{emit_update, OptimizerOptions};
+use crate::passes::step::param_update::ParamUpdate;
 
 pub const SCALE_STATE: &str = "ntl/state/loss_scale";
 pub const TRACKER_STATE: &str = "ntl/state/growth_tracker";

@@ -1,0 +1,91 @@
+"""`step --update-bucket MIB`: the optimizer update over flat buckets of tensors (torch's
+multi-tensor AdamW/SGD). Its values must be the per-tensor update's bit for bit (elementwise ops
+on a concatenation compute each element as on its own tensor), through StepRunner (the state
+held once: the buckets' outputs written in place) and a plain session, and its node count per
+bucket rather than per tensor."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import REPO, TOKENIZER, run_patch
+from hf_reference import hf_reference
+from step_helpers import run_step, run_step_graph
+
+sys.path.insert(0, str(REPO / "python"))
+from ntl_patch import StepRunner  # noqa: E402
+
+CONFIGS = {
+    "adamw_wd_clip": ["--weight-decay", "0.1", "--max-grad-norm", "0.05"],
+    "sgd_momentum_l2": ["--optimizer", "sgd", "--momentum", "0.9", "--weight-decay", "0.01"],
+    "sgd": ["--optimizer", "sgd"],
+    "fp16": ["--precision", "fp16"],
+    "lora": ["--lora-r", "4"],
+}
+
+
+def _batches(model: str, n: int = 3):
+    ref = hf_reference(model)
+    return [(ref[f"traj/batch/{k:02d}/input_ids"], ref[f"traj/batch/{k:02d}/labels"]) for k in range(n)]
+
+
+def _update_nodes(path) -> list[onnx.NodeProto]:
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return [n for n in graph.node if n.output[0].startswith(("ntl/opt/", "ntl/next/"))]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("model", ["llama_ts", "gpt2_dynamo"])
+def test_buckets_update_bit_for_bit_as_per_tensor(model, config, tmp_path):
+    extra = CONFIGS[config]
+    run_step(model, tmp_path / "per.onnx", *extra)
+    run_step(model, tmp_path / "flat.onnx", *extra, "--update-bucket", "1")
+    batches = _batches(model)
+    per = run_step_graph(tmp_path / "per.onnx", batches)
+    flat = run_step_graph(tmp_path / "flat.onnx", batches)
+    assert per[0] == flat[0]
+    for p, w in per[1].items():
+        assert np.array_equal(w, flat[1][p]), p
+    # StepRunner holds the state once: the next values are written over the inputs
+    runners = [StepRunner(tmp_path / f"{tag}.onnx", providers=["CPUExecutionProvider"])
+               for tag in ("per", "flat")]
+    assert runners[0].in_place == runners[1].in_place and runners[1].in_place
+    for x, y in batches:
+        assert runners[0].step({"input_ids": x, "labels": y}) == runners[1].step({"input_ids": x, "labels": y})
+    a, b = runners[0].state_dict(), runners[1].state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+    # the moments' updates run once a bucket: fewer elementwise update nodes, no fewer outputs
+    ops = lambda path: sum(n.op_type in ("Add", "Sub", "Mul", "Div", "Sqrt") for n in _update_nodes(path))
+    if config != "sgd":
+        assert ops(tmp_path / "flat.onnx") < 0.5 * ops(tmp_path / "per.onnx")
+
+
+def test_no_bucket_is_the_per_tensor_graph(tmp_path):
+    """0 (the default) buckets nothing: the same bytes as without the option. (Which tensors go
+    into which bucket: the unit tests of passes/step/multi_tensor.rs.)"""
+    run_step("llama_ts", tmp_path / "per.onnx")
+    run_step("llama_ts", tmp_path / "zero.onnx", "--update-bucket", "0")
+    assert (tmp_path / "per.onnx").read_bytes() == (tmp_path / "zero.onnx").read_bytes()
+
+
+@pytest.mark.parametrize("runtime", ["tract", "ort"])
+def test_validate_runs_a_bucketed_step_graph(runtime, tmp_path):
+    run_step("gpt2_dynamo", tmp_path / "m.onnx", "--update-bucket", "1")
+    r = run_patch(["validate", tmp_path / "m.onnx", "--tokenizer", TOKENIZER, "--runtime", runtime])
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("extra, needle", [(["--update-bucket", "4", "--split"], "--split"),
+                                           (["--update-bucket", "2000000"], "at most"),
+                                           (["--update-bucket", "-1"], "-1")])
+def test_bucket_refusals(extra, needle, tmp_path):
+    r = run_step("llama_ts", tmp_path / "m.onnx", *extra, ok=False)
+    assert r.returncode == 1, r.stderr
+    assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not list(tmp_path.iterdir())
