@@ -13,7 +13,7 @@ import onnx
 import pytest
 
 from conftest import REPO, TOKENIZER, run_patch
-from hf_reference import hf_reference
+from attention_helpers import traj_batches
 from step_helpers import run_step, run_step_graph
 
 sys.path.insert(0, str(REPO / "python"))
@@ -28,11 +28,6 @@ CONFIGS = {
 }
 
 
-def _batches(model: str, n: int = 3):
-    ref = hf_reference(model)
-    return [(ref[f"traj/batch/{k:02d}/input_ids"], ref[f"traj/batch/{k:02d}/labels"]) for k in range(n)]
-
-
 def _update_nodes(path) -> list[onnx.NodeProto]:
     graph = onnx.load(str(path), load_external_data=False).graph
     return [n for n in graph.node if n.output[0].startswith(("ntl/opt/", "ntl/next/"))]
@@ -44,7 +39,7 @@ def test_buckets_update_bit_for_bit_as_per_tensor(model, config, tmp_path):
     extra = CONFIGS[config]
     run_step(model, tmp_path / "per.onnx", *extra)
     run_step(model, tmp_path / "flat.onnx", *extra, "--update-bucket", "1")
-    batches = _batches(model)
+    batches = traj_batches(model, 3)
     per = run_step_graph(tmp_path / "per.onnx", batches)
     flat = run_step_graph(tmp_path / "flat.onnx", batches)
     assert per[0] == flat[0]

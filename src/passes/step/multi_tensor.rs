@@ -44,24 +44,38 @@ pub fn plan(params: &[ParamUpdate], bucket_bytes: u64) -> Vec<std::ops::Range<us
     runs
 }
 
+/// A bucket as `unflatten` splits it back: its members (indices into the parameters), its
+/// flat update's index among `flatten`'s updates, and the shape constants it splits by (the
+/// members' sizes; each member's dims, none for a 1-D member), made once for all its outputs.
+pub struct Bucket {
+    members: std::ops::Range<usize>,
+    at: usize,
+    sizes: String,
+    dims: Vec<Option<String>>,
+}
+
 /// The updates to emit: each run of `runs` as one flat `ParamUpdate` (its parameter, gradient
 /// and state the members' concatenation, its next values fresh names), every other parameter
-/// as given. The state's concatenations wait for the bucket's gradient (they read an empty
-/// slice of it): otherwise an order that runs ready nodes early copies the state into buckets
-/// during the forward and keeps the copies until the update.
+/// as given; and the buckets to split back. The state's concatenations wait for the bucket's
+/// gradient (they read an empty slice of it): otherwise an order that runs ready nodes early
+/// copies the state into buckets during the forward and keeps the copies until the update.
 pub fn flatten(
     ctx: &mut Ctx,
     params: &[ParamUpdate],
     runs: &[std::ops::Range<usize>],
-) -> Vec<ParamUpdate> {
+) -> (Vec<ParamUpdate>, Vec<Bucket>) {
     let mut updates = Vec::new();
+    let mut buckets = Vec::new();
     let mut next = 0;
     for run in runs {
         updates.extend_from_slice(&params[next..run.start]);
         let members = &params[run.clone()];
+        let sizes: Vec<i64> = members.iter().map(|p| numel(&p.dims) as i64).collect();
+        let flat_shape = ctx.i64s(&[-1]);
         let grad = concat(
             ctx,
             members.iter().map(|p| &p.grad),
+            &flat_shape,
             None,
             "opt/bucket_grad",
         );
@@ -70,22 +84,28 @@ pub fn flatten(
         let param = concat(
             ctx,
             members.iter().map(|p| &p.param),
+            &flat_shape,
             gated,
             "opt/bucket_param",
         );
         let slots = (0..members[0].slots.len())
             .map(|k| {
-                concat(
-                    ctx,
-                    members.iter().map(|p| &p.slots[k]),
-                    gated,
-                    "opt/bucket_state",
-                )
+                let xs = members.iter().map(|p| &p.slots[k]);
+                concat(ctx, xs, &flat_shape, gated, "opt/bucket_state")
             })
             .collect();
+        buckets.push(Bucket {
+            members: run.clone(),
+            at: updates.len(),
+            sizes: ctx.i64s(&sizes),
+            dims: members
+                .iter()
+                .map(|p| (p.dims.len() != 1).then(|| ctx.i64s(&p.dims)))
+                .collect(),
+        });
         updates.push(ParamUpdate {
             param,
-            dims: vec![members.iter().map(|p| numel(&p.dims) as i64).sum()],
+            dims: vec![sizes.iter().sum()],
             grad,
             next_param: ctx.b.fresh("opt/bucket_next"),
             next_slots: members[0]
@@ -98,77 +118,75 @@ pub fn flatten(
         next = run.end;
     }
     updates.extend_from_slice(&params[next..]);
-    updates
+    (updates, buckets)
 }
 
 /// Splits each bucket's next values back into its members' next parameter and state outputs.
-/// `updates` are `flatten`'s, in its order.
+/// `updates` and `buckets` are `flatten`'s.
 pub fn unflatten(
     ctx: &mut Ctx,
     params: &[ParamUpdate],
     updates: &[ParamUpdate],
-    runs: &[std::ops::Range<usize>],
+    buckets: &[Bucket],
 ) {
-    let mut at = 0;
-    let mut next = 0;
-    for run in runs {
-        at += run.start - next;
-        let (members, bucket) = (&params[run.clone()], &updates[at]);
-        split(ctx, &bucket.next_param, members, |p| &p.next_param);
-        for k in 0..bucket.next_slots.len() {
-            split(ctx, &bucket.next_slots[k], members, |p| &p.next_slots[k]);
+    for bucket in buckets {
+        let flat = &updates[bucket.at];
+        split(ctx, &flat.next_param, params, bucket, |p| &p.next_param);
+        for k in 0..flat.next_slots.len() {
+            split(ctx, &flat.next_slots[k], params, bucket, |p| {
+                &p.next_slots[k]
+            });
         }
-        at += 1;
-        next = run.end;
     }
 }
 
-/// `Concat` of the tensors flattened, after `gate` (an empty tensor) where given.
+/// `Concat` of the tensors flattened (`flat_shape`: `[-1]`), after `gate` (an empty tensor)
+/// where given.
 fn concat<'a>(
     ctx: &mut Ctx,
     xs: impl Iterator<Item = &'a String>,
+    flat_shape: &str,
     gate: Option<&str>,
     hint: &str,
 ) -> String {
-    let flat_shape = ctx.i64s(&[-1]);
     let mut parts: Vec<String> = gate.map(str::to_string).into_iter().collect();
     for x in xs {
-        parts.push(ctx.op("Reshape", &[x, &flat_shape], "opt/flat"));
+        parts.push(ctx.op("Reshape", &[x, flat_shape], "opt/flat"));
     }
     let refs: Vec<&str> = parts.iter().map(String::as_str).collect();
     ctx.b.concat(&refs, 0, hint)
 }
 
-/// `flat` split into the members' sizes, each reshaped to its dims into `out(member)`. A 1-D
-/// member's piece is its output itself: no Reshape, so a runtime writes it straight into the
-/// output's memory (a Reshape into an output bound by the caller copies).
+/// `flat` split into the bucket's members, each reshaped to its dims into `out(member)`. A
+/// 1-D member's piece is its output itself: no Reshape, so a runtime writes it straight into
+/// the output's memory (a Reshape into an output bound by the caller copies).
 fn split(
     ctx: &mut Ctx,
     flat: &str,
-    members: &[ParamUpdate],
+    params: &[ParamUpdate],
+    bucket: &Bucket,
     out: impl Fn(&ParamUpdate) -> &String,
 ) {
-    let sizes: Vec<i64> = members.iter().map(|p| numel(&p.dims) as i64).collect();
+    let members = &params[bucket.members.clone()];
     let pieces: Vec<String> = members
         .iter()
-        .map(|p| match p.dims.len() {
-            1 => out(p).clone(),
-            _ => ctx.b.fresh("opt/unflat"),
+        .zip(&bucket.dims)
+        .map(|(p, dims)| match dims {
+            None => out(p).clone(),
+            Some(_) => ctx.b.fresh("opt/unflat"),
         })
         .collect();
     let piece_refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
     // `split` is an input (opset 13 on: the step graph's opsets, as the patch's)
-    let sizes = ctx.i64s(&sizes);
     ctx.b.node_to(
         "Split",
-        &[flat, &sizes],
+        &[flat, &bucket.sizes],
         &piece_refs,
         vec![int_attr("axis", 0)],
     );
-    for (p, piece) in members.iter().zip(&pieces) {
-        if p.dims.len() != 1 {
-            let dims = ctx.i64s(&p.dims);
-            ctx.b.node_to("Reshape", &[piece, &dims], &[out(p)], vec![]);
+    for ((p, piece), dims) in members.iter().zip(&pieces).zip(&bucket.dims) {
+        if let Some(dims) = dims {
+            ctx.b.node_to("Reshape", &[piece, dims], &[out(p)], vec![]);
         }
     }
 }

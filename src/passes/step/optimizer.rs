@@ -63,7 +63,7 @@ pub fn emit_update(
     ctx.b.node_to("Add", &[step, &one_i], &[next_step], vec![]);
     let (coef, norm_sq) = clip(ctx, opts, params).unzip();
     let runs = multi_tensor::plan(params, opts.update_bucket_mib << 20);
-    let updates = multi_tensor::flatten(ctx, params, &runs);
+    let (updates, buckets) = multi_tensor::flatten(ctx, params, &runs);
     let grads: Vec<String> = updates
         .iter()
         .map(|u| match &coef {
@@ -75,7 +75,7 @@ pub fn emit_update(
         OptimizerKind::AdamW => adamw(ctx, opts, &updates, &grads, next_step, lr),
         OptimizerKind::Sgd => sgd(ctx, opts, &updates, &grads, lr),
     }
-    multi_tensor::unflatten(ctx, params, &updates, &runs);
+    multi_tensor::unflatten(ctx, params, &updates, &buckets);
     norm_sq
 }
 
