@@ -5,7 +5,8 @@ A session built from the file would keep them for the session's whole life, besi
 trainer feeds: one more copy of every parameter and moment. So the trainers build the session from
 the file's bytes *without* those initializers (session_without); the state itself is uploaded
 by _training_state. Also here: the options every trainer session gets by default (log level,
-memory pattern, the exact CPU arena) and the CUDA provider's TF32 choice.
+memory pattern, the exact CPU arena), the CUDA provider's TF32 choice and the GPU providers'
+exact arena (trainer_providers).
 """
 
 from __future__ import annotations
@@ -49,6 +50,32 @@ def with_tf32(providers: list, tf32: bool | None) -> list:
         else:
             out.append(p)
     return out
+
+
+# the providers whose device memory arena onnxruntime grows to the next power of two by default
+_GPU_ARENA_PROVIDERS = ("CUDAExecutionProvider", "ROCMExecutionProvider")
+
+
+def exact_gpu_arena(providers: list) -> list:
+    """``providers`` with the CUDA and ROCm providers' memory arena growing by what each allocation
+    asks for (``arena_extend_strategy="kSameAsRequested"``) unless their options already say how.
+    onnxruntime's default, ``kNextPowerOfTwo``, doubles the size of each region it adds, so the
+    device may hold up to twice what the step needs at its peak; torch's caching allocator does not
+    round so. The CPU arena gets the same (exact_cpu_arena)."""
+    out = []
+    for p in providers:
+        name, opts = (p, {}) if isinstance(p, str) else (p[0], dict(p[1]))
+        if name in _GPU_ARENA_PROVIDERS:
+            opts.setdefault("arena_extend_strategy", "kSameAsRequested")
+            out.append((name, opts))
+        else:
+            out.append(p)
+    return out
+
+
+def trainer_providers(providers: list, tf32: bool | None) -> list:
+    """The providers a trainer's session gets: TF32 stated (with_tf32), the GPU arena exact."""
+    return exact_gpu_arena(with_tf32(providers, tf32))
 
 
 def default_session_options() -> ort.SessionOptions:

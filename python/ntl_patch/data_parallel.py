@@ -33,7 +33,7 @@ from . import _contract, _exports, _lora, _safetensors, _sharding
 from ._collective import Collective
 from ._gradient_layout import GradientLayout
 from ._replicated import Replicated
-from ._sessions import with_tf32
+from ._sessions import trainer_providers
 from ._split_runs import GradientRun, UpdateRun
 from ._step_graph import StepGraph
 from ._training_state import TrainingState, initial_values
@@ -118,7 +118,7 @@ class DataParallel:
                 raise FileNotFoundError(f"{p}: no such file (write it with `ntl-patch step MODEL --split`)")
 
         providers, self.device, self.device_id = _placement(torch, providers)
-        providers = with_tf32(providers, tf32)
+        providers = trainer_providers(providers, tf32)
         self.torch_device = torch.device(self.device if self.device == "cpu" else f"cuda:{self.device_id}")
         self.group = group
         if self.device != "cpu":

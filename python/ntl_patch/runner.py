@@ -31,7 +31,7 @@ import numpy as np
 import onnxruntime as ort
 
 from . import _contract, _exports, _lora
-from ._sessions import with_tf32
+from ._sessions import trainer_providers
 from ._step_graph import StepGraph
 from ._training_state import TrainingState, initial_values
 
@@ -70,7 +70,9 @@ class StepRunner:
     ``use_tf32`` (onnxruntime's own default is TF32). Without session_options, ORT logs errors only, its memory pattern
     is off (with it, the second step plans a second full-size block that stays: peak RSS
     1.3-1.7x higher) and the CPU arena grows by what is asked for, not to the next power of two
-    (0.92x instead of 1.03x torch eager's peak on the Qwen2-0.5B shape; bench/README.md).
+    (0.92x instead of 1.03x torch eager's peak on the Qwen2-0.5B shape; bench/README.md). The
+    CUDA and ROCm providers' arenas grow so too (``arena_extend_strategy="kSameAsRequested"``)
+    unless their options say otherwise.
 
     The state lives once, in OrtValues this runner owns: the session is built without the
     state's initializers (their values are uploaded once), and each step writes the next value
@@ -96,7 +98,7 @@ class StepRunner:
         state_inputs = meta.state_inputs
 
         providers = list(providers) if providers is not None else _default_providers()
-        self._graph = StepGraph.load(self.path, meta, session_options, with_tf32(providers, tf32))
+        self._graph = StepGraph.load(self.path, meta, session_options, trainer_providers(providers, tf32))
         self.session = self._graph.session
         absent = self._graph.missing(self.data_inputs + state_inputs,
                                      self.losses + [o for _, o in self.state_names] +

@@ -12,8 +12,9 @@ of Qwen2-0.5B, in time per step, peak RSS and losses (bench/README.md, section "
 
 The model: transformers' Qwen2ForCausalLM from a Qwen2Config (random weights, seed --seed, no
 download): d 896, 14 query / 2 key-value heads, MLP 4864, vocab 151 936, tied embeddings, eager
-attention; exported with its own loss (`labels=`) by torch's dynamo exporter (opset 18,
-optimize=False, external data; --exporter torchscript for the TorchScript exporter). The
+attention; exported with its own loss (`labels=`) by torch's dynamo exporter (opset 18 or --opset:
+23 for the `onnx` configurations' ONNX Attention operator; optimize=False, external data;
+--exporter torchscript for the TorchScript exporter). The
 tokenizer: a WordLevel tokenizer.json of --vocab tokens with "0".."9" at scattered ids. The
 batch: random ids, labels 30 % digit tokens and 2 % -100.
 
@@ -164,6 +165,8 @@ STEP_CONFIGS = {"dense": "--fused-head off", "default": "", "lora": LORA_ARGS,
                 "eager": "--attention eager", "chunked": "--attention chunked",
                 "eager-rc": "--attention eager --recompute layers",
                 "chunked-rc": "--attention chunked --recompute layers",
+                # the forward as the ONNX Attention operator (a fused kernel on onnxruntime-gpu): --opset 23
+                "onnx": "--attention onnx", "onnx-rc": "--attention onnx --recompute layers",
                 # issue 33: the optimizer update over flat buckets of 32 MiB (torch's multi-tensor AdamW)
                 "chunked-mt": "--attention chunked --update-bucket 32",
                 "lora-mt": f"{LORA_ARGS} --update-bucket 32"}
@@ -231,6 +234,8 @@ def parse_args(argv=None):
     p.add_argument("--python", help="the interpreter of every run (default: .venv-rt for the step "
                                      "runs, .venv for torch)")
     p.add_argument("--exporter", choices=("dynamo", "torchscript"), default="dynamo")
+    p.add_argument("--opset", type=int, help="the export's opset (default: dynamo 18, TorchScript 17; "
+                   "`--attention onnx` needs 23)")
     p.add_argument("--bin", default=os.environ.get("NTL_PATCH_BIN", str(REPO / "target/release/ntl-patch")))
     p.add_argument("--runner-python", default=str(REPO / "python"),
                    help="folder holding the ntl_patch package the step runs import (e.g. another "
@@ -240,6 +245,9 @@ def parse_args(argv=None):
     p.add_argument("--min-available-gib", type=float, help="preset qwen0.5b/wide4: 21, small: 0")
     p.add_argument("--max-load", type=float, help="1-minute load average limit (preset default)")
     p.add_argument("--force", action="store_true", help="skip the memory and load checks")
+    p.add_argument("--gpu-arena", choices=("exact", "pow2"), default="exact",
+                   help="the step graph's CUDA arena: StepRunner's (grows by each request) or onnxruntime's "
+                   "default (the next power of two)")
     p.add_argument("--no-cpu-arena", action="store_true",
                    help="step configurations: SessionOptions.enable_cpu_mem_arena = False")
     p.add_argument("--disable-optimizers", default="",
@@ -270,6 +278,8 @@ def parse_args(argv=None):
     spec.setdefault("tied", 1)
     spec["seed"] = args.seed
     spec["export_dtype"] = args.export_dtype
+    if args.opset is not None:
+        spec["opset"] = args.opset
     if args.precision is None and args.export_dtype == "float16":
         args.precision = "fp16"
     args.spec = spec
@@ -334,7 +344,8 @@ def qwen2(spec: dict, attn: str = "eager"):
     cfg = Qwen2Config(vocab_size=spec["vocab"], hidden_size=spec["dim"], intermediate_size=spec["mlp"],
                       num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
                       num_key_value_heads=spec["kv_heads"], tie_word_embeddings=bool(spec.get("tied", 1)),
-                      max_position_embeddings=max(2048, spec["seq"]), rms_norm_eps=1e-6, rope_theta=1e6,
+                      max_position_embeddings=max(2048, spec["seq"], spec.get("max_seq", 0)),
+                      rms_norm_eps=1e-6, rope_theta=1e6,
                       attention_dropout=0.0, attn_implementation=attn, use_cache=False,
                       bos_token_id=2, eos_token_id=3, pad_token_id=0)
     torch.manual_seed(spec["seed"])
@@ -379,26 +390,34 @@ def export(spec: dict, exporter: str, path: Path) -> str:
     model = WithLoss.wrap(qwen2(spec))
     g = torch.Generator().manual_seed(spec["seed"] + 1)
     ids = torch.randint(4, spec["vocab"], (spec["batch"], spec["seq"]), generator=g)
+    # dynamic_seq: the sequence length a symbol (scripts/bench/longest_sequence.py: one graph, any T)
+    dynamic = bool(spec.get("dynamic_seq"))
+    dynamic_note = ", the sequence length dynamic" if dynamic else ""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if exporter == "dynamo":
             import dynamo_compat  # fixtures/: torch 2.7.1's version-converter work-around
 
             dynamo_compat.patch_dynamo_version_conversion()
-            prog = torch.onnx.export(model, (ids, ids.clone()), dynamo=True, opset_version=18,
+            opset = spec.get("opset", 18)
+            prog = torch.onnx.export(model, (ids, ids.clone()), dynamo=True, opset_version=opset,
                                      optimize=False, external_data=True, verbose=False,
                                      training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
-                                     input_names=["input_ids", "labels"], output_names=["loss"])
+                                     input_names=["input_ids", "labels"], output_names=["loss"],
+                                     dynamic_shapes=({1: torch.export.Dim("T", min=8, max=1 << 20)},) * 2
+                                     if dynamic else None)
             prog.save(str(path), external_data=True)
-            return "dynamo (torch.onnx.export dynamo=True, opset 18, optimize=False, external data)"
+            return f"dynamo (torch.onnx.export dynamo=True, opset {opset}, optimize=False, external data{dynamic_note})"
         import generate_step  # transformers' packed-sequence check does not trace
 
         with generate_step._NoPackedSequenceCheck():
-            torch.onnx.export(model, (ids, ids.clone()), str(path), dynamo=False, opset_version=17,
+            torch.onnx.export(model, (ids, ids.clone()), str(path), dynamo=False, opset_version=spec.get("opset", 17),
                               training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
                               input_names=["input_ids", "labels"], output_names=["loss"],
-                              external_data=True)
-        return "TorchScript (torch.onnx.export dynamo=False, opset 17, external data)"
+                              external_data=True,
+                              dynamic_axes={"input_ids": {1: "T"}, "labels": {1: "T"}} if dynamic else None)
+        return (f"TorchScript (torch.onnx.export dynamo=False, opset {spec.get('opset', 17)}, external data"
+                f"{dynamic_note})")
 
 
 def prepare(args, work: Path) -> dict:
@@ -549,7 +568,7 @@ def worker(argv) -> None:
     kind, work, steps, threads, device = argv[0], Path(argv[1]), int(argv[2]), int(argv[3]), argv[4]
     import numpy as np
 
-    z = np.load(work / "batch.npz")
+    z = np.load(os.environ.get("NTL_BENCH_BATCH") or work / "batch.npz")  # the driver's other batch
     ids, labels = z["input_ids"], z["labels"]
     t_load = time.perf_counter()
     phase("load")
@@ -614,14 +633,19 @@ def runner_step(graph: Path, runner_python: Path, ids, labels, threads: int, dev
     providers = ["CPUExecutionProvider"]
     tf32 = os.environ.get("NTL_BENCH_TF32", "0")
     if device == "cuda":  # TF32 stated, not onnxruntime's default (use_tf32=1)
-        providers.insert(0, ("CUDAExecutionProvider", {"device_id": 0, "use_tf32": tf32}))
+        cuda = {"device_id": 0, "use_tf32": tf32}
+        if os.environ.get("NTL_BENCH_GPU_ARENA") == "pow2":  # --gpu-arena pow2: onnxruntime's own default
+            cuda["arena_extend_strategy"] = "kNextPowerOfTwo"
+        providers.insert(0, ("CUDAExecutionProvider", cuda))
     runner = StepRunner(graph, providers=providers, session_options=so)
     want = providers[0] if isinstance(providers[0], str) else providers[0][0]
     if runner.session.get_providers()[0] != want:
         raise RuntimeError(f"the session runs on {runner.session.get_providers()}, not {want}")
     info = {"providers": runner.session.get_providers()}
     if device == "cuda":  # what the session took, as it reports it
-        info["use_tf32"] = runner.session.get_provider_options().get("CUDAExecutionProvider", {}).get("use_tf32")
+        cuda_options = runner.session.get_provider_options().get("CUDAExecutionProvider", {})
+        info["use_tf32"] = cuda_options.get("use_tf32")
+        info["arena_extend_strategy"] = cuda_options.get("arena_extend_strategy")
         if str(info["use_tf32"]) != tf32:  # reported, not fatal: the table says what ran
             print(f"asked for use_tf32={tf32}, the session has {info['use_tf32']!r}", file=sys.stderr, flush=True)
     batch = dict(zip(runner.data_inputs, (ids, labels)))
@@ -934,10 +958,10 @@ def proc_rss_mib(pid: int) -> float:
     return 0.0
 
 
-def run_guarded(cmd, env=None, limit_gib=None, min_free_gib=1.0):
-    """Runs cmd, polling its RSS every 0.25 s; kills it when its RSS passes limit_gib or
-    MemAvailable falls below min_free_gib. (returncode, stdout, stderr, why killed or None,
-    highest polled RSS MiB, wall s)."""
+def run_guarded(cmd, env=None, limit_gib=None, min_free_gib=1.0, timeout_s=None):
+    """Runs cmd, polling its RSS every 0.25 s; kills it when its RSS passes limit_gib,
+    MemAvailable falls below min_free_gib or it runs past timeout_s. (returncode, stdout, stderr,
+    why killed or None, highest polled RSS MiB, wall s)."""
     import tempfile
 
     t0 = time.perf_counter()
@@ -948,9 +972,11 @@ def run_guarded(cmd, env=None, limit_gib=None, min_free_gib=1.0):
             rss = proc_rss_mib(proc.pid)
             peak = max(peak, rss)
             avail = mem_available_gib()
-            if (limit_gib and rss > limit_gib * 1024) or avail < min_free_gib:
+            late = timeout_s is not None and time.perf_counter() - t0 > timeout_s
+            if (limit_gib and rss > limit_gib * 1024) or avail < min_free_gib or late:
                 killed = (f"RSS {rss / 1024:.1f} GiB > the limit {limit_gib} GiB" if limit_gib and rss > limit_gib * 1024
-                          else f"MemAvailable {avail:.1f} GiB < {min_free_gib} GiB at RSS {rss / 1024:.1f} GiB")
+                          else f"MemAvailable {avail:.1f} GiB < {min_free_gib} GiB at RSS {rss / 1024:.1f} GiB"
+                          if avail < min_free_gib else f"past the time limit of {timeout_s:.0f} s")
                 proc.kill()
                 proc.wait()
                 break
@@ -961,7 +987,10 @@ def run_guarded(cmd, env=None, limit_gib=None, min_free_gib=1.0):
         return proc.returncode, fo.read(), fe.read(), killed, peak, wall
 
 
-def run_one(args, work: Path, meta: dict, kind: str) -> dict:
+def run_one(args, work: Path, meta: dict, kind: str, batch: Path | None = None,
+            timeout_s: float | None = None) -> dict:
+    """One run of configuration `kind` in its own process (batch: another batch file than the
+    work dir's; timeout_s: killed past it)."""
     check_machine(args)
     worker_kind = kind if kind in TORCH_KINDS else "step"
     python = args.python or str(PYTHONS["torch" if kind in TORCH_KINDS else "step"])
@@ -976,6 +1005,9 @@ def run_one(args, work: Path, meta: dict, kind: str) -> dict:
         env["NTL_BENCH_NO_CPU_ARENA"] = "1"
     if args.disable_optimizers:
         env["NTL_BENCH_DISABLED_OPTIMIZERS"] = args.disable_optimizers
+    env["NTL_BENCH_GPU_ARENA"] = args.gpu_arena
+    if batch is not None:
+        env["NTL_BENCH_BATCH"] = str(batch)
     if args.device == "cuda":  # the previous run's memory may still be being released: wait (<= 10 s) for it
         idle = getattr(args, "gpu_idle_mib", None)
         if idle is None:
@@ -984,7 +1016,8 @@ def run_one(args, work: Path, meta: dict, kind: str) -> dict:
         while gpu_used_mib() > idle + 256 and time.perf_counter() - t_wait < 10:
             time.sleep(0.1)
     gpu = GpuPeak() if args.device == "cuda" else None
-    rc, stdout, stderr, killed, peak, wall = run_guarded(cmd, env, args.spec.get("rss_limit_gib"), args.min_free_gib)
+    rc, stdout, stderr, killed, peak, wall = run_guarded(cmd, env, args.spec.get("rss_limit_gib"), args.min_free_gib,
+                                                         timeout_s)
     gpu_peak = gpu.stop() if gpu else None
     gpu_base = gpu.base if gpu else None
     phases = [line for line in stderr.splitlines() if line.startswith("phase: ")]
@@ -1200,6 +1233,8 @@ def markdown(args, meta: dict, res: dict, env: dict, baseline: dict | None = Non
     if args.device == "cuda":
         tf32 = sorted({str(c.get("info", {}).get("use_tf32")) for k, c in res.items()
                        if k not in TORCH_KINDS and "error" not in c})
+        arena = sorted({str(c.get("info", {}).get("arena_extend_strategy")) for k, c in res.items()
+                        if k not in TORCH_KINDS and "error" not in c})
         tt = sorted({c.get("info", {}).get("float32_matmul", "?") for k, c in res.items()
                      if k in TORCH_KINDS and "error" not in c})
         ver = {}
@@ -1207,7 +1242,8 @@ def markdown(args, meta: dict, res: dict, env: dict, baseline: dict | None = Non
             ver.update(c.get("versions", {}) if "error" not in c else {})
         lines[0] = lines[0][:-1] + (f"; GPU: {env.get('gpu') or '?'}; GPU memory sampled with "
                                     f"{env.get('gpu_sampler')}; --tf32 {args.tf32}: onnxruntime CUDA provider use_tf32="
-                                    f"{'/'.join(tf32) or '-'} (as the sessions report it), torch "
+                                    f"{'/'.join(tf32) or '-'} and arena_extend_strategy {'/'.join(arena) or '-'} "
+                                    f"(as the sessions report them), torch "
                                     f"{', '.join(tt) or '-'}; "
                                     + ", ".join(f"{k} {v}" for k, v in sorted(ver.items())) + ".")
     lines += [""] + summary_table(args, meta, res)
@@ -1303,7 +1339,8 @@ def main():
             if "error" not in r and args.device == "cuda":
                 info = r.get("info", {})
                 what += (f", GPU {r['mem'].get('gpu_peak', 0):.0f} MiB above the start, " +
-                         (f"use_tf32={info.get('use_tf32')}" if kind not in TORCH_KINDS
+                         (f"use_tf32={info.get('use_tf32')}, arena {info.get('arena_extend_strategy')}"
+                          if kind not in TORCH_KINDS
                           else info.get("float32_matmul", "")))
             print(f"round {rnd + 1}/{args.rounds} {kind}: {what}", flush=True)
     res = {k: summarize(v, args.warmup) for k, v in runs.items()}

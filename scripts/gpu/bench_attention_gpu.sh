@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
-# Issue 33's GPU benchmark, prepared for one run of at most ~7 minutes on one H200 (an offline
+# Issue 33's GPU benchmark, prepared for one run of at most ~9.5 minutes on one H200 (an offline
 # machine with torch but no onnxruntime-gpu: /work/shared/gpu/README.md): the step graph with the
 # exported attention (`--attention eager`) and with blockwise attention (`--attention chunked`)
 # against torch + transformers with SDPA, at the Qwen2-0.5B shape (scripts/bench/bench_real_size.py
 # --preset qwen0.5b --device cuda; CE + 0.3·NTL-WAS, AdamW, random weights, one process per run):
 #
 #   A  bf16, B 4, T 512:                 chunked, chunked-mt, eager, torch-sdpa (baseline torch-sdpa)
-#   B  bf16, B 1, T 4096:                chunked, eager, torch-sdpa
+#   B  bf16, B 1, T 4096:                chunked, torch-sdpa (eager: BENCH_B_CONFIGS; measured 2026-12-04)
 #      bf16 + recomputation, B 1, T 4096: chunked-rc (--recompute layers), torch-sdpa-ckpt
 #   C  float32 strict, B 4, T 512:       chunked, chunked-mt, torch (eager attention) (baseline torch)
 #   L  LoRA r 16, float32 strict, B 4, T 512: lora, lora-mt, peft              (baseline peft)
 #      (-mt: the optimizer update over flat buckets of 32 MiB, `step --update-bucket 32`)
+#   O  bf16, B 1, T 4096, exported at opset 23: onnx, onnx-rc (`--attention onnx`: the forward as the
+#      ONNX Attention operator, a fused kernel in onnxruntime-gpu; its backward reads only the keys
+#      the masks leave each block), torch-sdpa (B has chunked)
+#   S  the longest bf16 sequence at B 1 with recomputation: chunked-rc against torch-sdpa-ckpt,
+#      T from 16384 doubling to 131072, one bisection step (scripts/bench/longest_sequence.py: one
+#      export with the length dynamic, a try = one process of 2 steps, a try past 90 s fails);
+#      what the deadline leaves it reads "at least" (BENCH_PARTS=S: the search alone, ~5 minutes)
+#   M  B's chunked and chunked-rc again with onnxruntime's own CUDA arena (`--gpu-arena pow2`: each
+#      region it adds twice the last) where StepRunner's grows by each request: what the arena holds
 #   A2 A once more when the deadline leaves time for it (a second round, its own tables)
 #
 # --steps 5, the median over steps 3-5 (--warmup 2); --tf32 off: onnxruntime's CUDA provider gets
@@ -30,12 +39,13 @@
 #
 # Env: OUT (results: logs, .md, .json; default target/gpu-bench-attention), BENCH_WORK (exports and
 # step graphs, ~2-10 GB a shape; default /tmp/bench-attention), BENCH_DEADLINE_S (seconds from the
-# start within which every benchmark must end, default 400: later parts get what is left and are
+# start within which every benchmark must end, default 540: later parts get what is left and are
 # killed with their workers when it runs out), BENCH_THREADS (CPU threads of torch / onnxruntime, 8),
-# BENCH_ATTENTION_BLOCK (passed as --attention-block N when set), BENCH_PARTS (which of A P B C L A2 to
-# run, default all (L: after C); P: scripts/gpu/profile_step.py on A's chunked step graph; PB: its --kernels on B's),
-# BENCH_A_CONFIGS / BENCH_B_CONFIGS (the configurations of parts A and B), BENCH_EXTRA_CONFIGS (",NAME"
-# appended to B's) with BENCH_STEP_CONFIG (one --step-config NAME=ARGS).
+# BENCH_ATTENTION_BLOCK (passed as --attention-block N when set), BENCH_PARTS (which of
+# A P B PB C L O S M A2 to run, default "A B C L O S M A2" in that order: the profiles (P: scripts/gpu/profile_step.py
+# on A's chunked step graph; PB: its --kernels on B's) ran on 2026-12-04 and are asked for by name),
+# BENCH_A_CONFIGS / BENCH_B_CONFIGS / BENCH_O_CONFIGS (the configurations of parts A, B and O),
+# BENCH_EXTRA_CONFIGS (",NAME" appended to B's) with BENCH_STEP_CONFIG (one --step-config NAME=ARGS).
 # $OUT ends with summary.md, bench-attention.log and all.tgz (every table, JSON and log): the device
 # tool brings back at most 8 files.
 set -uo pipefail
@@ -45,9 +55,9 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
 out="${OUT:-$root/target/gpu-bench-attention}"
 work="${BENCH_WORK:-/tmp/bench-attention}"
-deadline=$((t_start + ${BENCH_DEADLINE_S:-400}))
+deadline=$((t_start + ${BENCH_DEADLINE_S:-540}))
 threads="${BENCH_THREADS:-8}"
-parts_to_run=" ${BENCH_PARTS:-A P B C L A2} "
+parts_to_run=" ${BENCH_PARTS:-A B C L O S M A2} "
 extra_configs="${BENCH_EXTRA_CONFIGS:-}"   # e.g. ",chunked4k": more configurations of part B
 extra_args=()
 [[ -n "${BENCH_STEP_CONFIG:-}" ]] && extra_args+=(--step-config "$BENCH_STEP_CONFIG")
@@ -180,7 +190,7 @@ fi
 if [[ "$parts_to_run" == *" B "* ]]; then
   # chunked-rc is compared with torch-sdpa-ckpt (the baseline's checkpointing variant)
   bench bf16-b1-t4096 --batch 1 --seq 4096 --precision bf16 \
-    --configs "${BENCH_B_CONFIGS:-chunked,eager,torch-sdpa,chunked-rc,torch-sdpa-ckpt}$extra_configs" \
+    --configs "${BENCH_B_CONFIGS:-chunked,torch-sdpa,chunked-rc,torch-sdpa-ckpt}$extra_configs" \
     "${extra_args[@]}" --baseline-config torch-sdpa --rounds 1 --workdir "$work/b1-t4096"
   if [[ "$parts_to_run" == *" PB "* ]] && [[ -f "$work/b1-t4096/model.chunked.step.onnx" ]]; then
     say "kernel profile B: start at $(elapsed) s"
@@ -197,6 +207,29 @@ if [[ "$parts_to_run" == *" L "* ]]; then
   bench lora-fp32-b4-t512 --batch 4 --seq 512 --configs lora,lora-mt,peft --peft-of lora --baseline-config peft \
     --rounds 1 --workdir "$work/b4-t512"
 fi
+if [[ "$parts_to_run" == *" O "* ]]; then
+  bench bf16-b1-t4096-onnx --batch 1 --seq 4096 --precision bf16 --opset 23 \
+    --configs "${BENCH_O_CONFIGS:-onnx,onnx-rc,torch-sdpa}" --baseline-config torch-sdpa --rounds 1 \
+    --workdir "$work/b1-t4096-op23"
+fi
+if [[ "$parts_to_run" == *" S "* ]]; then
+  left=$((deadline - $(date +%s)))
+  if ((left < 60)); then
+    say "longest: skipped, $left s left before the deadline"
+  else
+    say "longest: start at $(elapsed) s, $left s left"
+    timeout -k 10 "$left" python3 scripts/bench/longest_sequence.py --preset qwen0.5b --device cuda --precision bf16 \
+      --python "$(command -v python3)" --bin "$bin" --force --reuse --threads "$threads" --tf32 off \
+      --configs chunked-rc,torch-sdpa-ckpt --start 16384 --max 131072 --refine 1 --try-timeout-s 90 \
+      --deadline-s $((left - 10)) --workdir "$work/longest" --markdown "$out/longest-bf16-b1.md" \
+      --json "$out/longest-bf16-b1.json" 2>&1 | tee "$out/longest-bf16-b1.log"
+    say "longest: exit ${PIPESTATUS[0]} after $(elapsed) s"
+  fi
+fi
+if [[ "$parts_to_run" == *" M "* ]]; then
+  bench bf16-b1-t4096-pow2 --batch 1 --seq 4096 --precision bf16 --gpu-arena pow2 --configs chunked,chunked-rc \
+    --rounds 1 --workdir "$work/b1-t4096"
+fi
 if [[ "$parts_to_run" == *" A2 "* ]] && (($(date +%s) + 100 < deadline)); then
   bench bf16-b4-t512-round2 --batch 4 --seq 512 --precision bf16 --configs torch-sdpa,eager,chunked \
     --baseline-config torch-sdpa --rounds 1 --workdir "$work/b4-t512"
@@ -204,7 +237,7 @@ fi
 
 # -- 5. the summary tables of every part, in one file
 {
-  for f in bf16-b4-t512 bf16-b1-t4096 fp32-b4-t512 bf16-b4-t512-round2; do
+  for f in bf16-b4-t512 bf16-b1-t4096 bf16-b1-t4096-pow2 fp32-b4-t512 lora-fp32-b4-t512 bf16-b1-t4096-onnx bf16-b4-t512-round2; do
     [[ -f "$out/$f.md" ]] || continue
     echo "## $f"
     echo
@@ -214,6 +247,11 @@ fi
     awk '/^MFU = /' "$out/$f.md"
     echo
   done
+  if [[ -f "$out/longest-bf16-b1.md" ]]; then
+    echo "## longest-bf16-b1"
+    echo
+    cat "$out/longest-bf16-b1.md"
+  fi
 } > "$out/summary.md"
 cat "$out/summary.md"
 say "done after $(elapsed) s"

@@ -131,23 +131,35 @@ def _ops(path: Path) -> list[str]:
     return [n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node]
 
 
+def _key_cuts(path: Path) -> int:
+    """How many backward `Scan` bodies cut their blocks' keys to what the masks leave them."""
+    g = onnx.load(str(path), load_external_data=False).graph
+    bodies = [a.g for n in g.node if n.op_type == "Scan" for a in n.attribute if a.type == onnx.AttributeProto.GRAPH]
+    return sum(any(x.output[0].startswith("ntl/attention/key_cut") for x in body.node) for body in bodies)
+
+
 def _check_fused(summary: dict, fused: int = LAYERS) -> None:
     a = summary["attention"]
     assert a["mode"] == "onnx" and a["replaced"] == LAYERS and a["left"] == [], a
     assert a["fused"] == fused, a
 
 
+@pytest.mark.parametrize("block", [None, 3], ids=["one-block", "blocks-of-3"])
 @pytest.mark.parametrize("model", HF_MODELS)
-def test_gradients_equal_eager(model, built, tmp_path):
+def test_gradients_equal_eager(model, block, built, tmp_path):
     """--split gradient graphs on the reference batch (B 2, T 8). Measured: bit-equal on
     onnxruntime 1.31's CPU provider (the fixtures' scales are powers of two, so `(q·s)·kt` and
     `(q·kt)·s` round alike). Can fail: checked with the mask dropped in `fused::forward` (losses
     7.9e-2 – 1.0e-1 apart, gradients 1.5 – 1.8) and with the scale left out of the query (losses
-    1.7e-2 – 3.4e-2)."""
+    1.7e-2 – 3.4e-2). In blocks of 3 rows the causal masks leave each block's later keys out, so
+    the backward reads only the keys before them (`key_range`): checked to fail with one key
+    fewer (gradients 1e-2 – 1e-1 apart)."""
     ref = hf_reference(model)
     batch = [(ref["batch/input_ids"], ref["batch/labels"])]
     eager, se = built(model, *EAGER)
-    onnx_path, so = built(model, *ONNX)
+    blocks = [] if block is None else ["--attention-block", str(block)]
+    onnx_path, so = built(model, *ONNX, *blocks)
+    assert _key_cuts(onnx_path) == LAYERS, "each attention's backward reads only the keys it sees"
     _check_fused(so)
     assert _ops(onnx_path).count("Attention") == LAYERS and "Attention" not in _ops(eager)
     assert so["parameters"] == se["parameters"]

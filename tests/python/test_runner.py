@@ -752,3 +752,35 @@ def test_tf32_is_stated_for_the_cuda_provider():
     assert with_tf32(["CPUExecutionProvider"], True) == ["CPUExecutionProvider"]
     with pytest.raises(ValueError, match="contradicts use_tf32"):
         with_tf32([(cuda, {"use_tf32": "1"})], False)
+
+
+def test_gpu_arenas_grow_by_what_is_asked(step_graph, monkeypatch):
+    """The trainers ask the CUDA and ROCm providers' arenas to grow by each request instead of
+    onnxruntime's next power of two (up to twice the peak held), keep a caller's own choice and
+    leave other providers alone; StepRunner hands the result to its session. (Checked to fail:
+    with `exact_gpu_arena` returning the providers as they are.)"""
+    import onnxruntime as ort
+
+    from ntl_patch import StepRunner
+    from ntl_patch._sessions import exact_gpu_arena, trainer_providers
+
+    cuda, rocm, cpu = "CUDAExecutionProvider", "ROCMExecutionProvider", "CPUExecutionProvider"
+    exact = {"arena_extend_strategy": "kSameAsRequested"}
+    assert exact_gpu_arena([cuda, cpu]) == [(cuda, exact), cpu]
+    assert exact_gpu_arena([(rocm, {"device_id": 1})]) == [(rocm, {"device_id": 1, **exact})]
+    mine = {"arena_extend_strategy": "kNextPowerOfTwo"}
+    assert exact_gpu_arena([(cuda, mine)]) == [(cuda, mine)]
+    assert exact_gpu_arena([cpu, "DmlExecutionProvider"]) == [cpu, "DmlExecutionProvider"]
+    assert trainer_providers([cuda], None) == [(cuda, {"use_tf32": "0", **exact})]
+
+    # what StepRunner's session is given (the CUDA provider itself does not exist here)
+    given = []
+    real = ort.InferenceSession
+
+    def recording(model, sess_options=None, providers=None, **kw):
+        given.append(providers)
+        return real(model, sess_options=sess_options, providers=[cpu], **kw)
+
+    monkeypatch.setattr(ort, "InferenceSession", recording)
+    StepRunner(step_graph, providers=[cuda, cpu], device="cpu")
+    assert given and given[-1] == [(cuda, {"use_tf32": "0", **exact}), cpu]

@@ -12,11 +12,14 @@
 //! block's scores (and `dq` once after the blocks).
 //!
 //! Under `--precision` the products run in the half type (the scores, the softmax and the
-//! accumulators stay float32), as torch's autocast runs eager attention.
+//! accumulators stay float32), as torch's autocast runs eager attention. Where the masks leave
+//! the block's last keys out (a causal mask), the block reads only the keys before them
+//! (`key_range`).
 
 use ntl_ops::names::PREFIX;
 use ntl_ops::Builder;
 
+use super::key_range::{self, Keys};
 use super::node::{Attn, TermKind, DOMAIN, FORWARD};
 use super::operands::{batch_shape, scale_op, swap_last_two};
 use crate::graph::patch::{splice, Splice};
@@ -210,9 +213,12 @@ struct Outer {
     scale_folded: bool,
     /// `[1]` per row-carrying tensor (name, last row), for clamping.
     last_rows: Vec<(String, String)>,
+    /// The key positions, where a mask may leave keys out of a block.
+    keys: Option<Keys>,
 }
 
-fn outer(b: &mut Builder, a: &Attn, half: Option<i32>) -> Outer {
+/// `cut_keys`: each block reads only the keys its masks leave it (`key_range`).
+fn outer(b: &mut Builder, a: &Attn, half: Option<i32>, cut_keys: bool) -> Outer {
     let typed = |b: &mut Builder, x: &str| match half {
         Some(h) => b.cast(x, h, "attention/half"),
         None => x.to_string(),
@@ -247,12 +253,18 @@ fn outer(b: &mut Builder, a: &Attn, half: Option<i32>) -> Outer {
     } else {
         a.q.clone()
     };
+    let keys = if cut_keys {
+        key_range::keys(b, a)
+    } else {
+        None
+    };
     Outer {
         q: typed(b, &q),
         kt: typed(b, &a.kt),
         v: typed(b, &a.v),
         scale_folded,
         last_rows,
+        keys,
     }
 }
 
@@ -281,31 +293,86 @@ fn body_rows(b: &mut Builder, bl: &Blocks, o: &Outer, inputs: &mut RowInputs) ->
     BodyRows { q, masks }
 }
 
-/// The block's probabilities (float32) from its query rows `q_b`: the scores `q_b·kt`, scaled
-/// and masked as the export did, through the softmax.
+/// A block's scale (where it is not folded into the query) and masks: their rows gathered and,
+/// where the masks leave keys out, cut to the block's `end` keys.
+struct BlockTerms {
+    scale: Option<String>,
+    /// Per term of `a.terms`, its inputs.
+    terms: Vec<Vec<String>>,
+    /// `[1]`: the keys the block reads (None: all).
+    end: Option<String>,
+}
+
+impl BlockTerms {
+    fn of(b: &mut Builder, a: &Attn, o: &Outer, rows: &BodyRows) -> BlockTerms {
+        let terms: Vec<Vec<String>> = a
+            .terms
+            .iter()
+            .map(|t| {
+                let inputs = t.inputs.iter().zip(&t.ranks);
+                inputs.map(|(x, &r)| rows_of(b, rows, x, r)).collect()
+            })
+            .collect();
+        let scale = (!a.scale.is_empty() && !o.scale_folded)
+            .then(|| rows_of(b, rows, &a.scale, a.scale_rank));
+        let Some(keys) = &o.keys else {
+            return BlockTerms {
+                scale,
+                terms,
+                end: None,
+            };
+        };
+        let end = key_range::block_end(b, a, &terms, keys);
+        let cut = |b: &mut Builder, x: String, rank: usize| match rank {
+            0 => x,
+            _ => key_range::first(b, &x, &end, -1),
+        };
+        let scale = scale.map(|s| cut(b, s, a.scale_rank));
+        let terms = a
+            .terms
+            .iter()
+            .zip(terms)
+            .map(|(t, xs)| {
+                xs.into_iter()
+                    .zip(&t.ranks)
+                    .map(|(x, &r)| cut(b, x, r))
+                    .collect()
+            })
+            .collect();
+        BlockTerms {
+            scale,
+            terms,
+            end: Some(end),
+        }
+    }
+
+    /// `x`'s keys the block reads, along `axis`.
+    fn keys(&self, b: &mut Builder, x: &str, axis: usize) -> String {
+        match &self.end {
+            Some(end) => key_range::first(b, x, end, axis as i64),
+            None => x.to_string(),
+        }
+    }
+}
+
+/// The block's probabilities (float32) from its query rows `q_b` and keys `kt_b`: the scores
+/// `q_b·kt_b`, scaled and masked as the export did, through the softmax.
 fn probabilities(
     b: &mut Builder,
     a: &Attn,
-    o: &Outer,
-    rows: &BodyRows,
+    bt: &BlockTerms,
     q_b: &str,
+    kt_b: &str,
     half: bool,
 ) -> String {
-    let mut s = b.binary("MatMul", q_b, &o.kt, "attention/scores");
+    let mut s = b.binary("MatMul", q_b, kt_b, "attention/scores");
     if half {
         s = b.cast(&s, FLOAT, "attention/scores_f");
     }
-    if !a.scale.is_empty() && !o.scale_folded {
-        let sc = rows_of(b, rows, &a.scale, a.scale_rank);
-        s = b.binary(scale_op(a), &s, &sc, "attention/scaled");
+    if let Some(sc) = &bt.scale {
+        s = b.binary(scale_op(a), &s, sc, "attention/scaled");
     }
-    for t in &a.terms {
-        let x: Vec<String> = t
-            .inputs
-            .iter()
-            .zip(&t.ranks)
-            .map(|(x, &r)| rows_of(b, rows, x, r))
-            .collect();
+    for (t, x) in a.terms.iter().zip(&bt.terms) {
         s = match t.kind {
             TermKind::Add => b.binary("Add", &s, &x[0], "attention/masked"),
             TermKind::Sub => b.binary("Sub", &s, &x[0], "attention/masked"),
@@ -353,19 +420,22 @@ fn typed(name: &str, rank: usize) -> Typed {
 fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let a = Attn::of(node);
     let bl = blocks(b, &a);
-    let o = outer(b, &a, half);
+    let o = outer(b, &a, half, false);
     let mut inputs = RowInputs::default();
     let rows = body_rows(b, &bl, &o, &mut inputs);
     let outer_nodes = std::mem::take(&mut b.nodes);
 
     inputs.cast_in_body(b);
     let q_b = b.gather(&o.q, &rows.q, a.q_rank as i64 - 2, "attention/q_block");
-    let p = probabilities(b, &a, &o, &rows, &q_b, half.is_some());
+    let bt = BlockTerms::of(b, &a, &o, &rows);
+    let kt_b = bt.keys(b, &o.kt, a.kt_rank - 1);
+    let v_b = bt.keys(b, &o.v, a.v_rank - 2);
+    let p = probabilities(b, &a, &bt, &q_b, &kt_b, half.is_some());
     let p = match half {
         Some(h) => b.cast(&p, h, "attention/probs_h"),
         None => p,
     };
-    let mut o_b = b.binary("MatMul", &p, &o.v, "attention/out_block");
+    let mut o_b = b.binary("MatMul", &p, &v_b, "attention/out_block");
     if half.is_some() {
         o_b = b.cast(&o_b, FLOAT, "attention/out_block_f");
     }
@@ -375,6 +445,21 @@ fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let o_stack = b.fresh("attention/out_blocks");
     scan(b, &[], &inputs.outer(), &[&o_stack], g);
     unblock(b, &o_stack, r, &bl.rows, &node.output[0]);
+}
+
+/// A block's gradient over the keys it read, padded with zeros to all keys along `axis`.
+fn padded(
+    b: &mut Builder,
+    bt: &BlockTerms,
+    keys: Option<&Keys>,
+    g: String,
+    rank: usize,
+    axis: usize,
+) -> String {
+    match (&bt.end, keys) {
+        (Some(end), Some(keys)) => key_range::padded(b, &g, rank, axis, end, keys),
+        _ => g,
+    }
 }
 
 /// Zeros of the batch shape followed by `x`'s last two dims.
@@ -405,7 +490,9 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let g_out = &node.input[a.forward_inputs()];
     let r = a.rank;
     let bl = blocks(b, &a);
-    let o = outer(b, &a, half);
+    // tract cannot type a block's data-dependent key count; a graph with the fused forward runs
+    // on onnxruntime only anyway
+    let o = outer(b, &a, half, a.fused);
     let k = swap_last_two(b, &o.kt, a.kt_rank, "attention/k");
     let vt = swap_last_two(b, &o.v, a.v_rank, "attention/vt");
     let batch = batch_shape(b, &a);
@@ -422,7 +509,11 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let dkt_in = b.fresh("attention/dkt_in");
     let dv_in = b.fresh("attention/dv_in");
     let q_b = b.gather(&o.q, &rows.q, a.q_rank as i64 - 2, "attention/q_block");
-    let p = probabilities(b, &a, &o, &rows, &q_b, half.is_some());
+    let bt = BlockTerms::of(b, &a, &o, &rows);
+    let kt_b = bt.keys(b, &o.kt, a.kt_rank - 1);
+    let k_b = bt.keys(b, &k, a.kt_rank - 2);
+    let vt_b = bt.keys(b, &vt, a.v_rank - 1);
+    let p = probabilities(b, &a, &bt, &q_b, &kt_b, half.is_some());
     let zero = b.scalar_f32("attention/zero_f", 0.0);
     let g_b = b.gather(&g_padded, &g_rows, r as i64 - 2, "attention/g_block");
     let to_compute = |b: &mut Builder, x: &str| match half {
@@ -438,8 +529,9 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let pt = swap_last_two(b, &p_c, r, "attention/probs_t");
     let dv_b = b.binary("MatMul", &pt, &g_c, "attention/dv_block");
     let dv_b = to_float(b, dv_b);
+    let dv_b = padded(b, &bt, o.keys.as_ref(), dv_b, r, r - 2);
     let dv_out = b.binary("Add", &dv_in, &dv_b, "attention/dv_acc");
-    let dp = b.binary("MatMul", &g_c, &vt, "attention/dp");
+    let dp = b.binary("MatMul", &g_c, &vt_b, "attention/dp");
     let dp = to_float(b, dp);
     // Σ p∘dp rather than flash attention's Σ do∘o: the rows of ds then sum to zero to rounding
     // (a key bias's gradient is exactly zero), as the exported softmax's gradient does
@@ -447,26 +539,26 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let delta = b.reduce_sum(&pdp, &[-1], true, "attention/delta");
     let centred = b.binary("Sub", &dp, &delta, "attention/dp_centred");
     let mut ds = b.binary("Mul", &p, &centred, "attention/ds");
-    for t in a.terms.iter().rev() {
+    for (t, x) in a.terms.iter().zip(&bt.terms).rev() {
         let cond = match t.kind {
             TermKind::Add | TermKind::Sub => continue,
-            _ => rows_of(b, &rows, &t.inputs[0], t.ranks[0]),
+            _ => &x[0],
         };
         ds = match t.kind {
-            TermKind::Keep => b.where_(&cond, &ds, &zero, "attention/ds_kept"),
-            _ => b.where_(&cond, &zero, &ds, "attention/ds_kept"),
+            TermKind::Keep => b.where_(cond, &ds, &zero, "attention/ds_kept"),
+            _ => b.where_(cond, &zero, &ds, "attention/ds_kept"),
         };
     }
-    if !a.scale.is_empty() && !o.scale_folded {
-        let sc = rows_of(b, &rows, &a.scale, a.scale_rank);
-        ds = b.binary(scale_op(&a), &ds, &sc, "attention/ds_scaled");
+    if let Some(sc) = &bt.scale {
+        ds = b.binary(scale_op(&a), &ds, sc, "attention/ds_scaled");
     }
     let ds_c = to_compute(b, &ds);
-    let dq_b = b.binary("MatMul", &ds_c, &k, "attention/dq_block");
+    let dq_b = b.binary("MatMul", &ds_c, &k_b, "attention/dq_block");
     let dq_b = to_float(b, dq_b);
     let qt = swap_last_two(b, &q_b, a.q_rank, "attention/q_t");
     let dkt_b = b.binary("MatMul", &qt, &ds_c, "attention/dkt_block");
     let dkt_b = to_float(b, dkt_b);
+    let dkt_b = padded(b, &bt, o.keys.as_ref(), dkt_b, r, r - 1);
     let dkt_out = b.binary("Add", &dkt_in, &dkt_b, "attention/dkt_acc");
     let mut body_inputs = vec![typed(&dkt_in, r), typed(&dv_in, r)];
     body_inputs.extend(inputs.body());

@@ -7,6 +7,7 @@
 
 mod find;
 mod fused;
+mod key_range;
 pub mod lower;
 pub mod node;
 mod operands;
