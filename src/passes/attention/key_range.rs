@@ -25,7 +25,7 @@ pub struct Keys {
     count: String,
 }
 
-/// The keys' indices, where a mask can cut them (one has a key axis: rank 1 or more).
+/// The keys' positions, where a mask can cut them (one has a key axis: rank 1 or more).
 pub fn keys(b: &mut Builder, a: &Attn) -> Option<Keys> {
     if !a.terms.iter().any(|t| t.ranks.iter().any(|&r| r >= 1)) {
         return None;
