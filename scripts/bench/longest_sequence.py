@@ -91,8 +91,7 @@ def batch_file(work: Path, meta: dict, seq: int) -> Path:
     """A seeded 1 × seq batch as bench_real_size.py makes its own (30 % digit labels, 2 % -100)."""
     import numpy as np
 
-    sys.path.insert(0, str(brs.REPO / "scripts" / "bench"))
-    import bench_training_step as bts
+    import bench_training_step as bts  # beside this script, on sys.path above
 
     path = work / f"batch-{seq}.npz"
     if not path.exists():

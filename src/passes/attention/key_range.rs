@@ -46,9 +46,16 @@ pub fn keys(b: &mut Builder, a: &Attn) -> Option<Keys> {
     })
 }
 
-/// In a block's body: `[1]` int64, the number of leading keys any row of the block can see,
-/// from the terms' inputs with the block's rows (`terms[k]` for `a.terms[k]`).
-pub fn block_end(b: &mut Builder, a: &Attn, terms: &[Vec<String>], keys: &Keys) -> String {
+/// A block's keys: `end` (`[1]` int64), the number of leading keys any row of the block can
+/// see, and `left_out` (`[1]`), the keys after them.
+pub struct KeyCut {
+    pub end: String,
+    left_out: String,
+}
+
+/// In a block's body: the keys the block reads, from the terms' inputs with the block's rows
+/// (`terms[k]` for `a.terms[k]`).
+pub fn block_end(b: &mut Builder, a: &Attn, terms: &[Vec<String>], keys: &Keys) -> KeyCut {
     let mut m = b.scalar_f32("attention/mask_zero", 0.0);
     let mut rank = 0;
     for (t, x) in a.terms.iter().zip(terms) {
@@ -86,7 +93,9 @@ pub fn block_end(b: &mut Builder, a: &Attn, terms: &[Vec<String>], keys: &Keys) 
     let all = b.binary("Mul", &blind, &keys.count_f, "attention/all_keys");
     let end = b.binary("Max", &end, &all, "attention/block_keys_f");
     let end = b.cast(&end, INT64, "attention/block_keys_s");
-    b.reshape(&end, &[1], "attention/block_keys")
+    let end = b.reshape(&end, &[1], "attention/block_keys");
+    let left_out = b.binary("Sub", &keys.count, &end, "attention/keys_left_out");
+    KeyCut { end, left_out }
 }
 
 /// `x`'s first `end` entries along `axis` (all where that axis has one entry).
@@ -101,23 +110,15 @@ pub fn first(b: &mut Builder, x: &str, end: &str, axis: i64) -> String {
     )
 }
 
-/// A gradient over the first `end` keys along `axis` (of `rank`), padded with zeros to all keys.
-pub fn padded(
-    b: &mut Builder,
-    g: &str,
-    rank: usize,
-    axis: usize,
-    end: &str,
-    keys: &Keys,
-) -> String {
-    let rest = b.binary("Sub", &keys.count, end, "attention/keys_left_out");
+/// A gradient over the block's keys along `axis` (of `rank`), padded with zeros to all keys.
+pub fn padded(b: &mut Builder, g: &str, rank: usize, axis: usize, cut: &KeyCut) -> String {
     // ONNX pads: every axis's leading pads, then every axis's trailing pads
     let before = b.const_i64(
         "attention/no_pad",
         &[(rank + axis) as i64],
         &vec![0; rank + axis],
     );
-    let mut parts = vec![before, rest];
+    let mut parts = vec![before, cut.left_out.clone()];
     let after = rank - axis - 1;
     if after > 0 {
         parts.push(b.const_i64("attention/no_pad", &[after as i64], &vec![0; after]));

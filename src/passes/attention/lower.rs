@@ -19,7 +19,7 @@
 use ntl_ops::names::PREFIX;
 use ntl_ops::Builder;
 
-use super::key_range::{self, Keys};
+use super::key_range::{self, KeyCut, Keys};
 use super::node::{Attn, TermKind, DOMAIN, FORWARD};
 use super::operands::{batch_shape, scale_op, swap_last_two};
 use crate::graph::patch::{splice, Splice};
@@ -299,8 +299,8 @@ struct BlockTerms {
     scale: Option<String>,
     /// Per term of `a.terms`, its inputs.
     terms: Vec<Vec<String>>,
-    /// `[1]`: the keys the block reads (None: all).
-    end: Option<String>,
+    /// The keys the block reads (None: all).
+    cut: Option<KeyCut>,
 }
 
 impl BlockTerms {
@@ -319,13 +319,13 @@ impl BlockTerms {
             return BlockTerms {
                 scale,
                 terms,
-                end: None,
+                cut: None,
             };
         };
-        let end = key_range::block_end(b, a, &terms, keys);
+        let key_cut = key_range::block_end(b, a, &terms, keys);
         let cut = |b: &mut Builder, x: String, rank: usize| match rank {
             0 => x,
-            _ => key_range::first(b, &x, &end, -1),
+            _ => key_range::first(b, &x, &key_cut.end, -1),
         };
         let scale = scale.map(|s| cut(b, s, a.scale_rank));
         let terms = a
@@ -342,15 +342,23 @@ impl BlockTerms {
         BlockTerms {
             scale,
             terms,
-            end: Some(end),
+            cut: Some(key_cut),
         }
     }
 
     /// `x`'s keys the block reads, along `axis`.
     fn keys(&self, b: &mut Builder, x: &str, axis: usize) -> String {
-        match &self.end {
-            Some(end) => key_range::first(b, x, end, axis as i64),
+        match &self.cut {
+            Some(cut) => key_range::first(b, x, &cut.end, axis as i64),
             None => x.to_string(),
+        }
+    }
+
+    /// A gradient over the keys the block read, padded with zeros to all keys along `axis`.
+    fn padded(&self, b: &mut Builder, g: String, rank: usize, axis: usize) -> String {
+        match &self.cut {
+            Some(cut) => key_range::padded(b, &g, rank, axis, cut),
+            None => g,
         }
     }
 }
@@ -420,6 +428,7 @@ fn typed(name: &str, rank: usize) -> Typed {
 fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let a = Attn::of(node);
     let bl = blocks(b, &a);
+    // every key: tract must type the blockwise forward
     let o = outer(b, &a, half, false);
     let mut inputs = RowInputs::default();
     let rows = body_rows(b, &bl, &o, &mut inputs);
@@ -428,14 +437,12 @@ fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     inputs.cast_in_body(b);
     let q_b = b.gather(&o.q, &rows.q, a.q_rank as i64 - 2, "attention/q_block");
     let bt = BlockTerms::of(b, &a, &o, &rows);
-    let kt_b = bt.keys(b, &o.kt, a.kt_rank - 1);
-    let v_b = bt.keys(b, &o.v, a.v_rank - 2);
-    let p = probabilities(b, &a, &bt, &q_b, &kt_b, half.is_some());
+    let p = probabilities(b, &a, &bt, &q_b, &o.kt, half.is_some());
     let p = match half {
         Some(h) => b.cast(&p, h, "attention/probs_h"),
         None => p,
     };
-    let mut o_b = b.binary("MatMul", &p, &v_b, "attention/out_block");
+    let mut o_b = b.binary("MatMul", &p, &o.v, "attention/out_block");
     if half.is_some() {
         o_b = b.cast(&o_b, FLOAT, "attention/out_block_f");
     }
@@ -445,21 +452,6 @@ fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let o_stack = b.fresh("attention/out_blocks");
     scan(b, &[], &inputs.outer(), &[&o_stack], g);
     unblock(b, &o_stack, r, &bl.rows, &node.output[0]);
-}
-
-/// A block's gradient over the keys it read, padded with zeros to all keys along `axis`.
-fn padded(
-    b: &mut Builder,
-    bt: &BlockTerms,
-    keys: Option<&Keys>,
-    g: String,
-    rank: usize,
-    axis: usize,
-) -> String {
-    match (&bt.end, keys) {
-        (Some(end), Some(keys)) => key_range::padded(b, &g, rank, axis, end, keys),
-        _ => g,
-    }
 }
 
 /// Zeros of the batch shape followed by `x`'s last two dims.
@@ -529,7 +521,7 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let pt = swap_last_two(b, &p_c, r, "attention/probs_t");
     let dv_b = b.binary("MatMul", &pt, &g_c, "attention/dv_block");
     let dv_b = to_float(b, dv_b);
-    let dv_b = padded(b, &bt, o.keys.as_ref(), dv_b, r, r - 2);
+    let dv_b = bt.padded(b, dv_b, r, r - 2);
     let dv_out = b.binary("Add", &dv_in, &dv_b, "attention/dv_acc");
     let dp = b.binary("MatMul", &g_c, &vt_b, "attention/dp");
     let dp = to_float(b, dp);
@@ -558,7 +550,7 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let qt = swap_last_two(b, &q_b, a.q_rank, "attention/q_t");
     let dkt_b = b.binary("MatMul", &qt, &ds_c, "attention/dkt_block");
     let dkt_b = to_float(b, dkt_b);
-    let dkt_b = padded(b, &bt, o.keys.as_ref(), dkt_b, r, r - 1);
+    let dkt_b = bt.padded(b, dkt_b, r, r - 1);
     let dkt_out = b.binary("Add", &dkt_in, &dkt_b, "attention/dkt_acc");
     let mut body_inputs = vec![typed(&dkt_in, r), typed(&dv_in, r)];
     body_inputs.extend(inputs.body());
