@@ -291,6 +291,55 @@ def test_where_masks(fill, tmp_path):
     _gradients_equal(eager, out, batch, tmp_path, f"fill {fill}")
 
 
+def _blind_row(src: Path, row: int, seq: int, out: Path) -> Path:
+    """GPT-2 with query row `row` of each attention masked at every key by finfo.min (the
+    attention mask taken elementwise down to a [T, 1] bias of finfo.min at that row)."""
+    m = onnx.load(str(src))
+    bias = np.zeros((seq, 1), np.float32)
+    bias[row] = np.finfo(np.float32).min
+    # a Constant, not an initializer: the step would train an initializer
+    nodes = [onnx.helper.make_node("Constant", [], ["blind_row_bias"], value=numpy_helper.from_array(bias))]
+    blinded: dict = {}
+    for n in m.graph.node:
+        if n.op_type == "Add" and n.name.endswith("/attn/Add"):
+            if n.input[1] not in blinded:
+                blinded[n.input[1]] = n.input[1] + "_blind"
+                nodes.append(onnx.helper.make_node("Min", [n.input[1], "blind_row_bias"], [blinded[n.input[1]]]))
+            n.input[1] = blinded[n.input[1]]
+        nodes.append(n)
+    assert len(blinded) >= 1 and len(nodes) == len(m.graph.node) + 1 + len(blinded)
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    onnx.save(m, str(out))
+    return out
+
+
+@pytest.mark.parametrize("precision", [[], ["--precision", "fp16"]], ids=["float32", "fp16"])
+def test_a_labelled_row_with_every_key_masked_spreads_as_exported(precision, tmp_path):
+    """A query row whose every key the mask fills with finfo.min, at a position with a label:
+    the export's softmax spreads it evenly over the keys (each score rounds to the fill), where
+    onnxruntime's `Attention` kernel reads finfo.min as −∞ and gives that row zeros. The fused
+    forward takes such rows' output as the mean of the values, so the losses and gradients equal
+    the eager graph's (under fp16 the half cast makes the whole row −∞ to the kernel: the losses
+    within 2u of the eager fp16 graph's). Can fail: without that `Where` the losses are 2.2e-2
+    apart and the gradients 1.8 (fp16: the losses 2.2e-2)."""
+    ref = hf_reference("gpt2_ts")
+    x, y = ref["batch/input_ids"], ref["batch/labels"]
+    row = 2
+    assert (y[:, row] != -100).all(), "the blinded row carries a label in each sequence"
+    src = _blind_row(_opset_23("gpt2_ts", tmp_path / "gpt2.onnx"), row, x.shape[1], tmp_path / "blind.onnx")
+    out, eager = tmp_path / "o.grad.onnx", tmp_path / "e.grad.onnx"
+    s = run_step(src, out, "--split", *ONNX, *precision)
+    run_step(src, eager, "--split", *EAGER, *precision)
+    assert s["attention"]["fused"] == LAYERS, s["attention"]
+    if not precision:
+        _gradients_equal(eager, out, [(x, y)], tmp_path, "blind row")
+        return
+    le, lo = _run(eager, [(x, y)], tmp_path)[0], _run(out, [(x, y)], tmp_path)[0]
+    print(f"blind row fp16: losses {loss_err(le, lo):.2e}")
+    assert loss_err(le, lo) <= 2 * U16, (le, lo)
+
+
 def test_single_head_attention_keeps_the_blockwise_forward(tmp_path):
     """The tiny LM's single-head attention has [B, T, D] operands, not the operator's
     [B, H, T, D]: its forward stays blockwise and the step says so."""

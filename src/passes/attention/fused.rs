@@ -11,7 +11,9 @@
 //! scores with −∞ or a value ≤ −1e30 (`finfo.min`) keeps the mask where it keeps the scores and
 //! takes the fill value elsewhere — `s + fill` rounds to the fill value, so the scores are the
 //! export's. A fill with any other value is not additive: that attention keeps the blockwise
-//! forward, and the step says why.
+//! forward, and the step says why. A row the mask fills at every key with one such value is
+//! spread evenly by the export's softmax, and zeroed by onnxruntime's kernel (`finfo.min` is −∞
+//! to it): the forward gives those rows the mean of the values (`blind_rows`).
 
 use ntl_ops::Builder;
 
@@ -130,7 +132,9 @@ pub fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
             *x = b.node("Expand", &[x, &target], "attention/operand", vec![]);
         }
     }
-    let mask = additive_mask(b, &a).map(|m| compute(b, &m));
+    let mask = additive_mask(b, &a);
+    let blind = mask.as_ref().map(|m| blind_rows(b, m));
+    let mask = mask.map(|m| compute(b, &m));
     let mut attrs = vec![float_attr("scale", 1.0)];
     if half.is_some() {
         // the softmax in float32, as autocast's eager attention computes it
@@ -147,23 +151,49 @@ pub fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     } else {
         &inputs[..3]
     };
-    let out = &node.output[0];
-    if half.is_none() && !a.nan_to_zero {
-        b.node_to("Attention", inputs, &[out], attrs);
-        return;
-    }
     let mut y = b.node("Attention", inputs, "attention/fused", attrs);
     if half.is_some() {
-        if !a.nan_to_zero {
-            b.node_to("Cast", &[&y], &[out], vec![int_attr("to", FLOAT as i64)]);
-            return;
-        }
         y = b.cast(&y, FLOAT, "attention/fused_f");
     }
-    // a row with every key masked: torch's SDPA export (and the blockwise forward) gives zeros
-    let nan = b.unary("IsNaN", &y, "attention/fused_nan");
-    let zero = b.scalar_f32("attention/fused_zero", 0.0);
-    b.node_to("Where", &[&nan, &zero, &y], &[out], vec![]);
+    if a.nan_to_zero {
+        // a row with every key masked: torch's SDPA export (and the blockwise forward) gives
+        // zeros
+        let nan = b.unary("IsNaN", &y, "attention/fused_nan");
+        let zero = b.scalar_f32("attention/fused_zero", 0.0);
+        y = b.where_(&nan, &zero, &y, "attention/fused_nan_zero");
+    }
+    if let Some(blind) = blind {
+        // the export's softmax spreads such a row evenly: the mean of the values, in float32
+        // (`Where` broadcasts their batch and head axes)
+        let v = match half {
+            Some(_) => b.cast(&a.v, FLOAT, "attention/blind_rows_v"),
+            None => a.v.clone(),
+        };
+        let spread = b.reduce("ReduceMean", &v, &[2], true, "attention/blind_rows_values");
+        y = b.where_(&blind, &spread, &y, "attention/blind_rows_spread");
+    }
+    // the last node written made `y`, and nothing reads it yet: it writes the output instead
+    let last = b.nodes.last_mut().expect("the Attention node at least");
+    debug_assert_eq!(last.output[0], y);
+    last.output[0] = node.output[0].clone();
+}
+
+/// `[.., T, 1]`: the rows whose every key the mask fills with one and the same value at or
+/// below −1e30. The export's softmax spreads such a row evenly over the keys (each score
+/// rounds to the fill value), where onnxruntime's `Attention` kernel gives zeros for a row of
+/// `finfo.min` (it reads that value as −∞) and, under `--precision`, for any row the half
+/// cast takes to −∞.
+fn blind_rows(b: &mut Builder, mask: &str) -> String {
+    let high = b.reduce("ReduceMax", mask, &[-1], true, "attention/row_mask_max");
+    let low = b.reduce("ReduceMin", mask, &[-1], true, "attention/row_mask_min");
+    let even = b.binary("Equal", &high, &low, "attention/row_mask_even");
+    let bound = b.scalar_f32("attention/row_masked_at", FILL_AT_MOST as f32);
+    let masked = b.binary("LessOrEqual", &high, &bound, "attention/row_masked");
+    // −∞ everywhere: the export's softmax gives NaN there, the kernel 0; left as the kernel has it
+    let finite = b.unary("IsInf", &high, "attention/row_mask_inf");
+    let finite = b.unary("Not", &finite, "attention/row_mask_finite");
+    let blind = b.binary("And", &even, &masked, "attention/row_blind_even");
+    b.binary("And", &blind, &finite, "attention/row_blind")
 }
 
 /// The export's masks as one float32 mask added to the scores (None without masks).
