@@ -182,7 +182,9 @@ pub fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
 /// below −1e30. The export's softmax spreads such a row evenly over the keys (each score
 /// rounds to the fill value), where onnxruntime's `Attention` kernel gives zeros for a row of
 /// `finfo.min` (it reads that value as −∞) and, under `--precision`, for any row the half
-/// cast takes to −∞.
+/// cast takes to −∞. Rows of mixed fills (`finfo.min` and −∞; different fills under
+/// `--precision`) stay the kernel's zeros: the export's weights there need a pass over the
+/// whole mask and a product with the values.
 fn blind_rows(b: &mut Builder, mask: &str) -> String {
     let high = b.reduce("ReduceMax", mask, &[-1], true, "attention/row_mask_max");
     let low = b.reduce("ReduceMin", mask, &[-1], true, "attention/row_mask_min");
