@@ -4,8 +4,9 @@ without any of ntl-patch's code.
 Maps `MB` MiB of anonymous memory, asks for transparent huge pages on it as ntl-patch's
 allocator (mimalloc) does on its arenas (`madvise(MADV_HUGEPAGE)`; `small` leaves 4 KiB pages),
 writes one byte per 4 KiB page and prints the user, system and elapsed seconds and the page
-faults that took (`--bare`: the three times only, for growth.sh's table). growth.sh runs it at each chain's peak RSS, interleaved with the chains, so the
-time the kernel takes to hand out that much memory is measured beside the commands'.
+faults that took (`--bare`: the three times only, for growth.sh's table). growth.sh runs it
+right after each patch run, at that run's peak RSS, so the time the kernel takes to hand out
+that much fresh memory is measured beside the commands'.
 
     python scripts/bench/touch_memory.py MB [huge|small] [--bare]
 """
