@@ -17,7 +17,7 @@
 
 use ntl_ops::Builder;
 
-use super::node::{Attn, TermKind};
+use super::node::{additive_mask, Attn, TermKind, MASKED_AT};
 use super::operands::{batch_shape, scale_op, swap_last_two};
 use crate::graph::elem_types::TypeNames;
 use crate::graph::shapes::Shapes;
@@ -26,10 +26,6 @@ use crate::onnx::{float_attr, int_attr, NodeProto, FLOAT};
 
 /// The opset that has the `Attention` operator.
 pub const MIN_OPSET: i64 = 23;
-
-/// A fill value at or below this is −∞ to the softmax: `s + fill` rounds to `fill` for any
-/// score below 1e22 in magnitude (float32's spacing at 1e30 is 2^76).
-const FILL_AT_MOST: f64 = -1e30;
 
 /// Whether `a` has the operator's form; Ok(same_batch) where it does, the reason where not.
 /// `types`: the op schemas' types (exact where the passes' rule guesses past a second output).
@@ -74,7 +70,7 @@ pub fn check(
         let value = &t.inputs[1];
         let fills = crate::ce::forms::constant_numbers(index, value);
         match fills {
-            Some(v) if !v.is_empty() && v.iter().all(|&x| x <= FILL_AT_MOST) => {}
+            Some(v) if !v.is_empty() && v.iter().all(|&x| x <= MASKED_AT) => {}
             _ => {
                 return Err(format!(
                     "a Where fills the scores with '{value}', not a constant of −∞ or at most −1e30 (the operator's mask adds to the scores)"
@@ -132,7 +128,8 @@ pub fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
             *x = b.node("Expand", &[x, &target], "attention/operand", vec![]);
         }
     }
-    let mask = additive_mask(b, &a);
+    let inputs: Vec<Vec<String>> = a.terms.iter().map(|t| t.inputs.clone()).collect();
+    let mask = additive_mask(b, &a, &inputs);
     let blind = mask.as_ref().map(|m| blind_rows(b, m));
     let mask = mask.map(|m| compute(b, &m));
     let mut attrs = vec![float_attr("scale", 1.0)];
@@ -189,38 +186,11 @@ fn blind_rows(b: &mut Builder, mask: &str) -> String {
     let high = b.reduce("ReduceMax", mask, &[-1], true, "attention/row_mask_max");
     let low = b.reduce("ReduceMin", mask, &[-1], true, "attention/row_mask_min");
     let even = b.binary("Equal", &high, &low, "attention/row_mask_even");
-    let bound = b.scalar_f32("attention/row_masked_at", FILL_AT_MOST as f32);
+    let bound = b.scalar_f32("attention/row_masked_at", MASKED_AT as f32);
     let masked = b.binary("LessOrEqual", &high, &bound, "attention/row_masked");
     // −∞ everywhere: the export's softmax gives NaN there, the kernel 0; left as the kernel has it
     let finite = b.unary("IsInf", &high, "attention/row_mask_inf");
     let finite = b.unary("Not", &finite, "attention/row_mask_finite");
     let blind = b.binary("And", &even, &masked, "attention/row_blind_even");
     b.binary("And", &blind, &finite, "attention/row_blind")
-}
-
-/// The export's masks as one float32 mask added to the scores (None without masks).
-fn additive_mask(b: &mut Builder, a: &Attn) -> Option<String> {
-    let mut mask: Option<String> = None;
-    for t in &a.terms {
-        let x = &t.inputs[0];
-        let so_far = |b: &mut Builder, m: &Option<String>| match m {
-            Some(m) => m.clone(),
-            None => b.scalar_f32("attention/mask_zero", 0.0),
-        };
-        mask = Some(match (t.kind, &mask) {
-            (TermKind::Add, None) => x.clone(),
-            (TermKind::Add, Some(m)) => b.binary("Add", m, x, "attention/mask"),
-            (TermKind::Sub, None) => b.unary("Neg", x, "attention/mask"),
-            (TermKind::Sub, Some(m)) => b.binary("Sub", m, x, "attention/mask"),
-            (TermKind::Keep, m) => {
-                let m = so_far(b, m);
-                b.where_(x, &m, &t.inputs[1], "attention/mask")
-            }
-            (TermKind::Fill, m) => {
-                let m = so_far(b, m);
-                b.where_(x, &t.inputs[1], &m, "attention/mask")
-            }
-        });
-    }
-    mask
 }

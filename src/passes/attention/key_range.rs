@@ -12,11 +12,8 @@
 
 use ntl_ops::Builder;
 
-use super::node::{Attn, TermKind};
+use super::node::{additive_mask, Attn, MASKED_AT};
 use crate::onnx::{FLOAT, INT64};
-
-/// A key below this after the masks is masked: `exp` of it less any kept key's score is 0.
-const MASKED: f32 = -1e30;
 
 /// The outer graph's keys: their `[Tk]` float positions 1..=Tk, and Tk (`[1]` float and int64).
 pub struct Keys {
@@ -56,18 +53,11 @@ pub struct KeyCut {
 /// In a block's body: the keys the block reads, from the terms' inputs with the block's rows
 /// (`terms[k]` for `a.terms[k]`).
 pub fn block_end(b: &mut Builder, a: &Attn, terms: &[Vec<String>], keys: &Keys) -> KeyCut {
-    let mut m = b.scalar_f32("attention/mask_zero", 0.0);
-    let mut rank = 0;
-    for (t, x) in a.terms.iter().zip(terms) {
-        rank = rank.max(t.ranks.iter().copied().max().unwrap_or(0));
-        m = match t.kind {
-            TermKind::Add => b.binary("Add", &m, &x[0], "attention/mask_sum"),
-            TermKind::Sub => b.binary("Sub", &m, &x[0], "attention/mask_sum"),
-            TermKind::Keep => b.where_(&x[0], &m, &x[1], "attention/mask_sum"),
-            TermKind::Fill => b.where_(&x[0], &x[1], &m, "attention/mask_sum"),
-        };
-    }
-    let bound = b.scalar_f32("attention/masked_below", MASKED);
+    let m = additive_mask(b, a, terms).expect("a block cuts keys only under masks");
+    let rank = a.terms.iter().flat_map(|t| t.ranks.iter().copied()).max();
+    let rank = rank.unwrap_or(0);
+    // strictly below: a key at the bound itself is read (reading a key more is always exact)
+    let bound = b.scalar_f32("attention/masked_below", MASKED_AT as f32);
     let masked = b.binary("Less", &m, &bound, "attention/key_masked");
     let masked = b.cast(&masked, FLOAT, "attention/key_masked_f");
     let r = rank as i64;

@@ -14,11 +14,18 @@
 //! `BlockAttentionGrad(q, kt, v, scale?, term inputs…, g_o)` → `(g_q, g_kt, g_v)`, each in the
 //! broadcast shape of the scores' batch axes (the rule sums them down to the inputs').
 
+use ntl_ops::Builder;
+
 use crate::onnx::{attr_i, attr_ints, int_attr, ints_attr, NodeProto};
 
 pub use crate::passes::fused_head::node::DOMAIN;
 pub const FORWARD: &str = "BlockAttention";
 pub const BACKWARD: &str = "BlockAttentionGrad";
+
+/// A mask value at or below this is −∞ to the softmax: `s + fill` rounds to `fill` for any
+/// score below 1e22 in magnitude (float32's spacing at 1e30 is 2^76), so `exp` of it less any
+/// kept key's score is 0 (torch's `finfo.min` is one such value).
+pub const MASKED_AT: f64 = -1e30;
 
 /// What happens to the scores between the product and the softmax, after the scale.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -221,4 +228,32 @@ impl Attn {
 /// Whether `node` is one of the two internal nodes.
 pub fn is_attention(node: &NodeProto) -> bool {
     node.domain() == DOMAIN && matches!(node.op_type(), FORWARD | BACKWARD)
+}
+
+/// The terms applied to a score of 0, in the graph's order: the masks as one float32 mask to
+/// add to the scores (None without terms). `inputs[k]` are the inputs of `a.terms[k]` (the
+/// terms' own, or their rows of a block).
+pub fn additive_mask(b: &mut Builder, a: &Attn, inputs: &[Vec<String>]) -> Option<String> {
+    let mut mask: Option<String> = None;
+    for (t, x) in a.terms.iter().zip(inputs) {
+        let so_far = |b: &mut Builder, m: &Option<String>| match m {
+            Some(m) => m.clone(),
+            None => b.scalar_f32("attention/mask_zero", 0.0),
+        };
+        mask = Some(match (t.kind, &mask) {
+            (TermKind::Add, None) => x[0].clone(),
+            (TermKind::Add, Some(m)) => b.binary("Add", m, &x[0], "attention/mask"),
+            (TermKind::Sub, None) => b.unary("Neg", &x[0], "attention/mask"),
+            (TermKind::Sub, Some(m)) => b.binary("Sub", m, &x[0], "attention/mask"),
+            (TermKind::Keep, m) => {
+                let m = so_far(b, m);
+                b.where_(&x[0], &m, &x[1], "attention/mask")
+            }
+            (TermKind::Fill, m) => {
+                let m = so_far(b, m);
+                b.where_(&x[0], &x[1], &m, "attention/mask")
+            }
+        });
+    }
+    mask
 }
