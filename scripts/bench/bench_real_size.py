@@ -421,8 +421,6 @@ def export(spec: dict, exporter: str, path: Path) -> str:
 
 
 def prepare(args, work: Path) -> dict:
-    import numpy as np
-
     sys.path.insert(0, str(REPO / "scripts" / "bench"))
     import bench_training_step as bts
 
@@ -436,11 +434,7 @@ def prepare(args, work: Path) -> dict:
             sys.exit(f"{work}: --reuse, but its model was made with {meta['spec']}")
     else:
         vocab = bts.make_tokenizer(work / "tokenizer.json", spec["vocab"], spec["seed"])
-        digit_ids = [vocab[str(d)] for d in range(10)]
-        ns = argparse.Namespace(batch=spec["batch"], seq=spec["seq"], vocab=spec["vocab"], seed=spec["seed"],
-                                digit_frac=0.3, ignore_frac=0.02)
-        ids, labels = bts.make_batch(ns, digit_ids)
-        np.savez(work / "batch.npz", input_ids=ids, labels=labels)
+        write_batch(work / "batch.npz", vocab, spec["batch"], spec["seq"], spec["vocab"], spec["seed"])
         for old in work.glob("model.onnx*"):
             old.unlink()
         print(f"export ({args.exporter}) ...", flush=True)
@@ -956,6 +950,18 @@ def proc_rss_mib(pid: int) -> float:
     except (OSError, ValueError):
         pass
     return 0.0
+
+
+def write_batch(path: Path, vocab: dict, batch: int, seq: int, vocab_size: int, seed: int) -> None:
+    """A seeded batch × seq batch (.npz): random ids, labels 30 % digit tokens and 2 % -100."""
+    import numpy as np
+
+    sys.path.insert(0, str(REPO / "scripts" / "bench"))
+    import bench_training_step as bts
+
+    ns = argparse.Namespace(batch=batch, seq=seq, vocab=vocab_size, seed=seed, digit_frac=0.3, ignore_frac=0.02)
+    ids, labels = bts.make_batch(ns, [vocab[str(d)] for d in range(10)])
+    np.savez(path, input_ids=ids, labels=labels)
 
 
 def run_guarded(cmd, env=None, limit_gib=None, min_free_gib=1.0, timeout_s=None):

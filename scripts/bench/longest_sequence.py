@@ -88,19 +88,12 @@ def parse_args(argv=None):
 
 
 def batch_file(work: Path, meta: dict, seq: int) -> Path:
-    """A seeded 1 × seq batch as bench_real_size.py makes its own (30 % digit labels, 2 % -100)."""
-    import numpy as np
-
-    import bench_training_step as bts  # beside this script, on sys.path above
-
+    """A seeded 1 × seq batch as bench_real_size.py makes its own."""
     path = work / f"batch-{seq}.npz"
     if not path.exists():
         vocab = json.loads((work / "tokenizer.json").read_text())["model"]["vocab"]
         spec = meta["spec"]
-        ns = argparse.Namespace(batch=1, seq=seq, vocab=spec["vocab"], seed=spec["seed"] + seq,
-                                digit_frac=0.3, ignore_frac=0.02)
-        ids, labels = bts.make_batch(ns, [vocab[str(d)] for d in range(10)])
-        np.savez(path, input_ids=ids, labels=labels)
+        brs.write_batch(path, vocab, 1, seq, spec["vocab"], spec["seed"] + seq)
     return path
 
 
