@@ -29,8 +29,9 @@ def session(path: Path):
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
-def run_step_graph(path: Path, batches):
-    """Feeds each step's state outputs back as the next step's inputs (plain InferenceSession)."""
+def run_step_graph(path: Path, batches, on_step=None):
+    """Feeds each step's state outputs back as the next step's inputs (plain InferenceSession);
+    `on_step(outputs)` sees each step's outputs by name."""
     sess = session(path)
     meta = json.loads(sess.get_modelmeta().custom_metadata_map["ntl_step"])
     state = {}
@@ -39,9 +40,25 @@ def run_step_graph(path: Path, batches):
     for x, y in batches:
         outs = sess.run(None, {"input_ids": x, "labels": y, **state})
         got = dict(zip(out_names, outs))
+        if on_step:
+            on_step(got)
         losses.append(float(outs[0]))
         state = {i: got[o] for i, o in meta["state"]}
     return losses, {p: state[p] for p in meta["parameters"]}, meta
+
+
+def with_meta_output(path: Path, key: str, elem_type: int) -> tuple[Path, str]:
+    """A copy of the step graph (beside it) with the scalar tensor the metadata names under
+    `key` (e.g. `grad_norm_sq`) as one more output, and that tensor's name."""
+    import onnx
+
+    model = onnx.load(str(path))
+    meta = json.loads({p.key: p.value for p in model.metadata_props}["ntl_step"])
+    name = meta[key]
+    model.graph.output.append(onnx.helper.make_tensor_value_info(name, elem_type, []))
+    probe = path.with_name(path.stem + f".{key}.onnx")
+    onnx.save(model, str(probe))
+    return probe, name
 
 
 def assert_params_close(got: dict, want: dict, zero_grad: dict | None = None) -> None:

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from conftest import MODELS, TOKENIZER, run_patch
 from hf_reference import HF_MODELS, hf_reference
 from ort_helpers import batch, norm_rel, quiet_ort
-from step_helpers import HEADS, STEPS, TRAJ_RTOL, assert_params_close, run_step_graph, session, zero_grad_mask
+from step_helpers import (HEADS, STEPS, TRAJ_RTOL, assert_params_close, run_step_graph, session,
+                          with_meta_output, zero_grad_mask)
 
 WEIGHT = 0.3
 GRAD_RTOL = 1e-5
@@ -269,21 +270,26 @@ def test_transformers_train_like_torch(model, optimizer, head, tmp_path):
     assert_params_close(got_params, want, zero)
 
 
-def test_clip_grad_norm_matches_torch(weights, tmp_path):
-    """--max-grad-norm is torch.nn.utils.clip_grad_norm_ over all trained parameters."""
+@pytest.mark.parametrize("bucket", [[], ["--update-bucket", "1"]], ids=["per_tensor", "buckets"])
+def test_clip_grad_norm_matches_torch(weights, bucket, tmp_path):
+    """--max-grad-norm is torch.nn.utils.clip_grad_norm_ over all trained parameters (with
+    --update-bucket the squares are summed a bucket at a time)."""
     import ntl_torch
     import tiny_lm
     from tiny_lm import VOCAB
 
     out = tmp_path / "m.step.onnx"
     _step(MODELS / "lm_flat.onnx", out, "wasserstein", "--optimizer", "sgd", "--lr", "0.1",
-          "--max-grad-norm", "0.05")
+          "--max-grad-norm", "0.05", *bucket)
     batches = _batches(3)
-    _, got, _ = run_step_graph(out, batches)
+    probe, norm_sq = with_meta_output(out, "grad_norm_sq", onnx.TensorProto.FLOAT)
+    got_norms = []
+    _, got, _ = run_step_graph(probe, batches, lambda outs: got_norms.append(float(outs[norm_sq]) ** 0.5))
     m = tiny_lm.build("flat", {k: v.clone() for k, v in weights.items()})
     params = dict(m.named_parameters())
     opt = torch.optim.SGD(params.values(), lr=0.1)
     obj = ntl_torch.ntloss_object("wasserstein")
+    want_norms = []
     for x, y in batches:
         logits = m.logits(torch.from_numpy(x))
         ce = F.cross_entropy(logits.reshape(-1, VOCAB), torch.from_numpy(y).reshape(-1), ignore_index=-100)
@@ -292,7 +298,9 @@ def test_clip_grad_norm_matches_torch(weights, tmp_path):
         total.backward()
         norm = torch.nn.utils.clip_grad_norm_(params.values(), 0.05)
         assert norm > 0.05, "the clip must be active for this test to mean anything"
+        want_norms.append(float(norm))
         opt.step()
+    np.testing.assert_allclose(got_norms, want_norms, rtol=1e-5)
     assert_params_close(got, {k: v.detach().numpy() for k, v in params.items()})
 
 

@@ -914,16 +914,21 @@ fn set_nodes(graph: &mut GraphProto, mixed: Option<precision::Mixed>, b: &mut Bu
 /// `grad_norm_sq` and `found_inf`).
 type GlobalTensors = (Option<String>, Option<String>);
 
-/// The optimizer update, behind fp16's loss scaling where there is one.
+/// The optimizer update, behind fp16's loss scaling where there is one. With
+/// `--update-bucket` the small tensors are flattened into buckets first, so that the clipping's
+/// norm, fp16's unscaling, inf/NaN check and skip, and the update each run once a bucket.
 fn emit_optimizer(
     ctx: &mut Ctx,
     req: &StepOptions,
-    updates: &[ParamUpdate],
+    params: &[ParamUpdate],
     step: (&str, &str),
     lr: &str,
     scale_state: Option<&ScaleState>,
 ) -> GlobalTensors {
-    match scale_state {
+    let runs = multi_tensor::plan(params, req.optimizer.update_bucket_mib << 20);
+    let (updates, buckets) = multi_tensor::flatten(ctx, params, &runs);
+    let updates = &updates[..];
+    let global = match scale_state {
         Some(s) => {
             let (norm_sq, found) = loss_scale::emit_scaled_update(
                 ctx,
@@ -940,7 +945,9 @@ fn emit_optimizer(
             emit_update(ctx, &req.optimizer, updates, step.0, step.1, lr),
             None,
         ),
-    }
+    };
+    multi_tensor::unflatten(ctx, params, updates, &buckets);
+    global
 }
 
 /// fp16's `ntl/skipped` output (bool scalar), after the state outputs.

@@ -9,7 +9,8 @@
 //! The price is the copies into and out of the bucket, so tensors above the bucket size are
 //! updated on their own as before, and the bucket bounds the extra memory (a few buckets' worth
 //! alive at once). Elementwise ops compute each element of a concatenation as they compute it
-//! on its own tensor, so the values are the per-tensor update's, bit for bit.
+//! on its own tensor, so the values are the per-tensor update's, bit for bit — except the
+//! clipping's Σ‖g‖², which sums a bucket at once (float32 rounding apart).
 
 use ntl_ops::onnx::int_attr;
 

@@ -1,7 +1,6 @@
 //! The optimizer update in ONNX ops, with torch's semantics: `torch.optim.AdamW`,
 //! `torch.optim.SGD`, and `torch.nn.utils.clip_grad_norm_` over all trained parameters.
 
-use super::multi_tensor;
 use super::param_update::ParamUpdate;
 use crate::onnx::FLOAT;
 use crate::passes::grad::Ctx;
@@ -48,9 +47,10 @@ impl OptimizerOptions {
     }
 }
 
-/// Emits the update of every parameter; `step` is the int64 step-count input, written
-/// incremented to `next_step`; `lr` the learning-rate input. Returns the clipping's Σ‖g‖²
-/// tensor (with `--max-grad-norm`), which the metadata names for sharded trainers.
+/// Emits the update of every parameter (a bucket of `--update-bucket` is one flat parameter
+/// here: the step pipeline flattens and splits them); `step` is the int64 step-count input,
+/// written incremented to `next_step`; `lr` the learning-rate input. Returns the clipping's
+/// Σ‖g‖² tensor (with `--max-grad-norm`), which the metadata names for sharded trainers.
 pub fn emit_update(
     ctx: &mut Ctx,
     opts: &OptimizerOptions,
@@ -62,9 +62,7 @@ pub fn emit_update(
     let one_i = ctx.b.const_i64("opt/one", &[], &[1]);
     ctx.b.node_to("Add", &[step, &one_i], &[next_step], vec![]);
     let (coef, norm_sq) = clip(ctx, opts, params).unzip();
-    let runs = multi_tensor::plan(params, opts.update_bucket_mib << 20);
-    let (updates, buckets) = multi_tensor::flatten(ctx, params, &runs);
-    let grads: Vec<String> = updates
+    let grads: Vec<String> = params
         .iter()
         .map(|u| match &coef {
             Some(coef) => ctx.op("Mul", &[&u.grad, coef], "opt/clipped_grad"),
@@ -72,10 +70,9 @@ pub fn emit_update(
         })
         .collect();
     match opts.kind {
-        OptimizerKind::AdamW => adamw(ctx, opts, &updates, &grads, next_step, lr),
-        OptimizerKind::Sgd => sgd(ctx, opts, &updates, &grads, lr),
+        OptimizerKind::AdamW => adamw(ctx, opts, params, &grads, next_step, lr),
+        OptimizerKind::Sgd => sgd(ctx, opts, params, &grads, lr),
     }
-    multi_tensor::unflatten(ctx, params, &updates, &buckets);
     norm_sq
 }
 
