@@ -75,7 +75,7 @@ pub fn flatten(
         let flat_shape = ctx.i64s(&[-1]);
         let grad = concat(
             ctx,
-            members.iter().map(|p| &p.grad),
+            members.iter().map(|p| (&p.grad, &p.dims)),
             &flat_shape,
             None,
             "opt/bucket_grad",
@@ -84,14 +84,14 @@ pub fn flatten(
         let gated = Some(after_grad.as_str());
         let param = concat(
             ctx,
-            members.iter().map(|p| &p.param),
+            members.iter().map(|p| (&p.param, &p.dims)),
             &flat_shape,
             gated,
             "opt/bucket_param",
         );
         let slots = (0..members[0].slots.len())
             .map(|k| {
-                let xs = members.iter().map(|p| &p.slots[k]);
+                let xs = members.iter().map(|p| (&p.slots[k], &p.dims));
                 concat(ctx, xs, &flat_shape, gated, "opt/bucket_state")
             })
             .collect();
@@ -141,18 +141,21 @@ pub fn unflatten(
     }
 }
 
-/// `Concat` of the tensors flattened (`flat_shape`: `[-1]`), after `gate` (an empty tensor)
-/// where given.
+/// `Concat` of the tensors (with their dims) flattened (`flat_shape`: `[-1]`; a 1-D tensor is
+/// read as it is), after `gate` (an empty tensor) where given.
 fn concat<'a>(
     ctx: &mut Ctx,
-    xs: impl Iterator<Item = &'a String>,
+    xs: impl Iterator<Item = (&'a String, &'a Vec<i64>)>,
     flat_shape: &str,
     gate: Option<&str>,
     hint: &str,
 ) -> String {
     let mut parts: Vec<String> = gate.map(str::to_string).into_iter().collect();
-    for x in xs {
-        parts.push(ctx.op("Reshape", &[x, flat_shape], "opt/flat"));
+    for (x, dims) in xs {
+        parts.push(match dims.len() {
+            1 => x.clone(),
+            _ => ctx.op("Reshape", &[x, flat_shape], "opt/flat"),
+        });
     }
     let refs: Vec<&str> = parts.iter().map(String::as_str).collect();
     ctx.b.concat(&refs, 0, hint)
