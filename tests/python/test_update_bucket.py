@@ -1,8 +1,9 @@
 """`step --update-bucket MIB`: the optimizer update over flat buckets of tensors (torch's
 multi-tensor AdamW/SGD). Its values must be the per-tensor update's bit for bit (elementwise ops
-on a concatenation compute each element as on its own tensor), through StepRunner (the state
-held once: the buckets' outputs written in place) and a plain session, and its node count per
-bucket rather than per tensor."""
+on a concatenation compute each element as on its own tensor; the clipping's Σ‖g‖², summed a
+bucket at once, within float32 rounding), through StepRunner (the state held once: the buckets'
+outputs written in place) and a plain session, and its node count per bucket rather than per
+tensor: the update's, the clipping's and fp16's loss scaling's."""
 
 from __future__ import annotations
 
