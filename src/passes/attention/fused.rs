@@ -128,8 +128,8 @@ pub fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
             *x = b.node("Expand", &[x, &target], "attention/operand", vec![]);
         }
     }
-    let inputs: Vec<Vec<String>> = a.terms.iter().map(|t| t.inputs.clone()).collect();
-    let mask = additive_mask(b, &a, &inputs);
+    let term_inputs: Vec<Vec<String>> = a.terms.iter().map(|t| t.inputs.clone()).collect();
+    let mask = additive_mask(b, &a, &term_inputs);
     let blind = mask.as_ref().map(|m| blind_rows(b, m));
     let mask = mask.map(|m| compute(b, &m));
     let mut attrs = vec![float_attr("scale", 1.0)];
@@ -189,8 +189,8 @@ fn blind_rows(b: &mut Builder, mask: &str) -> String {
     let bound = b.scalar_f32("attention/row_masked_at", MASKED_AT as f32);
     let masked = b.binary("LessOrEqual", &high, &bound, "attention/row_masked");
     // −∞ everywhere: the export's softmax gives NaN there, the kernel 0; left as the kernel has it
-    let finite = b.unary("IsInf", &high, "attention/row_mask_inf");
-    let finite = b.unary("Not", &finite, "attention/row_mask_finite");
+    let infinite = b.unary("IsInf", &high, "attention/row_mask_inf");
+    let finite = b.unary("Not", &infinite, "attention/row_mask_finite");
     let blind = b.binary("And", &even, &masked, "attention/row_blind_even");
     b.binary("And", &blind, &finite, "attention/row_blind")
 }

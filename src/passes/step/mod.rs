@@ -927,14 +927,13 @@ fn emit_optimizer(
 ) -> GlobalTensors {
     let runs = multi_tensor::plan(params, req.optimizer.update_bucket_mib << 20);
     let (updates, buckets) = multi_tensor::flatten(ctx, params, &runs);
-    let updates = &updates[..];
     let global = match scale_state {
         Some(s) => {
             let (norm_sq, found) = loss_scale::emit_scaled_update(
                 ctx,
                 &req.optimizer,
                 &req.loss_scale,
-                updates,
+                &updates,
                 step,
                 lr,
                 s,
@@ -942,11 +941,11 @@ fn emit_optimizer(
             (norm_sq, Some(found))
         }
         None => (
-            emit_update(ctx, &req.optimizer, updates, step.0, step.1, lr),
+            emit_update(ctx, &req.optimizer, &updates, step.0, step.1, lr),
             None,
         ),
     };
-    multi_tensor::unflatten(ctx, params, updates, &buckets);
+    multi_tensor::unflatten(ctx, params, &updates, &buckets);
     global
 }
 
