@@ -7,7 +7,8 @@
 //! - **half ops** (autocast's lower-precision list: MatMul, Gemm, Einsum, Conv): every float
 //!   input is cast to the half type and the output is half. The gradients of these ops are
 //!   MatMul/Einsum nodes too, so they run in half as well; parameters are cast once per step
-//!   (their float32 master copies are the state);
+//!   (their float32 master copies are the state). The ONNX `Attention` operator (SDPA, on
+//!   autocast's list too) likewise, its softmax in float32 inside the kernel;
 //! - **float32 ops** (autocast's float32 list: softmax, log-softmax, cross-entropy, the norms,
 //!   accumulating reductions, exp/log/pow and friends): half inputs are cast to float32;
 //! - **every other op** runs in the type its inputs have, with torch's promotion: all half →
@@ -321,10 +322,17 @@ impl<'a, 'b> Pass<'a, 'b> {
 
     fn node(&mut self, mut node: NodeProto) {
         let schema = schemas().schema(node.domain(), node.op_type(), self.inp.opset);
+        let sdpa = is_attention_operator(&node, self.inp.opset);
         let class = match schema {
             Some(_) => class(&node, self.half),
+            None if sdpa => Class::Half,
             None => Class::Float32,
         };
+        if sdpa && attr(&node, "softmax_precision").is_none() {
+            // the softmax in float32 inside the kernel, as flash attention keeps it under autocast
+            let float = crate::onnx::int_attr("softmax_precision", FLOAT as i64);
+            node.attribute.push(float);
+        }
         // inputs by type parameter (fixed types and non-float inputs aside)
         let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
         for (i, input) in node.input.iter().enumerate() {
@@ -354,6 +362,8 @@ impl<'a, 'b> Pass<'a, 'b> {
                 continue;
             }
             let t = output_type(&node, schema, j, &decided)
+                // the operator's outputs are of its operands' type (the schema's T1, T2)
+                .or_else(|| sdpa.then(|| decided.get("#0").copied()).flatten())
                 .or_else(|| self.inp.types.get(out))
                 // a float op's output of an unbound type parameter (LayerNormalization's
                 // statistics): float32, as everything was
@@ -367,7 +377,7 @@ impl<'a, 'b> Pass<'a, 'b> {
                 self.ty.insert(out.clone(), FLOAT);
             } else {
                 self.ty.insert(out.clone(), t);
-                if class == Class::Half {
+                if class == Class::Half && !sdpa {
                     self.half_op_outputs.insert(out.clone());
                 }
             }
@@ -449,6 +459,14 @@ impl<'a, 'b> Pass<'a, 'b> {
             ..Default::default()
         });
     }
+}
+
+/// The ONNX `Attention` operator (opset 23: torch's dynamo exporter writes SDPA so), which our
+/// schema table (opset ≤ 21) does not hold. Autocast runs SDPA in the half type: Q, K, V and a
+/// float mask are cast to it (onnxruntime's CUDA kernel takes a mask of Q's type or bool), the
+/// output is half.
+fn is_attention_operator(node: &NodeProto, opset: i64) -> bool {
+    node.op_type() == "Attention" && matches!(node.domain(), "" | "ai.onnx") && opset >= 23
 }
 
 /// Output `j`'s type: the type its parameter was given by the inputs, Cast's `to`, CastLike's
