@@ -12,6 +12,7 @@
 
 pub mod canonical;
 pub mod rules;
+mod slice_parts;
 mod transposed_products;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -50,6 +51,8 @@ pub struct Ctx<'a> {
     pub weight_grads_by_gemm: bool,
     /// Query rows per block of an exported `Attention` operator's blockwise gradient.
     pub attention_block: i64,
+    /// Slices' gradients padded back by `Pad`: joined where they tile an axis.
+    slice_parts: slice_parts::SliceParts,
 }
 
 /// A gradient that is zero except at a few places along one axis: `updates` belong at
@@ -84,6 +87,7 @@ impl<'a> Ctx<'a> {
             sparse_rows: HashSet::new(),
             weight_grads_by_gemm: true,
             attention_block: crate::passes::attention::DEFAULT_BLOCK,
+            slice_parts: Default::default(),
         }
     }
 
@@ -509,10 +513,43 @@ fn sum(ctx: &mut Ctx, mut parts: Vec<String>) -> String {
     if parts.len() == 1 {
         return parts.remove(0);
     }
+    if let Some(joined) = join_slices(ctx, &mut parts) {
+        if parts.is_empty() {
+            return joined;
+        }
+        parts.push(joined);
+    }
     let refs: Vec<&str> = parts.iter().map(|s| s.as_str()).collect();
     let out = ctx.op("Sum", &refs, "grad/sum");
     if let Some(r) = parts.iter().filter_map(|p| ctx.ranks.get(p)).max() {
         ctx.ranks.set(&out, r);
     }
     out
+}
+
+/// Among `parts`, the slices' gradients, where they tile an axis: concatenated in its order
+/// instead of padded back and summed (`slice_parts`). They leave `parts` (the rest is still to
+/// be summed with the result), and their `Pad` nodes and pads constants are dropped.
+fn join_slices(ctx: &mut Ctx, parts: &mut Vec<String>) -> Option<String> {
+    let (slices, rest): (Vec<String>, Vec<String>) = parts
+        .iter()
+        .cloned()
+        .partition(|p| ctx.slice_parts.contains(p));
+    if slices.len() < 2 {
+        return None;
+    }
+    let pieces = ctx.slice_parts.tiling(&slices)?;
+    let axis = pieces[0].axis as i64;
+    let inputs: Vec<String> = pieces.iter().map(|p| p.of.clone()).collect();
+    let pads: HashSet<String> = pieces.iter().map(|p| p.pads.clone()).collect();
+    let rank = slices.iter().filter_map(|p| ctx.ranks.get(p)).max();
+    ctx.b.nodes.retain(|n| !slices.contains(&n.output[0]));
+    ctx.b.initializers.retain(|t| !pads.contains(t.name()));
+    let refs: Vec<&str> = inputs.iter().map(String::as_str).collect();
+    let out = ctx.b.concat(&refs, axis, "grad/slices_joined");
+    if let Some(r) = rank {
+        ctx.ranks.set(&out, r);
+    }
+    *parts = rest;
+    Some(out)
 }

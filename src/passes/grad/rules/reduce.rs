@@ -44,9 +44,9 @@ pub fn reduce(
         }
         "ReduceMean" => {
             let shape = ctx.shape(x);
-            let spread = ctx.op("Expand", &[&g, &shape], "grad/reduce");
             // how many elements each mean averaged: the product of the reduced dims, from the
-            // shape (no Size: MIGraphX takes none)
+            // shape (no Size: MIGraphX takes none); the means' gradients divided before they
+            // are spread over the elements (one pass over the whole tensor, not two)
             let reduced = match &axes {
                 Some(axes) => ctx.b.gather(&shape, axes, 0, "grad/mean_dims"),
                 None => shape.clone(),
@@ -58,7 +58,8 @@ pub fn reduce(
                 "grad/mean_count",
                 vec![int_attr("keepdims", 0)],
             );
-            ctx.op("Div", &[&spread, &count], "grad/reduce_mean")
+            let share = ctx.op("Div", &[&g, &count], "grad/reduce_mean");
+            ctx.op("Expand", &[&share, &shape], "grad/reduce")
         }
         "ReduceSumSquare" | "ReduceL1" => elementwise_only(ctx, op, x, &g),
         "ReduceL2" => {

@@ -149,8 +149,30 @@ fn slice_by_pad(ctx: &mut Ctx, node: &NodeProto, g: &str) -> Result<Option<Strin
             _ => return Ok(None),
         }
     }
-    let pads = ctx.i64s(&pads);
-    Ok(Some(ctx.b.node("Pad", &[g, &pads], "grad/slice", vec![])))
+    if pads.iter().all(|&p| p == 0) {
+        // the slice keeps every element (exporters write `x[:, :]` so): its gradient is `g`
+        return Ok(Some(g.to_string()));
+    }
+    let constant = ctx.i64s(&pads);
+    let padded = ctx.b.node("Pad", &[g, &constant], "grad/slice", vec![]);
+    // a slice along one axis: where the input's slices tile it, their gradients are joined
+    let padded_axes: Vec<usize> = (0..r)
+        .filter(|&a| pads[a] != 0 || pads[r + a] != 0)
+        .collect();
+    if let [axis] = padded_axes[..] {
+        if let Some(&Dim::Known(dim)) = shape.get(axis) {
+            let part = crate::passes::grad::slice_parts::SlicePart {
+                of: g.to_string(),
+                axis,
+                start: pads[axis],
+                end: dim - pads[r + axis],
+                dim,
+                pads: constant,
+            };
+            ctx.slice_parts.record(&padded, part);
+        }
+    }
+    Ok(Some(padded))
 }
 
 /// Each input's part of the output gradient, sliced along the concat axis.
