@@ -236,6 +236,10 @@ def parse_args(argv=None):
     p.add_argument("--exporter", choices=("dynamo", "torchscript"), default="dynamo")
     p.add_argument("--opset", type=int, help="the export's opset (default: dynamo 18, TorchScript 17; "
                    "`--attention onnx` needs 23)")
+    p.add_argument("--export-attention", choices=("eager", "sdpa"), default="eager",
+                   help="the exported model's attn_implementation: sdpa at opset 23 is torch's SDPA, which "
+                        "torch >= 2.9's dynamo exporter writes as the ONNX Attention operator (the step "
+                        "graph keeps its forward, a fused kernel on onnxruntime-gpu)")
     p.add_argument("--bin", default=os.environ.get("NTL_PATCH_BIN", str(REPO / "target/release/ntl-patch")))
     p.add_argument("--runner-python", default=str(REPO / "python"),
                    help="folder holding the ntl_patch package the step runs import (e.g. another "
@@ -280,6 +284,8 @@ def parse_args(argv=None):
     spec["export_dtype"] = args.export_dtype
     if args.opset is not None:
         spec["opset"] = args.opset
+    if args.export_attention != "eager":
+        spec["export_attn"] = args.export_attention
     if args.precision is None and args.export_dtype == "float16":
         args.precision = "fp16"
     args.spec = spec
@@ -387,7 +393,7 @@ def export(spec: dict, exporter: str, path: Path) -> str:
     import torch
 
     sys.path.insert(0, str(REPO / "fixtures"))
-    model = WithLoss.wrap(qwen2(spec))
+    model = WithLoss.wrap(qwen2(spec, spec.get("export_attn", "eager")))
     g = torch.Generator().manual_seed(spec["seed"] + 1)
     ids = torch.randint(4, spec["vocab"], (spec["batch"], spec["seq"]), generator=g)
     # dynamic_seq: the sequence length a symbol (scripts/bench/longest_sequence.py: one graph, any T)
@@ -469,6 +475,9 @@ def prepare(args, work: Path) -> dict:
             print(f"  cannot write the {name} step graph: {entry['error']}", flush=True)
         else:
             summary = json.loads(r.stdout)
+            # what the step did with the export's attention (replaced, left, fused: issue 33)
+            entry["attention"] = summary.get("attention")
+            print(f"  attention: {json.dumps(entry['attention'])}", flush=True)
             entry["parameters"] = len(summary.get("parameters", []))
             entry["parameter_elements"] = summary.get("parameter_elements")
             entry["weights"] = resident_weights(out)

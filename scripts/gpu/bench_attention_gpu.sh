@@ -18,6 +18,10 @@
 #      T from 16384 doubling to 131072, one bisection step (scripts/bench/longest_sequence.py: one
 #      export with the length dynamic, a try = one process of 2 steps, a try past 90 s fails);
 #      what the deadline leaves it reads "at least" (BENCH_PARTS=S: the search alone, ~5 minutes)
+#   E  bf16, B 1, T 4096, the model exported with transformers' default attention (SDPA) at opset 23, which
+#      torch >= 2.9's dynamo exporter writes as the ONNX Attention operator: `default` keeps that fused forward
+#      (the blockwise backward, the operator in bf16 as autocast runs SDPA), torch-sdpa (the log says what the
+#      export holds: `attention` in the step's summary)
 #   M  B's chunked and chunked-rc again with onnxruntime's own CUDA arena (`--gpu-arena pow2`: each
 #      region it adds twice the last) where StepRunner's grows by each request: what the arena holds
 #   A2 A once more when the deadline leaves time for it (a second round, its own tables)
@@ -42,9 +46,9 @@
 # start within which every benchmark must end, default 540: later parts get what is left and are
 # killed with their workers when it runs out), BENCH_THREADS (CPU threads of torch / onnxruntime, 8),
 # BENCH_ATTENTION_BLOCK (passed as --attention-block N when set), BENCH_PARTS (which of
-# A P B PB C L O S M A2 to run, default "A B C L O S M A2" in that order: the profiles (P: scripts/gpu/profile_step.py
+# A P B PB C L O S E M A2 to run, default "A B C L O S E M A2" in that order: the profiles (P: scripts/gpu/profile_step.py
 # on A's chunked step graph; PB: its --kernels on B's) ran on 2026-12-04 and are asked for by name),
-# BENCH_A_CONFIGS / BENCH_B_CONFIGS / BENCH_O_CONFIGS (the configurations of parts A, B and O),
+# BENCH_A_CONFIGS / BENCH_B_CONFIGS / BENCH_O_CONFIGS / BENCH_E_CONFIGS (the configurations of parts A, B, O, E),
 # BENCH_EXTRA_CONFIGS (",NAME" appended to B's) with BENCH_STEP_CONFIG (one --step-config NAME=ARGS).
 # $OUT ends with summary.md, bench-attention.log and all.tgz (every table, JSON and log): the device
 # tool brings back at most 8 files.
@@ -57,7 +61,7 @@ out="${OUT:-$root/target/gpu-bench-attention}"
 work="${BENCH_WORK:-/tmp/bench-attention}"
 deadline=$((t_start + ${BENCH_DEADLINE_S:-540}))
 threads="${BENCH_THREADS:-8}"
-parts_to_run=" ${BENCH_PARTS:-A B C L O S M A2} "
+parts_to_run=" ${BENCH_PARTS:-A B C L O S E M A2} "
 extra_configs="${BENCH_EXTRA_CONFIGS:-}"   # e.g. ",chunked4k": more configurations of part B
 extra_args=()
 [[ -n "${BENCH_STEP_CONFIG:-}" ]] && extra_args+=(--step-config "$BENCH_STEP_CONFIG")
@@ -226,6 +230,11 @@ if [[ "$parts_to_run" == *" S "* ]]; then
     say "longest: exit ${PIPESTATUS[0]} after $(elapsed) s"
   fi
 fi
+if [[ "$parts_to_run" == *" E "* ]]; then
+  bench bf16-b1-t4096-sdpa-export --batch 1 --seq 4096 --precision bf16 --opset 23 --export-attention sdpa \
+    --configs "${BENCH_E_CONFIGS:-default,torch-sdpa}" --baseline-config torch-sdpa --rounds 1 \
+    --workdir "$work/b1-t4096-sdpa23"
+fi
 if [[ "$parts_to_run" == *" M "* ]]; then
   bench bf16-b1-t4096-pow2 --batch 1 --seq 4096 --precision bf16 --gpu-arena pow2 --configs chunked,chunked-rc \
     --rounds 1 --workdir "$work/b1-t4096"
@@ -237,7 +246,7 @@ fi
 
 # -- 5. the summary tables of every part, in one file
 {
-  for f in bf16-b4-t512 bf16-b1-t4096 bf16-b1-t4096-pow2 fp32-b4-t512 lora-fp32-b4-t512 bf16-b1-t4096-onnx bf16-b4-t512-round2; do
+  for f in bf16-b4-t512 bf16-b1-t4096 bf16-b1-t4096-pow2 fp32-b4-t512 lora-fp32-b4-t512 bf16-b1-t4096-onnx bf16-b1-t4096-sdpa-export bf16-b4-t512-round2; do
     [[ -f "$out/$f.md" ]] || continue
     echo "## $f"
     echo

@@ -383,9 +383,37 @@ impl<'g> GraphIndex<'g> {
         crate::onnx::attr(node, "value")?.t.as_ref()
     }
 
+    /// A `Constant(value_ints=…)` or `Constant(value_int=…)`'s values (the dynamo exporter
+    /// writes small int64 constants so), at most 16 of them.
+    fn constant_ints_attr(&self, tensor: &str) -> Option<Vec<i64>> {
+        let (_, node) = self.producer(tensor)?;
+        if node.op_type() != "Constant" {
+            return None;
+        }
+        let a = node.attribute.first()?;
+        match a.name() {
+            "value_ints" if a.ints.len() <= 16 => Some(a.ints.clone()),
+            "value_int" => Some(vec![a.i()]),
+            _ => None,
+        }
+    }
+
     /// Whether `tensor` (empty: absent) is a constant of one value, zero (0.0, false).
     pub fn is_zero_constant(&self, tensor: &str) -> bool {
-        !tensor.is_empty() && self.constant_tensor(tensor).is_some_and(one_zero)
+        if tensor.is_empty() {
+            return false;
+        }
+        if let Some((_, n)) = self
+            .producer(tensor)
+            .filter(|(_, n)| n.op_type() == "Constant")
+        {
+            match n.attribute.first().map(|a| (a.name(), a)) {
+                Some(("value_float", a)) => return a.f() == 0.0,
+                Some(("value_int", a)) => return a.i() == 0,
+                _ => {}
+            }
+        }
+        self.constant_tensor(tensor).is_some_and(one_zero)
     }
 
     /// Whether a `Dropout` passes its input through: not in training mode (no `training_mode`
@@ -399,6 +427,9 @@ impl<'g> GraphIndex<'g> {
     /// The values of a small constant int64 tensor (an initializer or a Constant node), such as
     /// a Reshape target. Larger tensors are not read: weights are never touched.
     pub fn constant_i64(&self, tensor: &str) -> Option<Vec<i64>> {
+        if let Some(ints) = self.constant_ints_attr(tensor) {
+            return Some(ints);
+        }
         let t = self.constant_tensor(tensor)?;
         let count = t
             .dims
@@ -622,6 +653,83 @@ mod tests {
         assert_eq!(static_rank(&index, &last), Some(3));
         assert_eq!(index.static_last_dim(&last), Some(48));
         assert!(index.ranks.get().is_none(), "no whole-graph rank inference");
+    }
+
+    /// `Constant(value_ints=…)` (the dynamo exporter's small constants) is read as its values:
+    /// a Slice of a shape with such bounds has a known length, so the Reshape it builds has a
+    /// known rank (the dynamo export of SDPA builds its key reshape so).
+    #[test]
+    fn value_ints_constants_bound_slices_of_shapes() {
+        use crate::onnx::{int_attr, ints_attr};
+        let node = |op: &str, inputs: &[&str], out: &str, attribute| NodeProto {
+            op_type: Some(op.into()),
+            input: inputs.iter().map(|s| s.to_string()).collect(),
+            output: vec![out.into()],
+            attribute,
+            ..Default::default()
+        };
+        let graph = GraphProto {
+            node: vec![
+                node("Reshape", &["x", "four"], "x4", vec![]),
+                node("Shape", &["x4"], "shape", vec![int_attr("start", 0)]),
+                node(
+                    "Constant",
+                    &[],
+                    "lo",
+                    vec![ints_attr("value_ints", &[i64::MIN])],
+                ),
+                node("Constant", &[], "hi", vec![ints_attr("value_ints", &[-2])]),
+                node(
+                    "Constant",
+                    &[],
+                    "minus_one",
+                    vec![ints_attr("value_ints", &[-1])],
+                ),
+                node("Constant", &[], "one", vec![int_attr("value_int", 1)]),
+                node("Slice", &["shape", "lo", "hi"], "lead", vec![]),
+                node(
+                    "Concat",
+                    &["lead", "minus_one"],
+                    "target",
+                    vec![int_attr("axis", 0)],
+                ),
+                node("Reshape", &["x4", "target"], "y", vec![]),
+            ],
+            initializer: vec![crate::onnx::i64_tensor("four", &[4], &[2, 3, 4, 5])],
+            ..Default::default()
+        };
+        let index = GraphIndex::new(&graph);
+        assert_eq!(index.constant_i64("lo"), Some(vec![i64::MIN]));
+        assert_eq!(index.constant_i64("one"), Some(vec![1]));
+        let ranks = Ranks::infer(&index);
+        assert_eq!(ranks.len1d("lead"), Some(2));
+        assert_eq!(ranks.get("y"), Some(3));
+        assert_eq!((ranks.get("one"), ranks.get("lo")), (Some(0), Some(1)));
+        assert!(!index.is_zero_constant("one"));
+    }
+
+    /// A Dropout's ratio or training flag written as `Constant(value_float=0.0)` /
+    /// `Constant(value_int=0)` passes its input through.
+    #[test]
+    fn scalar_attribute_constants_of_zero_are_zero() {
+        use crate::onnx::{float_attr, int_attr};
+        let constant = |out: &str, a| NodeProto {
+            op_type: Some("Constant".into()),
+            output: vec![out.into()],
+            attribute: vec![a],
+            ..Default::default()
+        };
+        let graph = GraphProto {
+            node: vec![
+                constant("ratio", float_attr("value_float", 0.0)),
+                constant("half", float_attr("value_float", 0.5)),
+                constant("off", int_attr("value_int", 0)),
+            ],
+            ..Default::default()
+        };
+        let index = GraphIndex::new(&graph);
+        assert!(index.is_zero_constant("ratio") && index.is_zero_constant("off"));
+        assert!(!index.is_zero_constant("half"));
     }
 
     /// The element type of every tensor of a long Identity chain, asked one by one, costs one

@@ -5,7 +5,7 @@
 
 use crate::graph::hash::HashMap;
 
-use crate::onnx::{attr, attr_i, attr_ints, GraphProto, NodeProto};
+use crate::onnx::{attr_i, attr_ints, GraphProto, NodeProto};
 
 /// What rank inference asks of the graph besides its nodes: who produces a tensor, and the
 /// value of a small int64 constant. `GraphIndex` answers it; declared here so that ranks need
@@ -79,12 +79,29 @@ impl Ranks {
             })
         };
         let out = match node.op_type() {
-            "Constant" => attr(node, "value").and_then(|a| a.t.as_ref()).map(|t| {
-                if t.dims.len() == 1 {
-                    len_out = Some(t.dims[0].max(0) as usize);
+            "Constant" => match node.attribute.first().map(|a| (a.name(), a)) {
+                Some(("value", a)) => a.t.as_ref().map(|t| {
+                    if t.dims.len() == 1 {
+                        len_out = Some(t.dims[0].max(0) as usize);
+                    }
+                    t.dims.len()
+                }),
+                // the dynamo exporter's small constants
+                Some(("value_ints", a)) => {
+                    len_out = Some(a.ints.len());
+                    Some(1)
                 }
-                t.dims.len()
-            }),
+                Some(("value_floats", a)) => {
+                    len_out = Some(a.floats.len());
+                    Some(1)
+                }
+                Some(("value_strings", a)) => {
+                    len_out = Some(a.strings.len());
+                    Some(1)
+                }
+                Some(("value_int" | "value_float" | "value_string", _)) => Some(0),
+                _ => None,
+            },
             "Shape" => {
                 let full = rk(0);
                 let start = attr_i(node, "start");

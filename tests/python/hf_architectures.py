@@ -39,9 +39,10 @@ ARCHS = {
 CASES = [(a, e) for a in ARCHS for e in ("torchscript", "dynamo") if (a, e) != ("bert_mlm", "dynamo")]
 
 
-def build(arch: str, vocab: int = VOCAB, tied: bool = False):
+def build(arch: str, vocab: int = VOCAB, tied: bool = False, attn: str = "eager"):
     """float32 model, weights N(0, 0.2²) for matrices, 1 + N(0, 0.1²) for norms, N(0, 0.1²)
-    for biases (HF's 0.02 init gives near-uniform softmaxes); returns (model, base class)."""
+    for biases (HF's 0.02 init gives near-uniform softmaxes); `attn`: transformers'
+    attn_implementation ("sdpa" is its default); returns (model, base class)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -49,7 +50,7 @@ def build(arch: str, vocab: int = VOCAB, tied: bool = False):
     base = getattr(transformers, cls_name)
     extra = dict(bos_token_id=2, eos_token_id=3, use_cache=False) if causal else {}
     cfg = getattr(transformers, cfg_name)(vocab_size=vocab, pad_token_id=None, tie_word_embeddings=tied,
-                                          attn_implementation="eager", **extra, **kwargs)
+                                          attn_implementation=attn, **extra, **kwargs)
 
     class WithLoss(base):
         def forward(self, input_ids, labels):
