@@ -57,11 +57,18 @@ fn cast_to(node: &NodeProto) -> Option<i32> {
     attr_i(node, "to").map(|t| t as i32)
 }
 
-/// The type of a `Constant`'s tensor `value` (not its `value_float`... forms).
+/// The type of a `Constant`: its tensor `value`'s, or that of its `value_float(s)`,
+/// `value_int(s)` or `value_string(s)` form (the dynamo exporter writes small constants so).
 fn constant_value_type(node: &NodeProto) -> Option<i32> {
-    attr(node, "value")
-        .and_then(|a| a.t.as_ref())
-        .map(|t| t.data_type())
+    if let Some(t) = attr(node, "value").and_then(|a| a.t.as_ref()) {
+        return Some(t.data_type());
+    }
+    match node.attribute.first().map(|a| a.name()) {
+        Some("value_float" | "value_floats") => Some(crate::onnx::FLOAT),
+        Some("value_int" | "value_ints") => Some(INT64),
+        Some("value_string" | "value_strings") => Some(DataType::String as i32),
+        _ => None,
+    }
 }
 
 /// `ConstantOfShape`'s type: its `value`'s, float without one.

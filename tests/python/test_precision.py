@@ -39,6 +39,7 @@ import torch
 
 from conftest import MODELS, TOKENIZER, run_patch
 from precision_helpers import U16, as_f32, batches, dist, half_export, torch_model
+from step_helpers import run_step_graph
 from tract_step import TractStep
 
 WEIGHT = 0.3
@@ -332,6 +333,49 @@ def test_casts_where_autocast_puts_them(model, precision, tmp_path):
         assert set(float_in(producers[o])) <= {1}, o
     assert (meta["skip_output"] is not None) == (precision == "fp16")
     assert summary["precision"] == precision
+
+
+def _scaled_after_first_matmul(out: Path, form: str) -> Path:
+    """llama_dynamo with its first MatMul's output times 1.0, a `Constant` written as the dynamo
+    exporter writes a Python number (`value_float`) or as a one-value tensor (`value`)."""
+    from onnx import helper
+
+    m = onnx.load(str(MODELS / "llama_dynamo.onnx"))
+    g = m.graph
+    mm = next(n for n in g.node if n.op_type == "MatMul")
+    y, scaled, c = mm.output[0], mm.output[0] + "_scaled", mm.output[0] + "_c"
+    for n in g.node:
+        n.input[:] = [scaled if i == y else i for i in n.input]
+    value = {"value_float": 1.0} if form == "value_float" else \
+        {"value": helper.make_tensor("one", onnx.TensorProto.FLOAT, [], [1.0])}
+    at = list(g.node).index(mm) + 1
+    g.node.insert(at, helper.make_node("Mul", [y, c], [scaled]))
+    g.node.insert(at, helper.make_node("Constant", [], [c], **value))
+    onnx.save(m, str(out))
+    return out
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_value_float_constant_is_a_python_number(precision, tmp_path):
+    """A scalar written as `Constant(value_float=…)` (the dynamo exporter's small constants) is a
+    Python number to autocast, as a one-value tensor constant is: a half product times it stays
+    half, and the step graph is well typed (ONNX checker, strict shape inference); under fp16
+    both forms train to the same losses in onnxruntime. Can fail: before, the constant had no
+    type, and the Mul read float16 and float32 (onnxruntime refused the graph)."""
+    half, losses = HALF[precision], {}
+    for form in ("value_float", "value"):
+        src = _scaled_after_first_matmul(tmp_path / f"{form}.onnx", form)
+        out = tmp_path / f"{form}.step.onnx"
+        r = run_patch(["step", str(src), "--tokenizer", str(TOKENIZER), "--precision", precision, "-o", str(out)])
+        assert r.returncode == 0, r.stderr
+        m, types = _typed(out)
+        mul = next(n for n in m.graph.node if n.output[0].endswith("_scaled"))
+        assert [types.get(i) for i in mul.input] == [half, half], (form, [types.get(i) for i in mul.input])
+        if precision == "fp16":
+            losses[form], _, _ = run_step_graph(out, batches("llama_dynamo", 3))
+    if precision == "fp16":
+        assert losses["value_float"] == losses["value"], losses
+        assert all(np.isfinite(losses["value"])), losses
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -542,6 +542,13 @@ fn half_scalar(name: &str, half: i32, v: f32) -> TensorProto {
 
 /// The value of a Constant node's one-element float32 value.
 fn constant_scalar(node: &NodeProto) -> Option<f32> {
-    let t = attr(node, "value")?.t.as_ref()?;
-    (t.data_type() == FLOAT).then(|| single_f32(t)).flatten()
+    let a = node.attribute.first()?;
+    match a.name() {
+        "value_float" => Some(a.f()),
+        "value_floats" if a.floats.len() == 1 => Some(a.floats[0]),
+        _ => {
+            let t = attr(node, "value")?.t.as_ref()?;
+            (t.data_type() == FLOAT).then(|| single_f32(t)).flatten()
+        }
+    }
 }
