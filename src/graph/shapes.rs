@@ -310,18 +310,31 @@ impl Shapes {
         let out = node.output.first().cloned().unwrap_or_default();
         let op = node.op_type();
         let result: Option<Shape> = match op {
-            "Constant" => attr(node, "value").and_then(|a| a.t.as_ref()).map(|t| {
-                if let Some(v) = index.constant_i64(&out) {
-                    self.value
-                        .insert(out.clone(), v.into_iter().map(Dim::Known).collect());
-                }
-                t.dims.iter().map(|&d| Dim::Known(d)).collect()
-            }),
-            "Shape" if attr_i(node, "start").is_none() && attr_i(node, "end").is_none() => {
+            "Constant" => match node.attribute.first().map(|a| (a.name(), a)) {
+                Some(("value", a)) => a.t.as_ref().map(|t| {
+                    if let Some(v) = index.constant_i64(&out) {
+                        self.value
+                            .insert(out.clone(), v.into_iter().map(Dim::Known).collect());
+                    }
+                    t.dims.iter().map(|&d| Dim::Known(d)).collect()
+                }),
+                // the dynamo exporter's small constants
+                Some(("value_ints", a)) => Some(vec![Dim::Known(a.ints.len() as i64)]),
+                Some(("value_floats", a)) => Some(vec![Dim::Known(a.floats.len() as i64)]),
+                Some(("value_int" | "value_float", _)) => Some(vec![]),
+                _ => None,
+            },
+            "Shape" => {
+                // the dims from `start` to `end` (the dynamo exporter writes `start=0`)
                 if let Some(x) = shape(0) {
                     let n = x.len() as i64;
-                    self.value.insert(out.clone(), x);
-                    Some(vec![Dim::Known(n)])
+                    let at = |a: i64| if a < 0 { (a + n).max(0) } else { a.min(n) } as usize;
+                    let start = at(attr_i(node, "start").unwrap_or(0));
+                    let end = at(attr_i(node, "end").unwrap_or(n)).max(start);
+                    let dims = x[start..end].to_vec();
+                    let len = dims.len() as i64;
+                    self.value.insert(out.clone(), dims);
+                    Some(vec![Dim::Known(len)])
                 } else {
                     None
                 }
@@ -749,6 +762,46 @@ mod tests {
         assert_eq!(broadcast(&[vec![Unknown], vec![sym("T")]]), vec![Unknown]);
         // a known size other than 1 is what a valid graph broadcasts to
         assert_eq!(broadcast(&[vec![Unknown], vec![Known(7)]]), vec![Known(7)]);
+    }
+
+    /// `Shape(start, end)` gives the dims between (the dynamo exporter writes `start=0`), and a
+    /// `Constant(value_ints=…)` has the shape of its list.
+    #[test]
+    fn shape_ranges_and_value_ints_constants() {
+        use crate::onnx::{int_attr, ints_attr, GraphProto};
+        let node = |op: &str, inputs: &[&str], out: &str, attribute| NodeProto {
+            op_type: Some(op.into()),
+            input: inputs.iter().map(|s| s.to_string()).collect(),
+            output: vec![out.into()],
+            attribute,
+            ..Default::default()
+        };
+        let graph = GraphProto {
+            node: vec![
+                node("Reshape", &["x", "dims"], "x4", vec![]),
+                node("Shape", &["x4"], "all", vec![int_attr("start", 0)]),
+                node(
+                    "Shape",
+                    &["x4"],
+                    "mid",
+                    vec![int_attr("start", 1), int_attr("end", -1)],
+                ),
+                node(
+                    "Constant",
+                    &[],
+                    "c",
+                    vec![ints_attr("value_ints", &[7, 8, 9])],
+                ),
+            ],
+            initializer: vec![crate::onnx::i64_tensor("dims", &[4], &[2, 3, 4, 5])],
+            ..Default::default()
+        };
+        let s = Shapes::infer(&GraphIndex::new(&graph));
+        assert_eq!(s.known_ints("all"), Some(vec![2, 3, 4, 5]));
+        assert_eq!(s.known_ints("mid"), Some(vec![3, 4]));
+        assert_eq!(s.get("mid"), Some(&vec![Dim::Known(2)]));
+        assert_eq!(s.get("c"), Some(&vec![Dim::Known(3)]));
+        assert_eq!(s.known_ints("c"), Some(vec![7, 8, 9]));
     }
 
     #[test]
