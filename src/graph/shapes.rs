@@ -328,7 +328,7 @@ impl Shapes {
                 // the dims from `start` to `end` (the dynamo exporter writes `start=0`)
                 if let Some(x) = shape(0) {
                     let n = x.len() as i64;
-                    let at = |a: i64| if a < 0 { (a + n).max(0) } else { a.min(n) } as usize;
+                    let at = |a: i64| (if a < 0 { (a + n).max(0) } else { a.min(n) }) as usize;
                     let start = at(attr_i(node, "start").unwrap_or(0));
                     let end = at(attr_i(node, "end").unwrap_or(n)).max(start);
                     let dims = x[start..end].to_vec();
