@@ -17,6 +17,7 @@ import copy
 import json
 
 import numpy as np
+import onnx
 import pytest
 import torch
 import torch.nn.functional as F
@@ -75,6 +76,15 @@ def test_sdpa_exports_match_torch(arch, exporter, tmp_path):
     (the decomposition's shape arithmetic reads `Constant(value_ints=…)`, which the rank
     analysis did not)."""
     _gradients_match_torch(arch, exporter, "sdpa", tmp_path)
+    # under --precision the SDPA decomposition's constants (`value_float` 0 and −∞ of its causal
+    # `Where`) are typed: both half step graphs pass the checker and strict shape inference
+    for precision in ("bf16", "fp16"):
+        out = tmp_path / f"m.{precision}.step.onnx"
+        r = run_patch(["step", tmp_path / "m.onnx", "--tokenizer", TOKENIZER, "--precision", precision, "-o", out])
+        assert r.returncode == 0, (precision, r.stderr)
+        m = onnx.load(str(out))
+        onnx.checker.check_model(m, full_check=True)
+        onnx.shape_inference.infer_shapes(m, check_type=True, strict_mode=True)
 
 
 def _gradients_match_torch(arch, exporter, attn, tmp_path):
