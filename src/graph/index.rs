@@ -384,7 +384,7 @@ impl<'g> GraphIndex<'g> {
     }
 
     /// A `Constant(value_ints=…)` or `Constant(value_int=…)`'s values (the dynamo exporter
-    /// writes small int64 constants so), at most 16 of them.
+    /// writes small int64 constants so; a list in the node itself, never a weight).
     fn constant_ints_attr(&self, tensor: &str) -> Option<Vec<i64>> {
         let (_, node) = self.producer(tensor)?;
         if node.op_type() != "Constant" {
@@ -392,7 +392,7 @@ impl<'g> GraphIndex<'g> {
         }
         let a = node.attribute.first()?;
         match a.name() {
-            "value_ints" if a.ints.len() <= 16 => Some(a.ints.clone()),
+            "value_ints" => Some(a.ints.clone()),
             "value_int" => Some(vec![a.i()]),
             _ => None,
         }
@@ -535,6 +535,21 @@ fn one_zero(t: &crate::onnx::TensorProto) -> bool {
         && t.raw_data().iter().all(|&b| b == 0)
 }
 
+/// A `Constant` node's dims, whichever form holds its value: the tensor `value`'s, `[n]` for a
+/// list (`value_ints`, `value_floats`, `value_strings`: the dynamo exporter's small constants),
+/// `[]` for one number or string.
+pub fn constant_dims(node: &NodeProto) -> Option<Vec<i64>> {
+    let a = node.attribute.first()?;
+    match a.name() {
+        "value" => a.t.as_ref().map(|t| t.dims.clone()),
+        "value_ints" => Some(vec![a.ints.len() as i64]),
+        "value_floats" => Some(vec![a.floats.len() as i64]),
+        "value_strings" => Some(vec![a.strings.len() as i64]),
+        "value_int" | "value_float" | "value_string" => Some(vec![]),
+        _ => None,
+    }
+}
+
 pub fn normalize_axis(axis: i64, rank: usize) -> Option<usize> {
     let r = rank as i64;
     let a = if axis < 0 { axis + r } else { axis };
@@ -660,14 +675,8 @@ mod tests {
     /// known rank (the dynamo export of SDPA builds its key reshape so).
     #[test]
     fn value_ints_constants_bound_slices_of_shapes() {
+        use crate::graph::test_node as node;
         use crate::onnx::{int_attr, ints_attr};
-        let node = |op: &str, inputs: &[&str], out: &str, attribute| NodeProto {
-            op_type: Some(op.into()),
-            input: inputs.iter().map(|s| s.to_string()).collect(),
-            output: vec![out.into()],
-            attribute,
-            ..Default::default()
-        };
         let graph = GraphProto {
             node: vec![
                 node("Reshape", &["x", "four"], "x4", vec![]),

@@ -13,4 +13,21 @@ pub mod reads;
 pub mod shapes;
 pub mod structure;
 
-pub use index::{normalize_axis, static_rank, GraphIndex};
+pub use index::{constant_dims, normalize_axis, static_rank, GraphIndex};
+
+/// A node for the tests of this layer's analyses.
+#[cfg(test)]
+pub(crate) fn test_node(
+    op: &str,
+    inputs: &[&str],
+    out: &str,
+    attribute: Vec<crate::onnx::AttributeProto>,
+) -> crate::onnx::NodeProto {
+    crate::onnx::NodeProto {
+        op_type: Some(op.into()),
+        input: inputs.iter().map(|s| s.to_string()).collect(),
+        output: vec![out.into()],
+        attribute,
+        ..Default::default()
+    }
+}

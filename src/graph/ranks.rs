@@ -79,29 +79,12 @@ impl Ranks {
             })
         };
         let out = match node.op_type() {
-            "Constant" => match node.attribute.first().map(|a| (a.name(), a)) {
-                Some(("value", a)) => a.t.as_ref().map(|t| {
-                    if t.dims.len() == 1 {
-                        len_out = Some(t.dims[0].max(0) as usize);
-                    }
-                    t.dims.len()
-                }),
-                // the dynamo exporter's small constants
-                Some(("value_ints", a)) => {
-                    len_out = Some(a.ints.len());
-                    Some(1)
+            "Constant" => crate::graph::constant_dims(node).map(|dims| {
+                if let [n] = dims[..] {
+                    len_out = Some(n.max(0) as usize);
                 }
-                Some(("value_floats", a)) => {
-                    len_out = Some(a.floats.len());
-                    Some(1)
-                }
-                Some(("value_strings", a)) => {
-                    len_out = Some(a.strings.len());
-                    Some(1)
-                }
-                Some(("value_int" | "value_float" | "value_string", _)) => Some(0),
-                _ => None,
-            },
+                dims.len()
+            }),
             "Shape" => {
                 let full = rk(0);
                 let start = attr_i(node, "start");

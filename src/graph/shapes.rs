@@ -283,10 +283,7 @@ impl Shapes {
             self.value.insert(o.clone(), v);
         }
         if let (true, Some(o)) = (node.op_type() == "Constant", node.output.first()) {
-            let ints = attr(node, "value_ints")
-                .map(|a| a.ints.clone())
-                .or_else(|| attr(node, "value_int").and_then(|a| a.i.map(|i| vec![i])));
-            if let Some(v) = index.constant_i64(o).or(ints) {
+            if let Some(v) = index.constant_i64(o) {
                 self.value
                     .entry(o.clone())
                     .or_insert_with(|| v.into_iter().map(Dim::Known).collect());
@@ -310,20 +307,9 @@ impl Shapes {
         let out = node.output.first().cloned().unwrap_or_default();
         let op = node.op_type();
         let result: Option<Shape> = match op {
-            "Constant" => match node.attribute.first().map(|a| (a.name(), a)) {
-                Some(("value", a)) => a.t.as_ref().map(|t| {
-                    if let Some(v) = index.constant_i64(&out) {
-                        self.value
-                            .insert(out.clone(), v.into_iter().map(Dim::Known).collect());
-                    }
-                    t.dims.iter().map(|&d| Dim::Known(d)).collect()
-                }),
-                // the dynamo exporter's small constants
-                Some(("value_ints", a)) => Some(vec![Dim::Known(a.ints.len() as i64)]),
-                Some(("value_floats", a)) => Some(vec![Dim::Known(a.floats.len() as i64)]),
-                Some(("value_int" | "value_float", _)) => Some(vec![]),
-                _ => None,
-            },
+            "Constant" => {
+                crate::graph::constant_dims(node).map(|d| d.into_iter().map(Dim::Known).collect())
+            }
             "Shape" => {
                 // the dims from `start` to `end` (the dynamo exporter writes `start=0`)
                 if let Some(x) = shape(0) {
@@ -768,14 +754,8 @@ mod tests {
     /// `Constant(value_ints=…)` has the shape of its list.
     #[test]
     fn shape_ranges_and_value_ints_constants() {
+        use crate::graph::test_node as node;
         use crate::onnx::{int_attr, ints_attr, GraphProto};
-        let node = |op: &str, inputs: &[&str], out: &str, attribute| NodeProto {
-            op_type: Some(op.into()),
-            input: inputs.iter().map(|s| s.to_string()).collect(),
-            output: vec![out.into()],
-            attribute,
-            ..Default::default()
-        };
         let graph = GraphProto {
             node: vec![
                 node("Reshape", &["x", "dims"], "x4", vec![]),
