@@ -53,8 +53,8 @@ def build(arch: str, vocab: int = VOCAB, tied: bool = False, attn: str = "eager"
                                           attn_implementation=attn, **extra, **kwargs)
 
     class WithLoss(base):
-        def forward(self, input_ids, labels):
-            return super().forward(input_ids=input_ids, labels=labels).loss
+        def forward(self, input_ids, labels, attention_mask=None):
+            return super().forward(input_ids=input_ids, labels=labels, attention_mask=attention_mask).loss
 
     torch.manual_seed(0)
     m = WithLoss(cfg)
@@ -73,26 +73,54 @@ def batch(seed: int = 5):
     return generate_step.batch_tensors(2, 8, seed=seed)
 
 
-def export(model, exporter: str, path: Path) -> None:
+def export(model, exporter: str, path: Path, mask: bool = False, opset: int = 18) -> None:
+    """The model with its loss (`input_ids, labels -> loss`), traced on batch(); with `mask`, an
+    `attention_mask` input too (traced all ones), as a padded batch is fed. `opset`: the dynamo
+    exporter's (TorchScript's is 17)."""
     ids, labels = batch()
+    names = ["input_ids", "labels"] + (["attention_mask"] if mask else [])
+    inputs = (ids, labels) + ((torch.ones_like(ids),) if mask else ())
     args = dict(training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
-                input_names=["input_ids", "labels"], output_names=["loss"])
+                input_names=names, output_names=["loss"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if exporter == "torchscript":
             import generate_step
 
             with generate_step._NoPackedSequenceCheck():
-                torch.onnx.export(model, (ids, labels), str(path), dynamo=False, opset_version=17,
-                                  dynamic_axes={"input_ids": {0: "B", 1: "T"}, "labels": {0: "B", 1: "T"}},
-                                  **args)
+                torch.onnx.export(model, inputs, str(path), dynamo=False, opset_version=17,
+                                  dynamic_axes={n: {0: "B", 1: "T"} for n in names}, **args)
         else:
             import generate
 
             generate._patch_dynamo_version_conversion()
             b, t = torch.export.Dim("B", min=1, max=64), torch.export.Dim("T", min=2, max=MAX_T)
             # the value metadata stays: it records which initializers are buffers
-            prog = torch.onnx.export(model, (ids, labels), dynamo=True, opset_version=18, optimize=False,
+            prog = torch.onnx.export(model, inputs, dynamo=True, opset_version=opset, optimize=False,
                                      external_data=False, verbose=False,
-                                     dynamic_shapes={"input_ids": {0: b, 1: t}, "labels": {0: b, 1: t}}, **args)
+                                     dynamic_shapes={n: {0: b, 1: t} for n in names}, **args)
             prog.save(str(path))
+
+
+def reference(model, base, causal: bool, ids, labels, attention_mask=None):
+    """torch float64 (total, ce, ntl, {parameter the loss reads: gradient}) of the model's own
+    cross-entropy + 0.3·ntloss on the logits and labels it reads (shifted for the causal LMs)."""
+    import copy
+
+    import ntl_torch
+    import torch.nn.functional as F
+
+    m = copy.deepcopy(model).double()
+    params = dict(m.named_parameters())
+    logits = base.forward(m, input_ids=ids, attention_mask=attention_mask).logits
+    y = F.pad(labels, (0, 1), value=-100)[..., 1:] if causal else labels
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
+    with torch.no_grad():  # HF's loss casts the logits to float32 first
+        own = float(m(ids, labels, attention_mask))
+        assert abs(own - float(ce)) <= 1e-6 * float(ce), "the reference CE is the model's own"
+    obj = ntl_torch.ntloss_object("wasserstein", vocab_size=logits.shape[-1])
+    ntl = ntl_torch.ntl_value(obj, logits, y)
+    total = ce + WEIGHT * ntl
+    # parameters the loss does not read (BERT's pooler) get no gradient, and train in neither
+    grads = torch.autograd.grad(total, list(params.values()), allow_unused=True)
+    return float(total), float(ce), float(ntl), {k: g.numpy() for k, g in zip(params, grads) if g is not None}

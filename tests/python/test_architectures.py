@@ -13,39 +13,17 @@ frequencies) stay constant.
 
 from __future__ import annotations
 
-import copy
 import json
 
 import numpy as np
 import onnx
 import pytest
-import torch
-import torch.nn.functional as F
 
 from conftest import TOKENIZER, run_patch
-from hf_architectures import ARCHS, CASES, WEIGHT, batch, build, export
+from hf_architectures import ARCHS, CASES, WEIGHT, batch, build, export, reference
 from ort_helpers import norm_rel, quiet_ort
 
 GRAD_RTOL = 1e-5
-
-
-def reference(model, base, causal: bool, ids, labels):
-    """float64 (total, ce, ntl, {parameter the loss reads: gradient})."""
-    import ntl_torch
-
-    m = copy.deepcopy(model).double()
-    params = dict(m.named_parameters())
-    logits = base.forward(m, input_ids=ids).logits
-    y = F.pad(labels, (0, 1), value=-100)[..., 1:] if causal else labels
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
-    with torch.no_grad():  # HF's loss casts the logits to float32 first
-        assert abs(float(m(ids, labels)) - float(ce)) <= 1e-6 * float(ce), "the reference CE is the model's own"
-    obj = ntl_torch.ntloss_object("wasserstein", vocab_size=logits.shape[-1])
-    ntl = ntl_torch.ntl_value(obj, logits, y)
-    total = ce + WEIGHT * ntl
-    # parameters the loss does not read (BERT's pooler) get no gradient, and train in neither
-    grads = torch.autograd.grad(total, list(params.values()), allow_unused=True)
-    return float(total), float(ce), float(ntl), {k: g.numpy() for k, g in zip(params, grads) if g is not None}
 
 
 # the dense step graph with the attention as exported and over blocks of 3 query rows (8 positions:

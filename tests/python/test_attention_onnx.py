@@ -38,7 +38,8 @@ ONNX = ["--attention", "onnx"]
 RT_PYTHON = REPO / ".venv-rt" / "bin" / "python"
 
 # Runs a --split gradient graph on one batch, or trains a step graph over batches, in
-# onnxruntime 1.31.1: argv = graph, batches .npz, output .npz, optimise (0/1).
+# onnxruntime 1.31.1: argv = graph, batches .npz (x{k}, y{k}, and m{k} for an attention_mask),
+# output .npz, optimise (0/1).
 RUN = r"""
 import json, sys
 import numpy as np, onnxruntime as ort
@@ -54,7 +55,10 @@ d = np.load(data)
 n = len([k for k in d.files if k.startswith("x")])
 state, losses, got = {}, [], {}
 for k in range(n):
-    got = dict(zip(names, s.run(None, {"input_ids": d[f"x{k}"], "labels": d[f"y{k}"], **state})))
+    feeds = {"input_ids": d[f"x{k}"], "labels": d[f"y{k}"], **state}
+    if f"m{k}" in d.files:
+        feeds["attention_mask"] = d[f"m{k}"]
+    got = dict(zip(names, s.run(None, feeds)))
     losses.append([float(got[o]) for o in names[:3]])
     if meta.get("split"):
         break
@@ -85,11 +89,12 @@ def _opset_23(model: str, out: Path) -> Path:
     return out
 
 
-def _run(path: Path, batches, tmp: Path, optimise: bool = True):
-    """(losses [steps, 3], {parameter: gradient or final value}) in onnxruntime 1.31.1."""
+def _run(path: Path, batches, tmp: Path, optimise: bool = True, masks=()):
+    """(losses [steps, 3], {parameter: gradient or final value}) in onnxruntime 1.31.1; `masks`:
+    each batch's `attention_mask`, where the graph takes one."""
     data, out = tmp / f"{path.stem}.in.npz", tmp / f"{path.stem}.{int(optimise)}.out.npz"
     np.savez(data, **{f"x{k}": x for k, (x, _) in enumerate(batches)},
-             **{f"y{k}": y for k, (_, y) in enumerate(batches)})
+             **{f"y{k}": y for k, (_, y) in enumerate(batches)}, **{f"m{k}": m for k, m in enumerate(masks)})
     r = subprocess.run([str(RT_PYTHON), "-c", RUN, str(path), str(data), str(out), str(int(optimise))],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -298,15 +303,20 @@ def test_where_masks(fill, tmp_path):
     _gradients_equal(eager, out, batch, tmp_path, f"fill {fill}")
 
 
-def _blind_row(src: Path, row: int, seq: int, out: Path) -> Path:
-    """GPT-2 with query row `row` of each attention masked at every key by finfo.min (the
-    attention mask taken elementwise down to a [T, 1] bias of finfo.min at that row)."""
+def _blind_row(src: Path, row: int, seq: int, out: Path, fill: float = np.finfo(np.float32).min,
+               nan_guard: bool = False) -> Path:
+    """GPT-2 with query row `row` of each attention masked at every key by `fill` (the
+    attention mask taken elementwise down to a [T, 1] bias of `fill` at that row); with
+    `nan_guard`, each softmax's NaN rows zeroed after it as optimum's GPT-2 export has it,
+    `Where(IsNaN(p), 0, p)`."""
     m = onnx.load(str(src))
     bias = np.zeros((seq, 1), np.float32)
-    bias[row] = np.finfo(np.float32).min
-    # a Constant, not an initializer: the step would train an initializer
-    nodes = [onnx.helper.make_node("Constant", [], ["blind_row_bias"], value=numpy_helper.from_array(bias))]
+    bias[row] = fill
+    # Constants, not initializers: the step would train an initializer
+    nodes = [onnx.helper.make_node("Constant", [], ["blind_row_bias"], value=numpy_helper.from_array(bias)),
+             onnx.helper.make_node("Constant", [], ["nan_fill"], value=numpy_helper.from_array(np.zeros(1, np.float32)))]
     blinded: dict = {}
+    guarded = 0
     for n in m.graph.node:
         if n.op_type == "Add" and n.name.endswith("/attn/Add"):
             if n.input[1] not in blinded:
@@ -314,7 +324,15 @@ def _blind_row(src: Path, row: int, seq: int, out: Path) -> Path:
                 nodes.append(onnx.helper.make_node("Min", [n.input[1], "blind_row_bias"], [blinded[n.input[1]]]))
             n.input[1] = blinded[n.input[1]]
         nodes.append(n)
-    assert len(blinded) >= 1 and len(nodes) == len(m.graph.node) + 1 + len(blinded)
+        if nan_guard and n.op_type == "Softmax":
+            p, kept = n.output[0], n.output[0] + "_kept"
+            for reader in m.graph.node:
+                reader.input[:] = [kept if i == p else i for i in reader.input]
+            nodes += [onnx.helper.make_node("IsNaN", [p], [p + "_nan"]),
+                      onnx.helper.make_node("Where", [p + "_nan", "nan_fill", p], [kept])]
+            guarded += 1
+    assert len(blinded) >= 1 and len(nodes) == len(m.graph.node) + 2 + len(blinded) + 2 * guarded
+    assert guarded == (LAYERS if nan_guard else 0)
     del m.graph.node[:]
     m.graph.node.extend(nodes)
     onnx.save(m, str(out))
@@ -345,6 +363,67 @@ def test_a_labelled_row_with_every_key_masked_spreads_as_exported(precision, tmp
     le, lo = _run(eager, [(x, y)], tmp_path)[0], _run(out, [(x, y)], tmp_path)[0]
     print(f"blind row fp16: losses {loss_err(le, lo):.2e}")
     assert loss_err(le, lo) <= 2 * U16, (le, lo)
+
+
+def test_a_row_with_every_key_masked_by_minus_infinity_has_no_gradient(tmp_path):
+    """A query row whose every key the mask fills with −∞ (a padding position under left
+    padding), at a position with a label: the export's softmax gives that row NaN, onnxruntime's
+    `Attention` kernel zeros, and the fused forward keeps the kernel's zeros. Its gradient is the
+    gradient of those zeros, as torch's SDPA (`_safe_softmax`) has it: the losses and gradients
+    equal the eager graph of the same export with `Where(IsNaN(p), 0, p)` after each softmax (as
+    optimum's GPT-2 export has it), whose Softmax gradient reads the zeroed rows.
+    Can fail: on the code before, the fused graph's gradients were NaN (the backward recomputed
+    the softmax of a row of −∞), and so were the guarded eager graph's."""
+    ref = hf_reference("gpt2_ts")
+    x, y = ref["batch/input_ids"], ref["batch/labels"]
+    row = 2
+    assert (y[:, row] != -100).all(), "the blinded row carries a label in each sequence"
+    src = _opset_23("gpt2_ts", tmp_path / "gpt2.onnx")
+    blind = _blind_row(src, row, x.shape[1], tmp_path / "blind.onnx", fill=-np.inf)
+    guarded = _blind_row(src, row, x.shape[1], tmp_path / "guarded.onnx", fill=-np.inf, nan_guard=True)
+    out, eager = tmp_path / "o.grad.onnx", tmp_path / "e.grad.onnx"
+    s = run_step(blind, out, "--split", *ONNX, "--attention-block", "3")
+    run_step(guarded, eager, "--split", *EAGER)
+    assert s["attention"]["fused"] == LAYERS, s["attention"]
+    _, ge = _run(eager, [(x, y)], tmp_path)
+    assert all(np.isfinite(g).all() for g in ge.values()), "the guarded eager graph's gradients"
+    _gradients_equal(eager, out, [(x, y)], tmp_path, "row of -inf")
+
+
+@pytest.mark.parametrize("pad", ["left", "right"])
+def test_padded_batches_match_torch(pad, tmp_path):
+    """Qwen2 with transformers' default attention (SDPA), exported by dynamo at opset 23 with an
+    `attention_mask` input (torch 2.7 decomposes SDPA, the masked scores filled with −∞), under
+    `--attention onnx`, on a batch padded on the left or on the right: loss and gradients equal
+    torch's (float64, the same mask; the labels ignore the padding and, on the left, the first
+    real token, which a pad predicts). On the left, the pads are rows that attend to nothing:
+    the export's softmax gives them NaN, onnxruntime's kernel and torch's SDPA zeros. Can fail:
+    on the code before, the left-padded gradients were NaN."""
+    import torch
+
+    from hf_architectures import batch, build, export, reference
+
+    model, base = build("qwen2", attn="sdpa")
+    src = tmp_path / "m.onnx"
+    export(model, "dynamo", src, mask=True, opset=23)
+    ids, labels = batch()
+    mask = torch.ones_like(ids)
+    if pad == "left":
+        mask[1, :3] = 0
+        labels = labels.clone()
+        labels[1, :4] = -100
+    else:
+        mask[1, 5:] = 0
+        labels = torch.where(mask == 1, labels, -100)
+    total, _, _, want = reference(model, base, True, ids, labels, mask)
+    out = tmp_path / "m.grad.onnx"
+    s = run_step(src, out, "--split", *ONNX, "--attention-block", "3", "--fused-head", "off")
+    _check_fused(s)
+    losses, got = _run(out, [(ids.numpy(), labels.numpy())], tmp_path, masks=[mask.numpy()])
+    worst, err = grad_err({p: want[p] for p in got}, got)
+    print(f"{pad}: loss {losses[0][0]:.6f} (torch {total:.6f}), gradients worst {worst} {err:.2e}")
+    assert loss_err([total], losses[0][:1]) <= RTOL, (losses[0], total)
+    assert err <= RTOL, (worst, err)
 
 
 def test_single_head_attention_keeps_the_blockwise_forward(tmp_path):

@@ -447,6 +447,61 @@ def test_logits_only_export_with_added_loss(model, loss, tmp_path):
     assert errs[worst] <= GRAD_RTOL, errs
 
 
+def _left_padded_reference(x, y, mask):
+    """torch float64 (total, {parameter: gradient}) of the fixture GPT-2 with `attention_mask`:
+    the model of fixtures/generate_step.py (the weights optimum exported), run with SDPA (its
+    eager attention turns a fully masked row into NaN in float64), CE + 0.3·NTL-WAS."""
+    import generate_step
+
+    m = generate_step.build_model("gpt2").double()
+    m.config._attn_implementation = "sdpa"
+    params = dict(m.named_parameters())
+    x, y, mask = (torch.from_numpy(a) for a in (x, y, mask))
+    logits = type(m).__mro__[1].forward(m, input_ids=x, attention_mask=mask).logits
+    lab = generate_step.shifted(y)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), ignore_index=-100)
+    total = ce + WEIGHT * generate_step.number_loss("wasserstein", logits, lab)
+    grads = torch.autograd.grad(total, list(params.values()))
+    return float(total), {k: g.numpy() for k, g in zip(params, grads)}
+
+
+@pytest.mark.parametrize("attention", ["eager", "auto"])
+def test_optimum_export_trains_on_left_padded_batches(attention, tmp_path):
+    """optimum's GPT-2 (torch's SDPA decomposed; `Where(IsNaN(p), 0, p)` zeroes the rows that
+    attend to nothing) on a left-padded batch, whose padding positions are such rows: loss and
+    gradients equal torch's with the same `attention_mask`, with the attention as exported and
+    blockwise. The labels ignore the padding and the first real token (predicted from a pad).
+    Can fail: on the code before, the eager graph's gradients were NaN (the Softmax's gradient
+    read its NaN rows)."""
+    ref = hf_reference("gpt2")
+    names = _logits_only_names("gpt2_optimum")
+    out = tmp_path / "m.grad.onnx"
+    r = run_patch(["step", MODELS / "gpt2_optimum.onnx", "--add-loss", "--tokenizer", TOKENIZER, "--weight",
+                   str(WEIGHT), "-o", out, "--split", "--json", "--attention", attention, "--attention-block", "3"])
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["attention"]["replaced"] == (0 if attention == "eager" else 2), summary["attention"]
+    x, y = ref["batch/input_ids"], ref["batch/labels"].copy()
+    mask = np.ones_like(x)
+    mask[1, :3] = 0  # three pads before the second sequence
+    y[1, :4] = -100
+    total, grads = _left_padded_reference(x, y, mask)
+    g = onnx.load(str(out))
+    feeds = {**_logits_only_feeds(g.graph, x, y), "attention_mask": mask}
+    outs = session(out).run(None, feeds)
+    assert abs(float(outs[0]) - total) <= 1e-5 * total, (float(outs[0]), total)
+    params = summary["parameters"]
+    want = {}
+    for p in params:
+        k, transposed = names.get(p, (p, False))
+        want[p] = grads[k].T if transposed else grads[k]
+    floor = 1e-3 * float(np.linalg.norm(np.concatenate([w.ravel() for w in want.values()])))
+    errs = {p: norm_rel(o.astype(np.float64), want[p], floor) for p, o in zip(params, outs[3:])}
+    worst = max(errs, key=errs.get)
+    print(f"{attention}: loss {float(outs[0]):.6f} (torch {total:.6f}), worst parameter {worst} {errs[worst]:.2e}")
+    assert errs[worst] <= GRAD_RTOL, errs
+
+
 def _optimum_patched(tmp_path):
     """gpt2_optimum through the patch command with --add-loss (λ = 0.3, wasserstein)."""
     src = MODELS / "gpt2_optimum.onnx"

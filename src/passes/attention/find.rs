@@ -333,7 +333,7 @@ impl Finder<'_, '_> {
         })
     }
 
-    /// `Where(IsNaN(p), 0, p)` (torch's SDPA export zeroes fully masked rows): the two nodes,
+    /// `Where(IsNaN(p), 0, p)` (optimum's export zeroes fully masked rows so): the two nodes,
     /// where `p` is read by them alone.
     fn nan_to_zero(&self, p: &str) -> Option<(usize, usize)> {
         let readers = self.index.consumers(p);

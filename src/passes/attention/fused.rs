@@ -153,7 +153,7 @@ pub fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
         y = b.cast(&y, FLOAT, "attention/fused_f");
     }
     if a.nan_to_zero {
-        // a row with every key masked: torch's SDPA export (and the blockwise forward) gives
+        // a row with every key masked: such an export (and the blockwise forward) gives
         // zeros
         let nan = b.unary("IsNaN", &y, "attention/fused_nan");
         let zero = b.scalar_f32("attention/fused_zero", 0.0);

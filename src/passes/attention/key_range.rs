@@ -44,10 +44,12 @@ pub fn keys(b: &mut Builder, a: &Attn) -> Option<Keys> {
 }
 
 /// A block's keys: `end` (`[1]` int64), the number of leading keys any row of the block can
-/// see, and `left_out` (`[1]`), the keys after them.
+/// see, and `left_out` (`[1]`), the keys after them; `mask`, the block's masks as one additive
+/// mask over all keys.
 pub struct KeyCut {
     pub end: String,
     left_out: String,
+    pub mask: String,
 }
 
 /// In a block's body: the keys the block reads, from the terms' inputs with the block's rows
@@ -85,7 +87,11 @@ pub fn block_end(b: &mut Builder, a: &Attn, terms: &[Vec<String>], keys: &Keys) 
     let end = b.cast(&end, INT64, "attention/block_keys_s");
     let end = b.reshape(&end, &[1], "attention/block_keys");
     let left_out = b.binary("Sub", &keys.count, &end, "attention/keys_left_out");
-    KeyCut { end, left_out }
+    KeyCut {
+        end,
+        left_out,
+        mask: m,
+    }
 }
 
 /// `x`'s first `end` entries along `axis` (all where that axis has one entry).

@@ -301,6 +301,13 @@ struct BlockTerms {
     terms: Vec<Vec<String>>,
     /// The keys the block reads (None: all).
     cut: Option<KeyCut>,
+    /// With the cut (the backward of the fused forward): `[.., C, 1]` bool, the rows the masks
+    /// fill with −∞ at every key. The export's softmax gives such a row NaN, onnxruntime's
+    /// `Attention` kernel zeros: the masks leave the row's scores as they are (its softmax is
+    /// finite) and its output's gradient is 0, so it adds nothing to any gradient — the
+    /// gradient of the kernel's zeros — at the price of passes over the masks and the block's
+    /// `[.., C, d]` gradient rather than over its probabilities.
+    minus_inf_rows: Option<String>,
 }
 
 impl BlockTerms {
@@ -320,9 +327,23 @@ impl BlockTerms {
                 scale,
                 terms,
                 cut: None,
+                minus_inf_rows: None,
             };
         };
         let key_cut = key_range::block_end(b, a, &terms, keys);
+        let high = b.reduce(
+            "ReduceMax",
+            &key_cut.mask,
+            &[-1],
+            true,
+            "attention/row_high",
+        );
+        let inf = b.node(
+            "IsInf",
+            &[&high],
+            "attention/row_minus_inf",
+            vec![int_attr("detect_positive", 0)],
+        );
         let cut = |b: &mut Builder, x: String, rank: usize| match rank {
             0 => x,
             _ => key_range::first(b, &x, &key_cut.end, -1),
@@ -333,16 +354,20 @@ impl BlockTerms {
             .iter()
             .zip(terms)
             .map(|(t, xs)| {
-                xs.into_iter()
+                let mut xs: Vec<String> = xs
+                    .into_iter()
                     .zip(&t.ranks)
                     .map(|(x, &r)| cut(b, x, r))
-                    .collect()
+                    .collect();
+                xs[0] = unmasked_rows(b, t.kind, &xs[0], &inf);
+                xs
             })
             .collect();
         BlockTerms {
             scale,
             terms,
             cut: Some(key_cut),
+            minus_inf_rows: Some(inf),
         }
     }
 
@@ -359,6 +384,22 @@ impl BlockTerms {
         match &self.cut {
             Some(cut) => key_range::padded(b, &g, rank, axis, cut),
             None => g,
+        }
+    }
+}
+
+/// A term's first input with the rows of `inf` left unmasked: a bias 0 there, a `Where`'s
+/// condition choosing the scores.
+fn unmasked_rows(b: &mut Builder, kind: TermKind, x: &str, inf: &str) -> String {
+    match kind {
+        TermKind::Add | TermKind::Sub => {
+            let zero = b.scalar_f32("attention/row_unmasked", 0.0);
+            b.where_(inf, &zero, x, "attention/bias_seen")
+        }
+        TermKind::Keep => b.binary("Or", x, inf, "attention/kept_seen"),
+        TermKind::Fill => {
+            let seen = b.unary("Not", inf, "attention/row_seen");
+            b.binary("And", x, &seen, "attention/filled_seen")
         }
     }
 }
@@ -507,7 +548,10 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let vt_b = bt.keys(b, &vt, a.v_rank - 1);
     let p = probabilities(b, &a, &bt, &q_b, &kt_b, half.is_some());
     let zero = b.scalar_f32("attention/zero_f", 0.0);
-    let g_b = b.gather(&g_padded, &g_rows, r as i64 - 2, "attention/g_block");
+    let mut g_b = b.gather(&g_padded, &g_rows, r as i64 - 2, "attention/g_block");
+    if let Some(inf) = &bt.minus_inf_rows {
+        g_b = b.where_(inf, &zero, &g_b, "attention/g_seen");
+    }
     let to_compute = |b: &mut Builder, x: &str| match half {
         Some(h) => b.cast(x, h, "attention/h"),
         None => x.to_string(),

@@ -9,7 +9,7 @@
 //! `o [.., Tq, Dv]`, with the scores
 //! `s = q·kt (× or ÷ scale) (+ bias | − bias | where(cond, s, value) | where(cond, value, s))…`,
 //! each term applied in the graph's order, `p = softmax(s)` (with `nan_to_zero`,
-//! `where(isnan(p), 0, p)`, as torch's SDPA export writes it) and `o = p·v`.
+//! `where(isnan(p), 0, p)`, as optimum's SDPA export writes it) and `o = p·v`.
 //!
 //! `BlockAttentionGrad(q, kt, v, scale?, term inputs…, g_o)` → `(g_q, g_kt, g_v)`, each in the
 //! broadcast shape of the scores' batch axes (the rule sums them down to the inputs').

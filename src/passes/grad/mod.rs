@@ -53,6 +53,9 @@ pub struct Ctx<'a> {
     pub attention_block: i64,
     /// Slices' gradients padded back by `Pad`: joined where they tile an axis.
     slice_parts: slice_parts::SliceParts,
+    /// Softmax outputs whose NaN rows the forward fills (`Where(IsNaN(p), 0, p)`, as optimum's
+    /// export of SDPA): the filled tensor, which the Softmax's gradient reads in their place.
+    pub nan_filled: HashMap<String, String>,
 }
 
 /// A gradient that is zero except at a few places along one axis: `updates` belong at
@@ -88,6 +91,7 @@ impl<'a> Ctx<'a> {
             weight_grads_by_gemm: true,
             attention_block: crate::passes::attention::DEFAULT_BLOCK,
             slice_parts: Default::default(),
+            nan_filled: HashMap::new(),
         }
     }
 
@@ -409,6 +413,7 @@ fn backward(
     }
     let live = live_tensors(nodes, params);
     let needed = needed_tensors(nodes, loss, &live);
+    ctx.nan_filled = rules::nan_filled(nodes, ctx.shapes);
     let mut grads: BTreeMap<String, Parts> = BTreeMap::new();
     grads.entry(loss.to_string()).or_default().dense.push(seed);
 

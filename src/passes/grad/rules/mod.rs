@@ -10,6 +10,8 @@ mod nn;
 mod reduce;
 mod shape;
 
+pub use nn::nan_filled;
+
 use super::Ctx;
 use crate::error::Error;
 use crate::onnx::NodeProto;

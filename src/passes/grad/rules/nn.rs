@@ -1,11 +1,17 @@
 //! Softmax, LogSoftmax, LayerNormalization and the cross-entropy losses.
 
+use std::collections::{HashMap, HashSet};
+
 use super::{g0, like, Grads};
 use crate::error::Error;
+use crate::graph::shapes::{Dim, Shapes};
 use crate::onnx::{attr, attr_i, attr_s, int_attr, NodeProto, FLOAT};
 use crate::passes::grad::Ctx;
 
 /// Softmax: `dx = y ⊙ (g − Σ g ⊙ y)`; LogSoftmax: `dx = g − exp(y) ⊙ Σ g` (sums along `axis`).
+/// A Softmax whose NaN rows the forward fills (see [`nan_filled`]) reads the filled output as
+/// `y`: the same values in every other row, and a zero gradient for a fully masked row (whose
+/// filled output is a constant) instead of NaN — torch's `_safe_softmax` backward.
 pub fn softmax(
     ctx: &mut Ctx,
     node: &NodeProto,
@@ -16,6 +22,8 @@ pub fn softmax(
     let y = node.output[0].as_str();
     let axis = attr_i(node, "axis").unwrap_or(-1);
     let gx = if node.op_type() == "Softmax" {
+        let filled = ctx.nan_filled.get(y).cloned();
+        let y = filled.as_deref().unwrap_or(y);
         let gyy = ctx.op("Mul", &[g, y], "grad/softmax_gy");
         let s = ctx.b.reduce_sum(&gyy, &[axis], true, "grad/softmax_sum");
         let d = ctx.op("Sub", &[g, &s], "grad/softmax_centered");
@@ -24,6 +32,34 @@ pub fn softmax(
         log_softmax_vjp(ctx, g, y, axis)
     };
     like(ctx, gx, &node.input[0])
+}
+
+/// Softmax outputs `p` that the forward reads as `Where(IsNaN(p), c, p)` with a one-element `c`
+/// (optimum's export zeroes fully masked rows so): `p` → the `Where`'s output. A Softmax row is
+/// NaN as a whole or not at all, and the `Where` passes no gradient to its NaN elements.
+pub fn nan_filled(nodes: &[NodeProto], shapes: &Shapes) -> HashMap<String, String> {
+    let softmax: HashSet<&str> = nodes
+        .iter()
+        .filter(|n| n.op_type() == "Softmax" && matches!(n.domain(), "" | "ai.onnx"))
+        .map(|n| n.output[0].as_str())
+        .collect();
+    let isnan: HashMap<&str, &str> = nodes
+        .iter()
+        .filter(|n| n.op_type() == "IsNaN" && softmax.contains(n.input[0].as_str()))
+        .map(|n| (n.output[0].as_str(), n.input[0].as_str()))
+        .collect();
+    let one_element = |t: &str| {
+        shapes
+            .get(t)
+            .is_some_and(|s| s.iter().all(|d| *d == Dim::Known(1)))
+    };
+    nodes
+        .iter()
+        .filter(|n| n.op_type() == "Where" && n.input.len() == 3)
+        .filter(|n| isnan.get(n.input[0].as_str()) == Some(&n.input[2].as_str()))
+        .filter(|n| one_element(&n.input[1]))
+        .map(|n| (n.input[2].clone(), n.output[0].clone()))
+        .collect()
 }
 
 fn log_softmax_vjp(ctx: &mut Ctx, g: &str, log_p: &str, axis: i64) -> String {
@@ -213,4 +249,43 @@ pub fn cross_entropy(
         });
     }
     Ok(vec![result])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::graph::{test_node as node, GraphIndex};
+    use crate::onnx::{f32_tensor, GraphProto};
+
+    /// The filled output stands for the Softmax's where the fill is one element (of any rank),
+    /// and not where the fill could broadcast the `Where` past the Softmax's shape.
+    #[test]
+    fn nan_filled_softmax_outputs() {
+        let guard = |p: &str, fill: &str, tag: &str| {
+            let nan = format!("nan_{tag}");
+            [
+                node("Softmax", &[&format!("s_{tag}")], p, vec![]),
+                node("IsNaN", &[p], &nan, vec![]),
+                node("Where", &[&nan, fill, p], &format!("kept_{tag}"), vec![]),
+            ]
+        };
+        let mut nodes: Vec<NodeProto> = Vec::new();
+        nodes.extend(guard("p1", "zero", "1"));
+        nodes.extend(guard("p2", "zero_1d", "2"));
+        nodes.extend(guard("p3", "wide", "3"));
+        let graph = GraphProto {
+            node: nodes.clone(),
+            initializer: vec![
+                f32_tensor("zero", &[], &[0.0]),
+                f32_tensor("zero_1d", &[1], &[0.0]),
+                f32_tensor("wide", &[2, 1], &[0.0, 0.0]),
+            ],
+            ..Default::default()
+        };
+        let shapes = Shapes::infer(&GraphIndex::new(&graph));
+        let filled = nan_filled(&nodes, &shapes);
+        assert_eq!(filled.get("p1").map(String::as_str), Some("kept_1"));
+        assert_eq!(filled.get("p2").map(String::as_str), Some("kept_2"));
+        assert_eq!(filled.len(), 2, "{filled:?}");
+    }
 }
