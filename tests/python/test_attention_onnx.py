@@ -395,10 +395,10 @@ def test_padded_batches_match_torch(pad, tmp_path):
     """Qwen2 with transformers' default attention (SDPA), exported by dynamo at opset 23 with an
     `attention_mask` input (torch 2.7 decomposes SDPA, the masked scores filled with −∞), under
     `--attention onnx`, on a batch padded on the left or on the right: loss and gradients equal
-    torch's (float64, the same mask; the labels ignore the padding and, on the left, the first
-    real token, which a pad predicts). On the left, the pads are rows that attend to nothing:
-    the export's softmax gives them NaN, onnxruntime's kernel and torch's SDPA zeros. Can fail:
-    on the code before, the left-padded gradients were NaN."""
+    torch's (float64, the same mask; the labels ignore the padding). On the left, the pads are
+    rows that attend to nothing: the export's softmax gives them NaN, onnxruntime's kernel and
+    torch's SDPA zeros, which reach the loss through the first real token's label (predicted
+    from the last pad). Can fail: on the code before, the left-padded gradients were NaN."""
     import torch
 
     from hf_architectures import batch, build, export, reference
@@ -411,7 +411,7 @@ def test_padded_batches_match_torch(pad, tmp_path):
     if pad == "left":
         mask[1, :3] = 0
         labels = labels.clone()
-        labels[1, :4] = -100
+        labels[1, :3] = -100
     else:
         mask[1, 5:] = 0
         labels = torch.where(mask == 1, labels, -100)

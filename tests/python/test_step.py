@@ -470,9 +470,10 @@ def test_optimum_export_trains_on_left_padded_batches(attention, tmp_path):
     """optimum's GPT-2 (torch's SDPA decomposed; `Where(IsNaN(p), 0, p)` zeroes the rows that
     attend to nothing) on a left-padded batch, whose padding positions are such rows: loss and
     gradients equal torch's with the same `attention_mask`, with the attention as exported and
-    blockwise. The labels ignore the padding and the first real token (predicted from a pad).
-    Can fail: on the code before, the eager graph's gradients were NaN (the Softmax's gradient
-    read its NaN rows)."""
+    blockwise. The labels ignore the padding; the first real token keeps its label, so the
+    output of the last pad (zeros in torch's SDPA, and in the export) reaches the loss. Can
+    fail: on the code before, the eager graph's gradients were NaN (the Softmax's gradient read
+    its NaN rows); with the blockwise forward's zeroed rows left out, the losses differ."""
     ref = hf_reference("gpt2")
     names = _logits_only_names("gpt2_optimum")
     out = tmp_path / "m.grad.onnx"
@@ -484,7 +485,7 @@ def test_optimum_export_trains_on_left_padded_batches(attention, tmp_path):
     x, y = ref["batch/input_ids"], ref["batch/labels"].copy()
     mask = np.ones_like(x)
     mask[1, :3] = 0  # three pads before the second sequence
-    y[1, :4] = -100
+    y[1, :3] = -100
     total, grads = _left_padded_reference(x, y, mask)
     g = onnx.load(str(out))
     feeds = {**_logits_only_feeds(g.graph, x, y), "attention_mask": mask}

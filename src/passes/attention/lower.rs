@@ -20,7 +20,7 @@ use ntl_ops::names::PREFIX;
 use ntl_ops::Builder;
 
 use super::key_range::{self, KeyCut, Keys};
-use super::node::{Attn, TermKind, DOMAIN, FORWARD};
+use super::node::{additive_mask, Attn, TermKind, DOMAIN, FORWARD};
 use super::operands::{batch_shape, scale_op, swap_last_two};
 use crate::graph::patch::{splice, Splice};
 use crate::graph::GraphIndex;
@@ -301,12 +301,13 @@ struct BlockTerms {
     terms: Vec<Vec<String>>,
     /// The keys the block reads (None: all).
     cut: Option<KeyCut>,
-    /// With the cut (the backward of the fused forward): `[.., C, 1]` bool, the rows the masks
-    /// fill with −∞ at every key. The export's softmax gives such a row NaN, onnxruntime's
-    /// `Attention` kernel zeros: the masks leave the row's scores as they are (its softmax is
-    /// finite) and its output's gradient is 0, so it adds nothing to any gradient — the
-    /// gradient of the kernel's zeros — at the price of passes over the masks and the block's
-    /// `[.., C, d]` gradient rather than over its probabilities.
+    /// `[.., C, 1]` bool, the rows the masks fill with −∞ at every key, where such a row is
+    /// zeros: in an export that zeroes the softmax's NaN rows, and under the fused forward
+    /// (onnxruntime's `Attention` kernel zeroes them where the export's softmax gives NaN). The
+    /// masks leave the row's scores as they are (its softmax is finite), and its output (the
+    /// forward) or its output's gradient (the backward) is 0, so it adds nothing to any
+    /// gradient: the same values as zeroing its probabilities, at the price of passes over the
+    /// masks and the block's `[.., C, d]` rows rather than over its probabilities.
     minus_inf_rows: Option<String>,
 }
 
@@ -323,27 +324,25 @@ impl BlockTerms {
         let scale = (!a.scale.is_empty() && !o.scale_folded)
             .then(|| rows_of(b, rows, &a.scale, a.scale_rank));
         let Some(keys) = &o.keys else {
+            // an export that zeroes the rows of NaN: the same rows found from the masks
+            let by_rows = a.nan_to_zero && has_key_axis(a);
+            let inf = by_rows.then(|| {
+                let mask = additive_mask(b, a, &terms).expect("masks with a key axis");
+                minus_inf_rows(b, &mask)
+            });
+            let terms = match &inf {
+                Some(inf) => unmask_rows(b, a, terms, inf),
+                None => terms,
+            };
             return BlockTerms {
                 scale,
                 terms,
                 cut: None,
-                minus_inf_rows: None,
+                minus_inf_rows: inf,
             };
         };
         let key_cut = key_range::block_end(b, a, &terms, keys);
-        let high = b.reduce(
-            "ReduceMax",
-            &key_cut.mask,
-            &[-1],
-            true,
-            "attention/row_high",
-        );
-        let inf = b.node(
-            "IsInf",
-            &[&high],
-            "attention/row_minus_inf",
-            vec![int_attr("detect_positive", 0)],
-        );
+        let inf = minus_inf_rows(b, &key_cut.mask);
         let cut = |b: &mut Builder, x: String, rank: usize| match rank {
             0 => x,
             _ => key_range::first(b, &x, &key_cut.end, -1),
@@ -354,15 +353,11 @@ impl BlockTerms {
             .iter()
             .zip(terms)
             .map(|(t, xs)| {
-                let mut xs: Vec<String> = xs
-                    .into_iter()
-                    .zip(&t.ranks)
-                    .map(|(x, &r)| cut(b, x, r))
-                    .collect();
-                xs[0] = unmasked_rows(b, t.kind, &xs[0], &inf);
-                xs
+                let xs = xs.into_iter().zip(&t.ranks);
+                xs.map(|(x, &r)| cut(b, x, r)).collect()
             })
             .collect();
+        let terms = unmask_rows(b, a, terms, &inf);
         BlockTerms {
             scale,
             terms,
@@ -388,8 +383,33 @@ impl BlockTerms {
     }
 }
 
-/// A term's first input with the rows of `inf` left unmasked: a bias 0 there, a `Where`'s
-/// condition choosing the scores.
+/// Whether a mask has a key axis (only such a mask can mask a row at every key).
+fn has_key_axis(a: &Attn) -> bool {
+    a.terms.iter().any(|t| t.ranks.iter().any(|&r| r >= 1))
+}
+
+/// `[.., C, 1]` bool: the rows the additive `mask` fills with −∞ at every key.
+fn minus_inf_rows(b: &mut Builder, mask: &str) -> String {
+    let high = b.reduce("ReduceMax", mask, &[-1], true, "attention/row_high");
+    let attrs = vec![int_attr("detect_positive", 0)];
+    b.node("IsInf", &[&high], "attention/row_minus_inf", attrs)
+}
+
+/// The terms with the rows of `inf` left unmasked (their first inputs: a bias 0 there, a
+/// `Where`'s condition choosing the scores).
+fn unmask_rows(
+    b: &mut Builder,
+    a: &Attn,
+    mut terms: Vec<Vec<String>>,
+    inf: &str,
+) -> Vec<Vec<String>> {
+    for (t, xs) in a.terms.iter().zip(terms.iter_mut()) {
+        xs[0] = unmasked_rows(b, t.kind, &xs[0], inf);
+    }
+    terms
+}
+
+/// A term's first input with the rows of `inf` left unmasked.
 fn unmasked_rows(b: &mut Builder, kind: TermKind, x: &str, inf: &str) -> String {
     match kind {
         TermKind::Add | TermKind::Sub => {
@@ -430,7 +450,8 @@ fn probabilities(
         };
     }
     let p = b.softmax(&s, -1, "attention/probs");
-    if !a.nan_to_zero {
+    // rows of −∞ found from the masks are unmasked: their output is zeroed instead
+    if !a.nan_to_zero || bt.minus_inf_rows.is_some() {
         return p;
     }
     let nan = b.unary("IsNaN", &p, "attention/probs_nan");
@@ -486,6 +507,10 @@ fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let mut o_b = b.binary("MatMul", &p, &o.v, "attention/out_block");
     if half.is_some() {
         o_b = b.cast(&o_b, FLOAT, "attention/out_block_f");
+    }
+    if let Some(inf) = &bt.minus_inf_rows {
+        let zero = b.scalar_f32("attention/zero_row", 0.0);
+        o_b = b.where_(inf, &zero, &o_b, "attention/out_seen");
     }
     let r = a.rank;
     let g = body(b, &inputs.body(), &[typed(&o_b, r)], "attention_forward");
