@@ -390,15 +390,55 @@ def test_a_row_with_every_key_masked_by_minus_infinity_has_no_gradient(tmp_path)
     _gradients_equal(eager, out, [(x, y)], tmp_path, "row of -inf")
 
 
-@pytest.mark.parametrize("pad", ["left", "right"])
-def test_padded_batches_match_torch(pad, tmp_path):
+def _as_a_spreading_kernel(path: Path) -> None:
+    """Each `Attention` node of the graph replaced by standard ops that compute it as
+    onnxruntime's CUDA memory-efficient kernel does (microsoft/onnxruntime#28904): the mask
+    capped at −1e30, so a row of −∞ is spread evenly over the keys (the mean of the values),
+    where onnxruntime's CPU kernel gives zeros."""
+    m = onnx.load(str(path))
+    nodes, count = [], 0
+    for n in m.graph.node:
+        if n.op_type != "Attention":
+            nodes.append(n)
+            continue
+        assert [a.name for a in n.attribute] == ["scale"] and len(n.input) == 4, n
+        q, k, v, mask = n.input
+        t = f"spread{count}/"
+        const = lambda name, value: onnx.helper.make_node(  # noqa: E731
+            "Constant", [], [t + name], value=numpy_helper.from_array(np.array(value, np.float32)))
+        nodes += [
+            const("scale", n.attribute[0].f), const("cap", -1e30),
+            onnx.helper.make_node("Transpose", [k], [t + "kt"], perm=[0, 1, 3, 2]),
+            onnx.helper.make_node("MatMul", [q, t + "kt"], [t + "s"]),
+            onnx.helper.make_node("Mul", [t + "s", t + "scale"], [t + "scaled"]),
+            onnx.helper.make_node("Max", [mask, t + "cap"], [t + "capped"]),
+            onnx.helper.make_node("Add", [t + "scaled", t + "capped"], [t + "masked"]),
+            onnx.helper.make_node("Softmax", [t + "masked"], [t + "p"], axis=-1),
+            onnx.helper.make_node("MatMul", [t + "p", v], [n.output[0]]),
+        ]
+        count += 1
+    assert count == LAYERS
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    onnx.save(m, str(path))
+
+
+PADDED = [("left", "kernel"), ("right", "kernel"), ("left", "spreading")]
+
+
+@pytest.mark.parametrize("pad,kernel", PADDED, ids=[f"{p}-{k}" for p, k in PADDED])
+def test_padded_batches_match_torch(pad, kernel, tmp_path):
     """Qwen2 with transformers' default attention (SDPA), exported by dynamo at opset 23 with an
     `attention_mask` input (torch 2.7 decomposes SDPA, the masked scores filled with −∞), under
     `--attention onnx`, on a batch padded on the left or on the right: loss and gradients equal
     torch's (float64, the same mask; the labels ignore the padding). On the left, the pads are
-    rows that attend to nothing: the export's softmax gives them NaN, onnxruntime's kernel and
-    torch's SDPA zeros, which reach the loss through the first real token's label (predicted
-    from the last pad). Can fail: on the code before, the left-padded gradients were NaN."""
+    rows that attend to nothing: the export's softmax gives them NaN, torch's SDPA and
+    onnxruntime's CPU kernel zeros, which reach the loss through the first real token's label
+    (predicted from the last pad). `spreading`: the operator computed as onnxruntime's CUDA
+    memory-efficient kernel does, which spreads such a row; the step's forward zeroes the rows
+    of −∞ itself, so the numbers stay torch's. Can fail: on the code before, the left-padded
+    gradients were NaN; without the forward's own zeroing, `spreading`'s loss is 2.5e-3 off and
+    its gradients 0.86."""
     import torch
 
     from hf_architectures import batch, build, export, reference
@@ -419,9 +459,11 @@ def test_padded_batches_match_torch(pad, tmp_path):
     out = tmp_path / "m.grad.onnx"
     s = run_step(src, out, "--split", *ONNX, "--attention-block", "3", "--fused-head", "off")
     _check_fused(s)
+    if kernel == "spreading":
+        _as_a_spreading_kernel(out)
     losses, got = _run(out, [(ids.numpy(), labels.numpy())], tmp_path, masks=[mask.numpy()])
     worst, err = grad_err({p: want[p] for p in got}, got)
-    print(f"{pad}: loss {losses[0][0]:.6f} (torch {total:.6f}), gradients worst {worst} {err:.2e}")
+    print(f"{pad} {kernel}: loss {losses[0][0]:.6f} (torch {total:.6f}), gradients worst {worst} {err:.2e}")
     assert loss_err([total], losses[0][:1]) <= RTOL, (losses[0], total)
     assert err <= RTOL, (worst, err)
 

@@ -130,7 +130,7 @@ pub fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     }
     let term_inputs: Vec<Vec<String>> = a.terms.iter().map(|t| t.inputs.clone()).collect();
     let mask = additive_mask(b, &a, &term_inputs);
-    let blind = mask.as_ref().map(|m| blind_rows(b, m));
+    let rows = mask.as_ref().map(|m| MaskedRows::of(b, m));
     let mask = mask.map(|m| compute(b, &m));
     let mut attrs = vec![float_attr("scale", 1.0)];
     if half.is_some() {
@@ -159,7 +159,7 @@ pub fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
         let zero = b.scalar_f32("attention/fused_zero", 0.0);
         y = b.where_(&nan, &zero, &y, "attention/fused_nan_zero");
     }
-    if let Some(blind) = blind {
+    if let Some(rows) = rows {
         // the export's softmax spreads such a row evenly: the mean of the values, in float32
         // (`Where` broadcasts their batch and head axes)
         let v = match half {
@@ -167,7 +167,12 @@ pub fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
             None => a.v.clone(),
         };
         let spread = b.reduce("ReduceMean", &v, &[2], true, "attention/blind_rows_values");
-        y = b.where_(&blind, &spread, &y, "attention/blind_rows_spread");
+        y = b.where_(&rows.even, &spread, &y, "attention/blind_rows_spread");
+        // a row of −∞ is zeros, as the blockwise backward takes it (onnxruntime's CPU kernel
+        // gives zeros; its CUDA memory-efficient kernel caps the mask at −1e30 and spreads the
+        // row, microsoft/onnxruntime#28904)
+        let zero = b.scalar_f32("attention/minus_inf_row_zero", 0.0);
+        y = b.where_(&rows.minus_inf, &zero, &y, "attention/minus_inf_rows_zero");
     }
     // the last node written made `y`, and nothing reads it yet: it writes the output instead
     let last = b.nodes.last_mut().expect("the Attention node at least");
@@ -175,22 +180,37 @@ pub fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     last.output[0] = node.output[0].clone();
 }
 
-/// `[.., T, 1]`: the rows whose every key the mask fills with one and the same value at or
-/// below −1e30. The export's softmax spreads such a row evenly over the keys (each score
-/// rounds to the fill value), where onnxruntime's `Attention` kernel gives zeros for a row of
-/// `finfo.min` (it reads that value as −∞) and, under `--precision`, for any row the half
-/// cast takes to −∞. Rows of mixed fills (`finfo.min` and −∞; different fills under
-/// `--precision`) stay the kernel's zeros: the export's weights there need a pass over the
-/// whole mask and a product with the values.
-fn blind_rows(b: &mut Builder, mask: &str) -> String {
-    let high = b.reduce("ReduceMax", mask, &[-1], true, "attention/row_mask_max");
-    let low = b.reduce("ReduceMin", mask, &[-1], true, "attention/row_mask_min");
-    let even = b.binary("Equal", &high, &low, "attention/row_mask_even");
-    let bound = b.scalar_f32("attention/row_masked_at", MASKED_AT as f32);
-    let masked = b.binary("LessOrEqual", &high, &bound, "attention/row_masked");
-    // −∞ everywhere: the export's softmax gives NaN there, the kernel 0; left as the kernel has it
-    let infinite = b.unary("IsInf", &high, "attention/row_mask_inf");
-    let finite = b.unary("Not", &infinite, "attention/row_mask_finite");
-    let blind = b.binary("And", &even, &masked, "attention/row_blind_even");
-    b.binary("And", &blind, &finite, "attention/row_blind")
+/// The rows of the mask (`[.., T, 1]` bool each) the kernel may not compute as the export does.
+struct MaskedRows {
+    /// Rows whose every key the mask fills with one and the same value at or below −1e30. The
+    /// export's softmax spreads such a row evenly over the keys (each score rounds to the fill
+    /// value), where onnxruntime's `Attention` kernel gives zeros for a row of `finfo.min` (it
+    /// reads that value as −∞) and, under `--precision`, for any row the half cast takes to −∞.
+    /// Rows of mixed fills (`finfo.min` and −∞; different fills under `--precision`) stay the
+    /// kernel's zeros: the export's weights there need a pass over the whole mask and a
+    /// product with the values.
+    even: String,
+    /// Rows of −∞ at every key: the export's softmax gives NaN there, torch's SDPA and the ONNX
+    /// specification zeros.
+    minus_inf: String,
+}
+
+impl MaskedRows {
+    fn of(b: &mut Builder, mask: &str) -> MaskedRows {
+        let high = b.reduce("ReduceMax", mask, &[-1], true, "attention/row_mask_max");
+        let low = b.reduce("ReduceMin", mask, &[-1], true, "attention/row_mask_min");
+        let even = b.binary("Equal", &high, &low, "attention/row_mask_even");
+        let bound = b.scalar_f32("attention/row_masked_at", MASKED_AT as f32);
+        let masked = b.binary("LessOrEqual", &high, &bound, "attention/row_masked");
+        let minus_inf = b.node(
+            "IsInf",
+            &[&high],
+            "attention/row_mask_inf",
+            vec![int_attr("detect_positive", 0)],
+        );
+        let finite = b.unary("Not", &minus_inf, "attention/row_mask_finite");
+        let even_masked = b.binary("And", &even, &masked, "attention/row_blind_even");
+        let even = b.binary("And", &even_masked, &finite, "attention/row_blind");
+        MaskedRows { even, minus_inf }
+    }
 }
