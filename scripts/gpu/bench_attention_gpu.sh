@@ -29,6 +29,8 @@
 # --steps 5, the median over steps 3-5 (--warmup 2); --tf32 off: onnxruntime's CUDA provider gets
 # use_tf32=0 and torch strict float32 matmuls (bf16 runs: the float32 rest of the graph alike).
 # GPU memory: the device's used memory above the value before each run, sampled by the driver (NVML).
+# The environment check also prints what the CUDA Attention kernel gives a query row whose every key
+# is masked (zeros, or the mean of V as microsoft/onnxruntime#28904 reports), float32 and float16.
 #
 #   scripts/gpu/bench_attention_gpu.sh [PARTS_DIR ...]
 #
@@ -155,6 +157,29 @@ import numpy as np
 s = ort.InferenceSession(m.SerializeToString(), providers=[("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"])
 s.run(None, {"a": np.ones((64, 64), np.float32)})
 print("CUDA session:", s.get_providers()[0], "use_tf32 =", s.get_provider_options().get("CUDAExecutionProvider", {}).get("use_tf32"))
+# what the CUDA Attention kernel gives a query row whose every key is masked (row 0): zeros (as the
+# step's backward and torch take it, and the step's --attention onnx forward writes after it) or
+# the mean of V (microsoft/onnxruntime#28904); row 1 sees every key
+for dtype, np_t in ((TensorProto.FLOAT, np.float32), (TensorProto.FLOAT16, np.float16)):
+    for kind in ("bool", "-inf"):
+        try:
+            mt = TensorProto.BOOL if kind == "bool" else dtype
+            node = helper.make_node("Attention", ["q", "k", "v", "m"], ["o"])
+            g = helper.make_graph([node], "g", [helper.make_tensor_value_info(x, dtype, [1, 2, 2, 64]) for x in "qkv"]
+                                  + [helper.make_tensor_value_info("m", mt, [2, 2])], [helper.make_tensor_value_info("o", dtype, None)])
+            m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)])
+            m.ir_version = 10
+            s = ort.InferenceSession(m.SerializeToString(), providers=["CUDAExecutionProvider"])
+            rng = np.random.default_rng(0)
+            q, k, v = (rng.standard_normal((1, 2, 2, 64)).astype(np_t) for _ in range(3))
+            mask = np.array([[False, False], [True, True]]) if kind == "bool" else np.array([[-np.inf] * 2, [0, 0]], np_t)
+            o = s.run(None, {"q": q, "k": k, "v": v, "m": mask})[0].astype(np.float32)
+            mean = v.astype(np.float32).mean(axis=2)
+            print(f"Attention {np_t.__name__} {kind} mask, a row with every key masked:",
+                  "zeros" if np.all(o[:, :, 0] == 0) else "mean of V" if np.allclose(o[:, :, 0], mean, atol=1e-2)
+                  else "NaN" if np.isnan(o[:, :, 0]).any() else f"other {o[0, 0, 0, :3]}")
+        except Exception as e:
+            print(f"Attention {np_t.__name__} {kind} mask: {type(e).__name__}: {str(e)[:160]}")
 EOF
 say "setup done after $(elapsed) s"
 
