@@ -303,7 +303,7 @@ struct BlockTerms {
     cut: Option<KeyCut>,
     /// `[.., C, 1]` bool, the rows the masks fill with −∞ at every key, where such a row is
     /// zeros: in an export that zeroes the softmax's NaN rows, and under the fused forward
-    /// (onnxruntime's `Attention` kernel zeroes them where the export's softmax gives NaN). The
+    /// (which zeroes them after the operator, where the export's softmax gives NaN). The
     /// masks leave the row's scores as they are (its softmax is finite), and its output (the
     /// forward) or its output's gradient (the backward) is 0, so it adds nothing to any
     /// gradient: the same values as zeroing its probabilities, at the price of passes over the
