@@ -8,7 +8,7 @@
 //!   input is cast to the half type and the output is half. The gradients of these ops are
 //!   MatMul/Einsum nodes too, so they run in half as well; parameters are cast once per step
 //!   (their float32 master copies are the state). The ONNX `Attention` operator (SDPA, on
-//!   autocast's list too) likewise, its softmax in float32 inside the kernel;
+//!   autocast's list too) likewise, its attributes as exported;
 //! - **float32 ops** (autocast's float32 list: softmax, log-softmax, cross-entropy, the norms,
 //!   accumulating reductions, exp/log/pow and friends): half inputs are cast to float32;
 //! - **every other op** runs in the type its inputs have, with torch's promotion: all half →
@@ -322,17 +322,14 @@ impl<'a, 'b> Pass<'a, 'b> {
 
     fn node(&mut self, mut node: NodeProto) {
         let schema = schemas().schema(node.domain(), node.op_type(), self.inp.opset);
+        // the operator's attributes stay as exported: onnxruntime's CUDA kernel refuses a
+        // `softmax_precision`, and keeps a half softmax's sums in float32 without one
         let sdpa = is_attention_operator(&node, self.inp.opset);
         let class = match schema {
             Some(_) => class(&node, self.half),
             None if sdpa => Class::Half,
             None => Class::Float32,
         };
-        if sdpa && attr(&node, "softmax_precision").is_none() {
-            // the softmax in float32 inside the kernel, as flash attention keeps it under autocast
-            let float = crate::onnx::int_attr("softmax_precision", FLOAT as i64);
-            node.attribute.push(float);
-        }
         // inputs by type parameter (fixed types and non-float inputs aside)
         let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
         for (i, input) in node.input.iter().enumerate() {
