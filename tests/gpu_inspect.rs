@@ -958,3 +958,61 @@ fn inspect_accepts_every_target() {
     assert_eq!(gpu[2]["provider"], "MIGraphXExecutionProvider");
     assert_eq!(gpu[2]["table"], "data/ort-1.27.1-migraphx-ops.tsv");
 }
+
+/// onnxruntime's CUDA `Attention` kernel refuses `softmax_precision` and `softcap` at run time on
+/// every one of its paths: such a node is reported as not running on the GPU, with the reason;
+/// the same node without them is not (it is only not checked: the schema table stops at opset
+/// 21). Can fail: before, all three were "not checked" alike.
+#[test]
+fn cuda_attention_with_a_refused_attribute_is_reported() {
+    let attention = |out: &str, attrs| node("Attention", &["q", "k", "v"], &[out], attrs);
+    let float_attr = |name: &str, v: f32| ntl_patch::onnx::AttributeProto {
+        name: Some(name.into()),
+        r#type: Some(ntl_patch::onnx::proto::attribute_proto::AttributeType::Float as i32),
+        f: Some(v),
+        ..Default::default()
+    };
+    let m = tiny_model(
+        23,
+        &[
+            attention("plain", vec![]),
+            attention(
+                "precise",
+                vec![int_attr("softmax_precision", DataType::Float as i64)],
+            ),
+            attention("capped", vec![float_attr("softcap", 30.0)]),
+        ],
+        &[
+            ("q", DataType::Float16),
+            ("k", DataType::Float16),
+            ("v", DataType::Float16),
+        ],
+    );
+    let fallbacks = fallback_nodes(&m, Target::Cuda);
+    let reasons: HashMap<String, String> = fallbacks
+        .iter()
+        .map(|f| (f.name.clone(), f.reason.clone()))
+        .collect();
+    for (name, attr) in [
+        ("n_Attention_precise", "softmax_precision"),
+        ("n_Attention_capped", "softcap"),
+    ] {
+        let why = reasons
+            .get(name)
+            .unwrap_or_else(|| panic!("{name} not reported: {reasons:?}"));
+        assert!(
+            why.contains("NOT_IMPLEMENTED") && why.contains(attr),
+            "{why}"
+        );
+    }
+    let plain = reasons
+        .get("n_Attention_plain")
+        .expect("not checked, so listed");
+    assert!(plain.starts_with("not checked"), "{plain}");
+    // the older CUDA build registers no Attention-23 kernel: nothing to refuse there
+    let old = fallback_nodes(&m, Target::Cuda119);
+    assert!(
+        old.iter().all(|f| !f.reason.contains("NOT_IMPLEMENTED")),
+        "{old:?}"
+    );
+}

@@ -219,6 +219,14 @@ pub fn place_node(
         );
     };
     let kernels = tables.kernels(target.ep(), &domain, op);
+    if let Some(why) = cuda_attention_refusal(node, target, &domain, !kernels.is_empty()) {
+        let why = Missing::Refused(why);
+        return (
+            None,
+            BTreeMap::new(),
+            Placement::Fallback { why, cpu: true },
+        );
+    }
     let Some(version) = tables.op_version(&domain, op, opset) else {
         if local && kernels.is_empty() {
             return (None, BTreeMap::new(), Placement::Inlined);
@@ -275,6 +283,37 @@ pub fn place_node(
         return (Some(version), bound, Placement::Inlined);
     }
     (Some(version), bound, Placement::Fallback { why, cpu })
+}
+
+/// The ONNX `Attention` operator with an attribute onnxruntime's CUDA kernel refuses at run
+/// time: `softmax_precision` or `softcap` make every one of its paths (flash, memory-efficient,
+/// unfused) return NOT_IMPLEMENTED (core/providers/cuda/llm/attention.cc), so the session's run
+/// fails where the node is placed on the GPU.
+fn cuda_attention_refusal(
+    node: &NodeProto,
+    target: Target,
+    domain: &str,
+    has_kernel: bool,
+) -> Option<String> {
+    if target.ep() != "cuda" || node.op_type() != "Attention" || domain != "ai.onnx" {
+        return None;
+    }
+    let refused: Vec<&str> = node
+        .attribute
+        .iter()
+        .filter(|a| match a.name() {
+            "softmax_precision" => a.i() != 0,
+            "softcap" => a.f() != 0.0,
+            _ => false,
+        })
+        .map(|a| a.name())
+        .collect();
+    (has_kernel && !refused.is_empty()).then(|| {
+        format!(
+            "the cuda Attention kernel returns NOT_IMPLEMENTED for {} at run time (all of its paths); drop the attribute or run the node on the CPU",
+            refused.join(" and ")
+        )
+    })
 }
 
 /// A stable, readable order for type lists.
