@@ -17,12 +17,12 @@
 
 use ntl_ops::Builder;
 
-use super::node::{additive_mask, Attn, TermKind, MASKED_AT};
+use super::node::{additive_mask, row_highs, Attn, RowHighs, TermKind, MASKED_AT};
 use super::operands::{batch_shape, scale_op, swap_last_two};
 use crate::graph::elem_types::TypeNames;
 use crate::graph::shapes::Shapes;
 use crate::graph::GraphIndex;
-use crate::onnx::{float_attr, int_attr, NodeProto, FLOAT};
+use crate::onnx::{float_attr, NodeProto, FLOAT};
 
 /// The opset that has the `Attention` operator.
 pub const MIN_OPSET: i64 = 23;
@@ -195,17 +195,11 @@ struct MaskedRows {
 
 impl MaskedRows {
     fn of(b: &mut Builder, mask: &str) -> MaskedRows {
-        let high = b.reduce("ReduceMax", mask, &[-1], true, "attention/row_mask_max");
+        let RowHighs { high, minus_inf } = row_highs(b, mask);
         let low = b.reduce("ReduceMin", mask, &[-1], true, "attention/row_mask_min");
         let even = b.binary("Equal", &high, &low, "attention/row_mask_even");
         let bound = b.scalar_f32("attention/row_masked_at", MASKED_AT as f32);
         let masked = b.binary("LessOrEqual", &high, &bound, "attention/row_masked");
-        let minus_inf = b.node(
-            "IsInf",
-            &[&high],
-            "attention/row_mask_inf",
-            vec![int_attr("detect_positive", 0)],
-        );
         let finite = b.unary("Not", &minus_inf, "attention/row_mask_finite");
         let even_masked = b.binary("And", &even, &masked, "attention/row_blind_even");
         let even = b.binary("And", &even_masked, &finite, "attention/row_blind");

@@ -20,7 +20,7 @@ use ntl_ops::names::PREFIX;
 use ntl_ops::Builder;
 
 use super::key_range::{self, KeyCut, Keys};
-use super::node::{additive_mask, Attn, TermKind, DOMAIN, FORWARD};
+use super::node::{additive_mask, row_highs, Attn, TermKind, DOMAIN, FORWARD};
 use super::operands::{batch_shape, scale_op, swap_last_two};
 use crate::graph::patch::{splice, Splice};
 use crate::graph::GraphIndex;
@@ -328,7 +328,7 @@ impl BlockTerms {
             let by_rows = a.nan_to_zero && has_key_axis(a);
             let inf = by_rows.then(|| {
                 let mask = additive_mask(b, a, &terms).expect("masks with a key axis");
-                minus_inf_rows(b, &mask)
+                row_highs(b, &mask).minus_inf
             });
             let terms = match &inf {
                 Some(inf) => unmask_rows(b, a, terms, inf),
@@ -342,7 +342,7 @@ impl BlockTerms {
             };
         };
         let key_cut = key_range::block_end(b, a, &terms, keys);
-        let inf = minus_inf_rows(b, &key_cut.mask);
+        let inf = row_highs(b, &key_cut.mask).minus_inf;
         let cut = |b: &mut Builder, x: String, rank: usize| match rank {
             0 => x,
             _ => key_range::first(b, &x, &key_cut.end, -1),
@@ -386,13 +386,6 @@ impl BlockTerms {
 /// Whether a mask has a key axis (only such a mask can mask a row at every key).
 fn has_key_axis(a: &Attn) -> bool {
     a.terms.iter().any(|t| t.ranks.iter().any(|&r| r >= 1))
-}
-
-/// `[.., C, 1]` bool: the rows the additive `mask` fills with −∞ at every key.
-fn minus_inf_rows(b: &mut Builder, mask: &str) -> String {
-    let high = b.reduce("ReduceMax", mask, &[-1], true, "attention/row_high");
-    let attrs = vec![int_attr("detect_positive", 0)];
-    b.node("IsInf", &[&high], "attention/row_minus_inf", attrs)
 }
 
 /// The terms with the rows of `inf` left unmasked (their first inputs: a bias 0 there, a

@@ -257,3 +257,17 @@ pub fn additive_mask(b: &mut Builder, a: &Attn, inputs: &[Vec<String>]) -> Optio
     }
     mask
 }
+
+/// Each row's largest value of an additive `mask` (`[.., T, 1]`), and the rows where it is −∞:
+/// those the mask fills with −∞ at every key (the export's softmax gives them NaN).
+pub struct RowHighs {
+    pub high: String,
+    pub minus_inf: String,
+}
+
+pub fn row_highs(b: &mut Builder, mask: &str) -> RowHighs {
+    let high = b.reduce("ReduceMax", mask, &[-1], true, "attention/row_high");
+    let attrs = vec![int_attr("detect_positive", 0)];
+    let minus_inf = b.node("IsInf", &[&high], "attention/row_minus_inf", attrs);
+    RowHighs { high, minus_inf }
+}
