@@ -368,8 +368,8 @@ def test_a_labelled_row_with_every_key_masked_spreads_as_exported(precision, tmp
 def test_a_row_with_every_key_masked_by_minus_infinity_has_no_gradient(tmp_path):
     """A query row whose every key the mask fills with −∞ (a padding position under left
     padding), at a position with a label: the export's softmax gives that row NaN, onnxruntime's
-    `Attention` kernel zeros, and the fused forward keeps the kernel's zeros. Its gradient is the
-    gradient of those zeros, as torch's SDPA (`_safe_softmax`) has it: the losses and gradients
+    CPU `Attention` kernel zeros, and the fused forward zeroes it after the kernel. Its gradient
+    is the gradient of those zeros, as torch's SDPA (`_safe_softmax`) has it: the losses and gradients
     equal the eager graph of the same export with `Where(IsNaN(p), 0, p)` after each softmax (as
     optimum's GPT-2 export has it), whose Softmax gradient reads the zeroed rows.
     Can fail: on the code before, the fused graph's gradients were NaN (the backward recomputed
