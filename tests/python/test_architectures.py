@@ -22,8 +22,10 @@ import pytest
 from conftest import TOKENIZER, run_patch
 from hf_architectures import ARCHS, CASES, WEIGHT, batch, build, export, reference
 from ort_helpers import norm_rel, quiet_ort
+from step_helpers import zero_grad_mask
 
 GRAD_RTOL = 1e-5
+ZERO_GRAD_ATOL = 2e-8  # of the norm of all gradients; measured ≤ 6.7e-9, the exported attention ≤ 1.2e-9
 
 
 # the dense step graph with the attention as exported and over blocks of 3 query rows (8 positions:
@@ -97,10 +99,21 @@ def _gradients_match_torch(arch, exporter, attn, tmp_path):
         assert set(params) <= set(want), set(params) - set(want)
         untrained = set(want) - set(params)
         assert untrained <= {"cls.predictions.bias"}, untrained
-        floor = 1e-3 * float(np.linalg.norm(np.concatenate([want[p].ravel() for p in params])))
-        errs = {p: norm_rel(g.astype(np.float64), want[p], floor) for p, g in zip(params, outs[3:])}
-        worst = max(errs, key=errs.get)
-        assert errs[worst] <= GRAD_RTOL, (variant, worst, errs[worst])
+        _assert_gradients_match(dict(zip(params, outs[3:])), want, variant)
+
+
+def _assert_gradients_match(got: dict, want: dict, variant: str) -> None:
+    """Norm-relative per parameter (floor 1e-3·‖all‖). An exactly zero gradient (a key bias: a
+    row's softmax ignores a shift of all its scores) is float32 round-off, held to a round-off
+    bound instead."""
+    norm = float(np.linalg.norm(np.concatenate([want[p].ravel() for p in got])))
+    got = {p: g.astype(np.float64) for p, g in got.items()}
+    zero = zero_grad_mask({p: want[p] for p in got})
+    round_off = max((float(np.max(np.abs(got[p][z]))) for p, z in zero.items() if z.any()), default=0.0)
+    assert round_off <= ZERO_GRAD_ATOL * norm, (variant, round_off / norm)
+    errs = {p: norm_rel(got[p][~zero[p]], want[p][~zero[p]], 1e-3 * norm) for p in got}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= GRAD_RTOL, (variant, worst, errs[worst])
 
 
 def test_wide_vocabulary_fuses_the_head_by_default(tmp_path):
@@ -126,7 +139,4 @@ def test_wide_vocabulary_fuses_the_head_by_default(tmp_path):
         for got, ref in zip(outs[:3], (total, ce, ntl)):
             assert abs(float(got) - ref) <= 1e-5 * abs(ref), (variant, outs[:3], (total, ce, ntl))
         assert set(params) == set(want), set(params) ^ set(want)
-        floor = 1e-3 * float(np.linalg.norm(np.concatenate([want[p].ravel() for p in params])))
-        errs = {p: norm_rel(g.astype(np.float64), want[p], floor) for p, g in zip(params, outs[3:])}
-        worst = max(errs, key=errs.get)
-        assert errs[worst] <= GRAD_RTOL, (variant, worst, errs[worst])
+        _assert_gradients_match(dict(zip(params, outs[3:])), want, variant)

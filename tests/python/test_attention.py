@@ -40,7 +40,7 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper, TensorProto
 
-from attention_helpers import EAGER, LAYERS, RTOL, grad_err, loss_err, param_err, traj_batches, zero_mask
+from attention_helpers import EAGER, LAYERS, RTOL, TRAJ_STEPS, grad_err, loss_err, param_err, traj_batches, zero_mask
 from conftest import MODELS, REPO, TOKENIZER, run_patch
 from hf_reference import HF_MODELS, hf_reference
 from ort_helpers import quiet_ort
@@ -277,6 +277,7 @@ def test_trajectories_equal_eager(model, block, build):
 
 # ---------------------------------------------------------------------------- 2. with the other passes
 
+STEP_LR = 1e-3  # `step --lr`'s default
 VARIANTS = {  # name: the extra options on both sides
     "recompute": ["--recompute", "layers"],
     "fused_head": HEADS["fused"],
@@ -350,8 +351,15 @@ def test_with_other_passes_trajectories_equal_eager(variant, model, build):
     its zero B. fp16: test_precision's criteria against the fp32 eager trajectory (the exact
     one here: its error is ~1e-7, fp16's ~1e-3): the chunked fp16 parameters at most 1.5× as
     far from it as the eager fp16 ones (as a fraction of the update), chunked vs eager at most
-    2×. Can fail: the chunked fp16 graph with `--lr 1.02e-3` (llama_dynamo) is 1.57× as far
-    (> 1.5×); with 1.05e-3 2.9× and 1.0e-3 off in the loss (> 2u)."""
+    2×. Can fail: the chunked fp16 graph with `--lr 1.02e-3` is 1.56× as far (> 1.5×) on both
+    models.
+
+    The elements whose exact gradient is zero (the key bias: a shift of a whole row of scores)
+    are measured apart: their gradient is round-off, which AdamW turns into steps of up to lr.
+    The blockwise backward's `δ = do·o` (flash attention's, and so torch's SDPA's) makes that
+    round-off float16's where the exported softmax's `Σ p∘dp` left float32's, so those elements
+    move by up to lr a step (gpt2_ts: 2.8e-3 in 3 steps, eager 1.2e-3) without changing any
+    score's softmax; they are held to that bound (with `--lr 1.02e-3`: 3.06e-3 > 3·lr)."""
     extra = VARIANTS[variant]
     batches = traj_batches(model)
     ep, _ = build(model, *EAGER, *extra, split=False)
@@ -372,11 +380,16 @@ def test_with_other_passes_trajectories_equal_eager(variant, model, build):
              for t in onnx.load(str(exact_path)).graph.initializer if t.name in exact}
     f64 = lambda d: {p: v.astype(np.float64) for p, v in d.items()}  # noqa: E731
     exact, pe, pc = f64(exact), f64(pe), f64(pc)
+    zero = zero_mask(model, pe)
+    moved = max((float(np.max(np.abs(pc[p] - start[p])[z])) for p, z in zero.items() if z.any()), default=0.0)
+    nonzero = lambda d: {p: v[~zero[p]] if p in zero else v for p, v in d.items()}  # noqa: E731
+    exact, pe, pc, start = nonzero(exact), nonzero(pe), nonzero(pc), nonzero(start)
     d_eager, d_chunk, d_both = dist(pe, exact, start), dist(pc, exact, start), dist(pc, pe, start)
     print(f"  fp16 parameters, fraction of the update: eager {d_eager:.3g}, chunked {d_chunk:.3g}, "
-          f"chunked vs eager {d_both:.3g}")
+          f"chunked vs eager {d_both:.3g}; zero-gradient elements moved {moved:.2e}")
     assert d_chunk <= 1.5 * d_eager, (d_chunk, d_eager)
     assert d_both <= 2 * d_eager, (d_both, d_eager)
+    assert moved <= TRAJ_STEPS * STEP_LR * 1.001, moved
 
 
 def _types(m: onnx.ModelProto) -> dict:

@@ -7,8 +7,8 @@
 //! `[.., C, Tk]` scores exist.
 //!
 //! Forward: `p = softmax(s)`, `o = p·v`. Backward: the same `p` again, `dv += pᵀ·do`,
-//! `dp = do·vᵀ`, `ds = p ∘ (dp − Σ p ∘ dp)` (through the masks' `Where`s and the scale),
-//! `dq = ds·k`, `dkt += qᵀ·ds`. A scalar scale multiplies the query once instead of every
+//! `ds = p ∘ (dp − δ)` with `dp = do·vᵀ` and `δ = Σ p ∘ dp = do·o` (`centred`: one product),
+//! through the masks' `Where`s and the scale, `dq = ds·k`, `dkt += qᵀ·ds`. A scalar scale multiplies the query once instead of every
 //! block's scores (and `dq` once after the blocks).
 //!
 //! Under `--precision` the products run in the half type (the scores, the softmax and the
@@ -19,6 +19,7 @@
 use ntl_ops::names::PREFIX;
 use ntl_ops::Builder;
 
+use super::centred;
 use super::key_range::{self, KeyCut, Keys};
 use super::node::{additive_mask, row_highs, Attn, TermKind, DOMAIN, FORWARD};
 use super::operands::{batch_shape, scale_op, swap_last_two};
@@ -546,6 +547,7 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let o = outer(b, &a, half, a.fused);
     let k = swap_last_two(b, &o.kt, a.kt_rank, "attention/k");
     let vt = swap_last_two(b, &o.v, a.v_rank, "attention/vt");
+    let widened = centred::widen(b, &vt, a.v_rank, half);
     let batch = batch_shape(b, &a);
     let dkt0 = accumulator(b, &batch, &a.kt, a.kt_rank);
     let dv0 = accumulator(b, &batch, &a.v, a.v_rank);
@@ -563,7 +565,8 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let bt = BlockTerms::of(b, &a, &o, &rows);
     let kt_b = bt.keys(b, &o.kt, a.kt_rank - 1);
     let k_b = bt.keys(b, &k, a.kt_rank - 2);
-    let vt_b = bt.keys(b, &vt, a.v_rank - 1);
+    let v_b = bt.keys(b, &o.v, a.v_rank - 2);
+    let vt_b = bt.keys(b, &widened.vt, a.v_rank - 1);
     let p = probabilities(b, &a, &bt, &q_b, &kt_b, half.is_some());
     let zero = b.scalar_f32("attention/zero_f", 0.0);
     let mut g_b = b.gather(&g_padded, &g_rows, r as i64 - 2, "attention/g_block");
@@ -585,13 +588,7 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let dv_b = to_float(b, dv_b);
     let dv_b = bt.padded(b, dv_b, r, r - 2);
     let dv_out = b.binary("Add", &dv_in, &dv_b, "attention/dv_acc");
-    let dp = b.binary("MatMul", &g_c, &vt_b, "attention/dp");
-    let dp = to_float(b, dp);
-    // Σ p∘dp rather than flash attention's Σ do∘o: the rows of ds then sum to zero to rounding
-    // (a key bias's gradient is exactly zero), as the exported softmax's gradient does
-    let pdp = b.binary("Mul", &p, &dp, "attention/p_dp");
-    let delta = b.reduce_sum(&pdp, &[-1], true, "attention/delta");
-    let centred = b.binary("Sub", &dp, &delta, "attention/dp_centred");
+    let centred = centred::centred(b, &widened, &p_c, &v_b, &vt_b, &g_c, half);
     let mut ds = b.binary("Mul", &p, &centred, "attention/ds");
     for (t, x) in a.terms.iter().zip(&bt.terms).rev() {
         let cond = match t.kind {

@@ -1,10 +1,11 @@
 //! `--attention`: attention that never stores the `[.., T, T]` scores. The exported attention
 //! (`find`) becomes one internal node ([`node::FORWARD`]) before the graph is differentiated;
 //! its gradient is one internal node too, and [`lower::lower`] expands both into `Scan`s over
-//! blocks of query rows: the forward keeps only each row's log-sum-exp for the backward, which
-//! recomputes each block's probabilities from it (`exp(s − lse)`), as flash attention's
-//! backward does, in standard ONNX ops.
+//! blocks of query rows: nothing of the forward is kept for the backward but its inputs, and the
+//! backward recomputes each block's probabilities, as flash attention's backward does, in
+//! standard ONNX ops.
 
+mod centred;
 mod find;
 mod fused;
 mod key_range;
