@@ -3,8 +3,8 @@
 //! difference are three passes over the block's `[.., C, Tk]` scores (a product, a row sum, a
 //! difference), which on a GPU cost more than the products themselves. Here `δ = do·o` (each
 //! row's output, `o = p·v`, recomputed by one product over `[.., C, d]`), and the difference
-//! comes out of the product that makes `dp`: `[do, −δ, 0…]·[v, 1, 0…]ᵀ`, the values widened by
-//! a row of ones and the output's gradient by a column of `−δ` (both padded with zeros to a
+//! comes out of the product that makes `dp`: `[do, δ, 0…]·[v, −1, 0…]ᵀ`, the values widened by
+//! a row of −1 and the output's gradient by a column of `δ` (both padded with zeros to a
 //! multiple of 8 columns, the width tensor-core kernels take). Under `--precision` the product
 //! runs in the half type and rounds the difference once, where the written form rounds `dp`.
 
@@ -13,7 +13,7 @@ use ntl_ops::Builder;
 use crate::onnx::FLOAT;
 
 /// The values' `[.., d, Tk]` transpose with `w` rows after its `d` (`w = 8 − d mod 8`): the
-/// first ones, the rest zeros; and the `[w]` row `1, 0…` that widens a block's `−δ` alike.
+/// first −1, the rest zeros; and the `[w]` row `1, 0…` that widens a block's `δ` alike.
 pub struct Widened {
     pub vt: String,
     unit: String,
@@ -40,11 +40,17 @@ pub fn widen(b: &mut Builder, vt: &str, rank: usize, half: Option<i32>) -> Widen
         Some(h) => b.cast(&unit, h, "attention/unit_h"),
         None => unit,
     };
-    let column = b.unsqueeze(&unit, &[1], "attention/unit_column");
+    let minus = b.unary("Neg", &unit, "attention/minus_unit");
+    let column = b.unsqueeze(&minus, &[1], "attention/minus_unit_column");
     let batch = b.slice(&shape, 0, r - 2, 0, "attention/vt_batch");
     let keys = b.slice(&shape, r - 1, r, 0, "attention/vt_keys");
     let target = b.concat(&[&batch, &w, &keys], 0, "attention/widening_shape");
-    let rows = b.node("Expand", &[&column, &target], "attention/ones_row", vec![]);
+    let rows = b.node(
+        "Expand",
+        &[&column, &target],
+        "attention/minus_ones_row",
+        vec![],
+    );
     let vt = b.concat(&[vt, &rows], r - 2, "attention/vt_widened");
     Widened { vt, unit }
 }
@@ -71,12 +77,11 @@ pub fn centred(
     let g = to_float(b, g_c);
     let go = b.binary("Mul", &g, &o, "attention/g_out");
     let delta = b.reduce_sum(&go, &[-1], true, "attention/delta");
-    let minus = b.unary("Neg", &delta, "attention/minus_delta");
-    let minus = match half {
-        Some(h) => b.cast(&minus, h, "attention/minus_delta_h"),
-        None => minus,
+    let delta = match half {
+        Some(h) => b.cast(&delta, h, "attention/delta_h"),
+        None => delta,
     };
-    let columns = b.binary("Mul", &minus, &w.unit, "attention/delta_columns");
+    let columns = b.binary("Mul", &delta, &w.unit, "attention/delta_columns");
     let g_w = b.concat(&[g_c, &columns], -1, "attention/g_widened");
     let c = b.binary("MatMul", &g_w, vt_b, "attention/dp_centred");
     to_float(b, &c)

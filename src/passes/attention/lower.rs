@@ -51,6 +51,7 @@ pub fn lower(model: &mut ModelProto, half: Option<i32>) {
         .map(|n| n.output[0].clone())
         .collect();
     graph.value_info.retain(|v| !undeclared.contains(v.name()));
+    let index = GraphIndex::new(graph);
     // each attention node replaced by its lowering
     let mut replace = BTreeMap::new();
     for (i, node) in graph.node.iter().enumerate() {
@@ -67,7 +68,10 @@ pub fn lower(model: &mut ModelProto, half: Option<i32>) {
         match node.op_type() {
             FORWARD if Attn::of(&node).fused => super::fused::forward(&mut b, &node, half),
             FORWARD => forward(&mut b, &node, half),
-            _ => backward(&mut b, &node, half),
+            _ => {
+                let fills = minus_inf_fills(&index, &Attn::of(&node));
+                backward(&mut b, &node, half, &fills)
+            }
         }
         replace.insert(i, std::mem::take(&mut b.nodes));
     }
@@ -537,7 +541,23 @@ fn zero_row_after(b: &mut Builder, g: &str, rank: usize) -> String {
     b.concat(&[g, &row], r - 2, "attention/g_padded")
 }
 
-fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
+/// Per term of `a`: a `Where` that fills the scores with the constant −∞. Its filled scores'
+/// probabilities are exactly 0 (a row of −∞ at every key is unmasked, or NaN as exported), so
+/// `ds = p ∘ (dp − δ)` is 0 there without the `Where`'s gradient; a finite fill (`finfo.min`)
+/// spreads a row it fills at every key, whose `ds` the `Where` must zero.
+fn minus_inf_fills(index: &GraphIndex, a: &Attn) -> Vec<bool> {
+    a.terms
+        .iter()
+        .map(|t| {
+            matches!(t.kind, TermKind::Keep | TermKind::Fill)
+                && crate::ce::forms::constant_numbers(index, &t.inputs[1])
+                    .is_some_and(|v| !v.is_empty() && v.iter().all(|&x| x == f64::NEG_INFINITY))
+        })
+        .collect()
+}
+
+/// `minus_inf`: per term, whether it fills with −∞ (`minus_inf_fills`).
+fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>, minus_inf: &[bool]) {
     let a = Attn::of(node);
     let g_out = &node.input[a.forward_inputs()];
     let r = a.rank;
@@ -590,9 +610,10 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let dv_out = b.binary("Add", &dv_in, &dv_b, "attention/dv_acc");
     let centred = centred::centred(b, &widened, &p_c, &v_b, &vt_b, &g_c, half);
     let mut ds = b.binary("Mul", &p, &centred, "attention/ds");
-    for (t, x) in a.terms.iter().zip(&bt.terms).rev() {
+    for ((t, x), &inf) in a.terms.iter().zip(&bt.terms).zip(minus_inf).rev() {
         let cond = match t.kind {
             TermKind::Add | TermKind::Sub => continue,
+            _ if inf => continue,
             _ => &x[0],
         };
         ds = match t.kind {

@@ -93,7 +93,9 @@ pub struct Attn {
     /// The output's shape was declared by the pass, for the backward only: its symbols are the
     /// graph inputs' names, which a runtime given concrete shapes cannot unify (tract).
     pub declared_here: bool,
-    /// `--attention onnx`: the forward is the ONNX `Attention` operator (`fused`), not a `Scan`.
+    /// The forward is the ONNX `Attention` operator (`--attention onnx`'s, `fused`, or an
+    /// exported one), not a `Scan`: the graph is onnxruntime's, and the backward reads only the
+    /// keys the masks leave each block (`key_range`).
     pub fused: bool,
     /// The query, keys and values provably share their batch and head axes (`fused` needs no
     /// `Expand` to the scores' batch shape).

@@ -158,7 +158,9 @@ pub fn onnx_attention(
         rank: 4,
         block: ctx.attention_block,
         declared_here: false,
-        fused: false,
+        // the forward is the operator: onnxruntime runs the graph (tract cannot type the
+        // operator's output), so the backward reads only the keys the masks leave each block
+        fused: true,
         same_batch: false,
     };
     let full = backward(ctx, &a, &g);
