@@ -73,7 +73,7 @@ pub fn centred(
     };
     let o = b.binary("MatMul", p_c, v_b, "attention/out_again");
     let o = to_float(b, &o);
-    // the rounded gradient `dp` is made of, so that δ = Σ p∘dp to float32's rounding
+    // δ from the rounded gradient the product reads, as `dp` is made of it
     let g = to_float(b, g_c);
     let go = b.binary("Mul", &g, &o, "attention/g_out");
     let delta = b.reduce_sum(&go, &[-1], true, "attention/delta");
