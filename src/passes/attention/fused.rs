@@ -67,13 +67,12 @@ pub fn check(
         if !matches!(t.kind, TermKind::Keep | TermKind::Fill) {
             continue;
         }
-        let value = &t.inputs[1];
-        let fills = crate::ce::forms::constant_numbers(index, value);
-        match fills {
-            Some(v) if !v.is_empty() && v.iter().all(|&x| x <= MASKED_AT) => {}
+        match t.fill_values(index) {
+            Some(v) if v.iter().all(|&x| x <= MASKED_AT) => {}
             _ => {
                 return Err(format!(
-                    "a Where fills the scores with '{value}', not a constant of −∞ or at most −1e30 (the operator's mask adds to the scores)"
+                    "a Where fills the scores with '{}', not a constant of −∞ or at most −1e30 (the operator's mask adds to the scores)",
+                    t.inputs[1]
                 ))
             }
         }

@@ -550,9 +550,8 @@ fn minus_inf_fills(index: &GraphIndex, a: &Attn) -> Vec<bool> {
     a.terms
         .iter()
         .map(|t| {
-            matches!(t.kind, TermKind::Keep | TermKind::Fill)
-                && crate::ce::forms::constant_numbers(index, &t.inputs[1])
-                    .is_some_and(|v| !v.is_empty() && v.iter().all(|&x| x == f64::NEG_INFINITY))
+            t.fill_values(index)
+                .is_some_and(|v| v.iter().all(|&x| x == f64::NEG_INFINITY))
         })
         .collect()
 }

@@ -16,6 +16,7 @@
 
 use ntl_ops::Builder;
 
+use crate::graph::GraphIndex;
 use crate::onnx::{attr_i, attr_ints, int_attr, ints_attr, NodeProto};
 
 pub use crate::passes::fused_head::node::DOMAIN;
@@ -66,6 +67,17 @@ pub struct Term {
     pub inputs: Vec<String>,
     /// Each input's rank (rows are read along axis `rank − 2` where the rank is 2 or more).
     pub ranks: Vec<usize>,
+}
+
+impl Term {
+    /// The values a `Where` fills the scores with, where the graph holds them as a constant
+    /// (None for a bias, a computed value or an empty one).
+    pub fn fill_values(&self, index: &GraphIndex) -> Option<Vec<f64>> {
+        if !matches!(self.kind, TermKind::Keep | TermKind::Fill) {
+            return None;
+        }
+        crate::ce::forms::constant_numbers(index, &self.inputs[1]).filter(|v| !v.is_empty())
+    }
 }
 
 /// What both nodes share.
