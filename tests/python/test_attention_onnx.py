@@ -305,35 +305,45 @@ def test_where_masks(fill, tmp_path):
 
 
 def _blind_row(src: Path, row: int, seq: int, out: Path, fill: float = np.finfo(np.float32).min,
-               nan_guard: bool = False) -> Path:
-    """GPT-2 with query row `row` of each attention masked at every key by `fill` (the
-    attention mask taken elementwise down to a [T, 1] bias of `fill` at that row); with
-    `nan_guard`, each softmax's NaN rows zeroed after it as optimum's GPT-2 export has it,
-    `Where(IsNaN(p), 0, p)`."""
+               nan_guard: bool = False, by: str = "bias") -> Path:
+    """GPT-2 with query row `row` of each attention masked at every key by `fill`: `by="bias"`,
+    the attention mask taken elementwise down to a [T, 1] bias of `fill` at that row;
+    `by="where"`, a `Where(keep, s, fill)` after the mask's `Add` (`keep`: a [T, 1] constant,
+    false at that row), as exports that mask by `torch.where` write it. With `nan_guard`, each
+    softmax's NaN rows zeroed after it as optimum's GPT-2 export has it, `Where(IsNaN(p), 0, p)`."""
     m = onnx.load(str(src))
-    bias = np.zeros((seq, 1), np.float32)
-    bias[row] = fill
+    keep = np.ones((seq, 1), bool)
+    keep[row] = False
+    const = lambda name, value: onnx.helper.make_node(  # noqa: E731
+        "Constant", [], [name], value=numpy_helper.from_array(value))
     # Constants, not initializers: the step would train an initializer
-    nodes = [onnx.helper.make_node("Constant", [], ["blind_row_bias"], value=numpy_helper.from_array(bias)),
-             onnx.helper.make_node("Constant", [], ["nan_fill"], value=numpy_helper.from_array(np.zeros(1, np.float32)))]
-    blinded: dict = {}
-    guarded = 0
+    nodes = [const("nan_fill", np.zeros(1, np.float32))]
+    nodes += ([const("blind_row_bias", np.where(keep, 0, fill).astype(np.float32))] if by == "bias"
+              else [const("keep_rows", keep), const("row_fill", np.array(fill, np.float32))])
+    blinded: dict = {}  # by="bias": the mask → its blinded copy
+    renamed: dict = {}  # a tensor → what its later readers read instead
+    masked, guarded = 0, 0
     for n in m.graph.node:
-        if n.op_type == "Add" and n.name.endswith("/attn/Add"):
-            if n.input[1] not in blinded:
-                blinded[n.input[1]] = n.input[1] + "_blind"
-                nodes.append(onnx.helper.make_node("Min", [n.input[1], "blind_row_bias"], [blinded[n.input[1]]]))
-            n.input[1] = blinded[n.input[1]]
+        n.input[:] = [renamed.get(i, i) for i in n.input]
+        attention_add = n.op_type == "Add" and n.name.endswith("/attn/Add")
+        if attention_add and by == "bias":
+            mask = n.input[1]
+            if mask not in blinded:
+                blinded[mask] = mask + "_blind"
+                nodes.append(onnx.helper.make_node("Min", [mask, "blind_row_bias"], [blinded[mask]]))
+            n.input[1] = blinded[mask]
         nodes.append(n)
+        if attention_add and by == "where":
+            renamed[n.output[0]] = n.output[0] + "_filled"
+            nodes.append(onnx.helper.make_node("Where", ["keep_rows", n.output[0], "row_fill"], [renamed[n.output[0]]]))
+        masked += attention_add
         if nan_guard and n.op_type == "Softmax":
-            p, kept = n.output[0], n.output[0] + "_kept"
-            for reader in m.graph.node:
-                reader.input[:] = [kept if i == p else i for i in reader.input]
+            p = n.output[0]
+            renamed[p] = p + "_kept"
             nodes += [onnx.helper.make_node("IsNaN", [p], [p + "_nan"]),
-                      onnx.helper.make_node("Where", [p + "_nan", "nan_fill", p], [kept])]
+                      onnx.helper.make_node("Where", [p + "_nan", "nan_fill", p], [renamed[p]])]
             guarded += 1
-    assert len(blinded) >= 1 and len(nodes) == len(m.graph.node) + 2 + len(blinded) + 2 * guarded
-    assert guarded == (LAYERS if nan_guard else 0)
+    assert masked == LAYERS and guarded == (LAYERS if nan_guard else 0), (masked, guarded)
     del m.graph.node[:]
     m.graph.node.extend(nodes)
     onnx.save(m, str(out))
@@ -390,38 +400,6 @@ def test_a_row_with_every_key_masked_by_minus_infinity_has_no_gradient(tmp_path)
     assert all(np.isfinite(g).all() for g in ge.values()), "the guarded eager graph's gradients"
     _gradients_equal(eager, out, [(x, y)], tmp_path, "row of -inf")
 
-
-def _where_blind_row(src: Path, row: int, seq: int, out: Path, fill: float, nan_guard: bool = False) -> Path:
-    """GPT-2 with query row `row` of each attention filled at every key by a `Where` after the
-    mask's `Add`, `Where(keep, s, fill)` (`keep`: a [T, 1] constant, false at that row), as
-    exports that mask by `torch.where` write it; with `nan_guard`, each softmax's NaN rows
-    zeroed after it (`Where(IsNaN(p), 0, p)`)."""
-    m = onnx.load(str(src))
-    keep = np.ones((seq, 1), bool)
-    keep[row] = False
-    nodes = [onnx.helper.make_node("Constant", [], ["keep_rows"], value=numpy_helper.from_array(keep)),
-             onnx.helper.make_node("Constant", [], ["row_fill"], value=numpy_helper.from_array(np.array(fill, np.float32))),
-             onnx.helper.make_node("Constant", [], ["nan_fill"], value=numpy_helper.from_array(np.zeros(1, np.float32)))]
-    renamed: dict = {}
-    for n in m.graph.node:
-        n.input[:] = [renamed.get(i, i) for i in n.input]
-        nodes.append(n)
-        if n.op_type == "Add" and n.name.endswith("/attn/Add"):
-            filled = n.output[0] + "_filled"
-            nodes.append(onnx.helper.make_node("Where", ["keep_rows", n.output[0], "row_fill"], [filled]))
-            renamed[n.output[0]] = filled
-        if nan_guard and n.op_type == "Softmax":
-            p = n.output[0]
-            nodes += [onnx.helper.make_node("IsNaN", [p], [p + "_nan"]),
-                      onnx.helper.make_node("Where", [p + "_nan", "nan_fill", p], [p + "_kept"])]
-            renamed[p] = p + "_kept"
-    assert len(renamed) == LAYERS * (2 if nan_guard else 1), renamed
-    del m.graph.node[:]
-    m.graph.node.extend(nodes)
-    onnx.save(m, str(out))
-    return out
-
-
 @pytest.mark.parametrize("mode", [CHUNKED, ONNX], ids=["chunked", "onnx"])
 @pytest.mark.parametrize("fill", ["finfo_min", "minus_inf"])
 def test_a_row_a_where_fills_at_every_key_has_the_exports_gradient(fill, mode, tmp_path):
@@ -437,8 +415,8 @@ def test_a_row_a_where_fills_at_every_key_has_the_exports_gradient(fill, mode, t
     row = 2
     assert (y[:, row] != -100).all(), "the filled row carries a label in each sequence"
     value, guard = (np.finfo(np.float32).min, False) if fill == "finfo_min" else (-np.inf, True)
-    src = _where_blind_row(_opset_23("gpt2_ts", tmp_path / "gpt2.onnx"), row, x.shape[1],
-                           tmp_path / "filled.onnx", value, nan_guard=guard)
+    src = _blind_row(_opset_23("gpt2_ts", tmp_path / "gpt2.onnx"), row, x.shape[1], tmp_path / "filled.onnx",
+                     value, nan_guard=guard, by="where")
     out, eager = tmp_path / "o.grad.onnx", tmp_path / "e.grad.onnx"
     s = run_step(src, out, "--split", *mode, "--attention-block", "3")
     run_step(src, eager, "--split", *EAGER)
