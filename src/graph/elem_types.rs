@@ -1,6 +1,7 @@
 //! Element types followed forward through a graph, by one walk and two rule sets:
 //! - [`ElemTypes`], the passes' rule: declared where the graph says so, set by `Cast` and the
-//!   comparison/shape ops, otherwise the type of the first typed input (first outputs only).
+//!   comparison/shape ops, otherwise the type of the first typed input that the op's schema binds
+//!   to the output's type parameter (a `Reshape` is its data's type, never its shape's).
 //!   Rules use it to write a plain `Cast` where `CastLike` would otherwise be needed (MIGraphX
 //!   takes no `CastLike`).
 //! - [`TypeNames`], the op schemas' rule, exact for every output and for sequences and optionals
@@ -99,7 +100,11 @@ impl ElemTypes {
     pub fn follow(&mut self, nodes: &[NodeProto]) {
         // one pass: the nodes are in order
         follow_nodes(&mut self.0, nodes, 1, |node, k, types| {
-            (k == 0).then(|| first_output_type(node, types)).flatten()
+            if k == 0 {
+                first_output_type(node, types)
+            } else {
+                type_of_bound_inputs(node, k, types)
+            }
         });
     }
 
@@ -130,13 +135,32 @@ fn first_output_type(node: &NodeProto, types: &HashMap<String, i32>) -> Option<i
         "QuantizeLinear" => Some(input_type(2).unwrap_or(UINT8)),
         "MatMulInteger" | "ConvInteger" => Some(INT32),
         "ConstantOfShape" => Some(constant_of_shape_type(node)),
-        // the first typed input
-        _ => node
-            .input
-            .iter()
-            .filter(|i| !i.is_empty())
-            .find_map(|i| types.get(i).copied()),
+        _ => type_of_bound_inputs(node, 0, types),
     }
+}
+
+/// Output `k`'s type as the first typed input bound to its type parameter: `Unsqueeze(x, axes)`
+/// is `x`'s type or unknown, never the int64 of `axes` (a `Split`'s second output is untyped
+/// to a walk that types first outputs only, and then its `Unsqueeze` was typed int64). The
+/// op's latest schema: the type parameters of these ops have only grown. An op without a
+/// schema (another domain): its first typed input, for the first output only.
+fn type_of_bound_inputs(node: &NodeProto, k: usize, types: &HashMap<String, i32>) -> Option<i32> {
+    let typed = |i: &String| (!i.is_empty()).then(|| types.get(i).copied()).flatten();
+    let Some(schema) = ntl_ops::schema::schemas().schema(node.domain(), node.op_type(), i64::MAX)
+    else {
+        return (k == 0)
+            .then(|| node.input.iter().find_map(typed))
+            .flatten();
+    };
+    let param = schema
+        .outputs
+        .get(k)
+        .or_else(|| schema.outputs.last().filter(|p| p.variadic))?;
+    node.input
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| schema.input_param(i).as_deref() == Some(param.type_str.as_str()))
+        .find_map(|(_, input)| typed(input))
 }
 
 /// The ONNX name of a tensor element type (`float`, `int64`, ...).
@@ -360,8 +384,8 @@ mod tests {
 
     #[test]
     fn the_two_rule_sets_differ_where_the_schemas_say_more() {
-        // TopK's second output is int64 by its schema; the passes' rule types first outputs
-        // only. The Neg is listed before the node that makes its input: the schemas' walk types
+        // TopK's second output is int64 by its schema; the passes' rule types only outputs
+        // whose type an input binds. The Neg is listed before the node that makes its input: the schemas' walk types
         // it on its second pass, the passes' one-pass walk (nodes in order) not at all. Cast's
         // type is its attribute's in both.
         let mut cast = node("Cast", &["x_abs"], &["y"]);
@@ -387,5 +411,38 @@ mod tests {
         assert_eq!(types.get("indices"), None);
         assert_eq!(types.get("y"), Some(INT32));
         assert_eq!(types.get("z"), None);
+    }
+
+    #[test]
+    fn a_shape_or_index_input_never_types_a_data_output() {
+        // The data of each op is the second output of a Split, typed by its schema (the input's
+        // float); the Unsqueeze of an untyped tensor stays untyped, not the int64 of its axes
+        // (CodeGen's rotary sin, whose Cast then had an int64 gradient).
+        let mut split = node("Split", &["x", "parts"], &["a", "b"]);
+        split.attribute.push(int_attr("axis", 0));
+        let graph = GraphProto {
+            input: vec![
+                scalar_value_info("x", FLOAT),
+                scalar_value_info("axes", INT64),
+                scalar_value_info("parts", INT64),
+            ],
+            node: vec![
+                split,
+                node("Unsqueeze", &["b", "axes"], &["b1"]),
+                node("Unsqueeze", &["unknown", "axes"], &["u"]),
+                node("Reshape", &["unknown", "axes"], &["r"]),
+                node("Gather", &["unknown", "axes"], &["g"]),
+                node("Add", &["unknown", "x"], &["sum"]),
+            ],
+            ..Default::default()
+        };
+        let types = ElemTypes::infer(&graph);
+        assert_eq!(types.get("b"), Some(FLOAT));
+        assert_eq!(types.get("b1"), Some(FLOAT));
+        for data in ["u", "r", "g"] {
+            assert_eq!(types.get(data), None, "{data}");
+        }
+        // both of Add's inputs bind its output's type
+        assert_eq!(types.get("sum"), Some(FLOAT));
     }
 }
