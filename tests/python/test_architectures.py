@@ -52,6 +52,34 @@ def test_a_head_size_off_a_multiple_of_8_matches_torch(exporter, tmp_path, monke
     _gradients_match_torch("qwen2_head12", exporter, "eager", tmp_path)
 
 
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_soft_capped_attention_matches_torch(exporter, tmp_path, monkeypatch):
+    """Gemma 2: its scores are soft-capped, `50·tanh(s / 50)` between the scale and the mask,
+    which the blockwise attention applies per block (and `1 − t²` in its backward). Its logits
+    are soft-capped too, which the fused head does not take (`--fused-head on` is refused with
+    the reason; `auto` keeps the logits). Can fail: without the `1 − t²` the keys' gradients
+    are 8.1e-4 apart."""
+    monkeypatch.setitem(ARCHS, "gemma2", ("Gemma2Config", "Gemma2ForCausalLM",
+                                          dict(ARCHS["gemma3"][2], attn_logit_softcapping=50.0,
+                                               final_logit_softcapping=30.0), True))
+    _gradients_match_torch("gemma2", exporter, "eager", tmp_path,
+                           variants={k: v for k, v in VARIANTS.items() if k != "fused"})
+    r = run_patch(["step", tmp_path / "m.onnx", "--tokenizer", TOKENIZER, "--fused-head", "on",
+                   "-o", tmp_path / "fused.onnx"])
+    assert r.returncode == 1 and "cannot be fused" in r.stderr and "soft-cap" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_rotary_split_in_two_matches_torch(exporter, tmp_path, monkeypatch):
+    """CodeGen: its rotary sin and cos are the two outputs of one `Split`. Can fail (TorchScript's
+    export): the element types the passes follow typed the second output's `Unsqueeze` as its
+    int64 axes, and the gradient of the attention's float32 `Cast` was cast to int64
+    (onnxruntime refused the graph)."""
+    monkeypatch.setitem(ARCHS, "codegen", ("CodeGenConfig", "CodeGenForCausalLM",
+                                           dict(ARCHS["gptj"][2]), True))
+    _gradients_match_torch("codegen", exporter, "eager", tmp_path)
+
+
 # the TorchScript exporter cannot write SDPA with grouped keys (`enable_gqa`): Qwen2 by dynamo only
 SDPA_CASES = [(a, e) for a in ("qwen2", "gpt_neox", "opt") for e in ("torchscript", "dynamo")
               if (a, e) != ("qwen2", "torchscript")]
@@ -76,13 +104,13 @@ def test_sdpa_exports_match_torch(arch, exporter, tmp_path):
         onnx.shape_inference.infer_shapes(m, check_type=True, strict_mode=True)
 
 
-def _gradients_match_torch(arch, exporter, attn, tmp_path):
+def _gradients_match_torch(arch, exporter, attn, tmp_path, variants=VARIANTS):
     model, base = build(arch, attn=attn)
     src = tmp_path / "m.onnx"
     export(model, exporter, src)
     ids, labels = batch()
     total, ce, ntl, want = reference(model, base, ARCHS[arch][3], ids, labels)
-    for variant, flags in VARIANTS.items():
+    for variant, flags in variants.items():
         out = tmp_path / f"m.{variant}.grad.onnx"
         r = run_patch(["step", src, "--tokenizer", TOKENIZER, "--weight", str(WEIGHT), "--split", "-o", out,
                        "--json", *flags])

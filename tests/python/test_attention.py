@@ -620,14 +620,30 @@ def _gpt2_probabilities_as_output(path: Path) -> str:
     return sm.name
 
 
-@pytest.mark.parametrize("variant", ["softmax_over_queries", "probabilities_returned"])
+def _gpt2_tanh_before_softmax(path: Path) -> str:
+    """gpt2_ts with layer 0's masked scores through a `Tanh` before its Softmax: no soft-cap
+    (`s / c`, `Tanh`, `× c`), and after the mask."""
+    m = onnx.load(str(MODELS / "gpt2_ts.onnx"))
+    at, sm = next((i, n) for i, n in enumerate(m.graph.node) if n.op_type == "Softmax")
+    m.graph.node.insert(at, helper.make_node("Tanh", [sm.input[0]], ["tanh_scores"], name="tanh_scores"))
+    sm.input[0] = "tanh_scores"
+    onnx.save(m, str(path))
+    return sm.name
+
+
+UNRECOGNISED = {"softmax_over_queries": _gpt2_softmax_over_queries,
+                "probabilities_returned": _gpt2_probabilities_as_output,
+                "tanh_not_a_softcap": _gpt2_tanh_before_softmax}
+
+
+@pytest.mark.parametrize("variant", list(UNRECOGNISED))
 def test_unrecognised_attention(variant, tmp_path):
     """`auto` leaves the attention it cannot rewrite as exported and says why (the other layer
     is replaced; the gradients still equal eager's); `chunked` refuses in one line naming the
     node, exit 1, nothing written. Can fail: with the unmodified gpt2_ts in its place, auto
     replaces 2 and chunked succeeds."""
     src = tmp_path / "odd.onnx"
-    name = (_gpt2_softmax_over_queries if variant == "softmax_over_queries" else _gpt2_probabilities_as_output)(src)
+    name = UNRECOGNISED[variant](src)
     eager = run_step(src, tmp_path / "e.grad.onnx", "--split", *EAGER)
     assert eager["attention"]["replaced"] == 0
     s = run_step(src, tmp_path / "a.grad.onnx", "--split", "--attention", "auto", "--attention-block", "3")

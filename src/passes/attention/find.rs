@@ -1,7 +1,8 @@
 //! Finding attention in an exported forward graph: `MatMul(q, kt)`, then identity casts, at
-//! most one scale (`Mul`, or `Div` by it) and any number of masks (`Add` of a bias, `Where` with a
-//! fill value) in the graph's order, a `Softmax` over the last axis, identity casts or
-//! inference-mode `Dropout`s, and `MatMul(p, v)`. That covers the exporters' spellings: eager
+//! most one scale (`Mul`, or `Div` by it), at most one soft-cap (`÷ c`, `Tanh`, `× c`: Gemma
+//! 2's) and any number of masks (`Add` of a bias, `Where` with a fill value) in the graph's
+//! order, a `Softmax` over the last axis, identity casts or inference-mode `Dropout`s, and
+//! `MatMul(p, v)`. That covers the exporters' spellings: eager
 //! and SDPA attention of both torch exporters (the scale on the scores, or split over q and k —
 //! then it belongs to q and kt), GQA's repeated keys (they arrive as `kt`), GPT-2's `Where` on a
 //! causal buffer, padding masks, bidirectional encoders (no mask at all).
@@ -14,7 +15,7 @@ use crate::graph::GraphIndex;
 use crate::onnx::{attr_i, NodeProto};
 use ntl_ops::names::PREFIX;
 
-use super::node::{Attn, Term, TermKind};
+use super::node::{Attn, Softcap, Term, TermKind};
 
 /// One recognised attention.
 pub struct Site {
@@ -123,7 +124,7 @@ impl Finder<'_, '_> {
             return Err("the scores are not computed by a MatMul within a few steps".into());
         }
         let positions: &[usize] = match node.op_type() {
-            "Cast" | "Identity" => &[0],
+            "Cast" | "Identity" | "Tanh" => &[0],
             // seen through to tell attention from other softmaxes, not rewritten
             op if LAYOUT.contains(&op) && !strict => &[0],
             "Add" | "Mul" => &[0, 1],
@@ -222,15 +223,34 @@ impl Finder<'_, '_> {
         }
         // the scores' steps, in the graph's order
         let mut scale: Option<(String, bool, usize)> = None;
+        let mut softcap: Option<Softcap> = None;
         let mut terms: Vec<Term> = Vec::new();
-        for &(at, p) in &path[1..] {
+        let mut steps = path[1..].iter().peekable();
+        while let Some(&(at, p)) = steps.next() {
             let node = &graph[at];
             let other = |k: usize| node.input[k].clone();
+            let tanh_next = steps
+                .peek()
+                .is_some_and(|&&(next, _)| graph[next].op_type() == "Tanh");
             match node.op_type() {
                 "Cast" | "Identity" => self.identity_cast(node)?,
+                "Mul" | "Div" if tanh_next => {
+                    if softcap.is_some() || !terms.is_empty() {
+                        return Err("a second soft-cap, or a soft-cap after a mask".into());
+                    }
+                    let (_, tanh) = steps.next().copied().expect("peeked");
+                    let out = steps.next().map(|&(at, p)| (&graph[at], p));
+                    softcap = Some(self.softcap(node, p, &graph[tanh], out)?);
+                }
+                "Tanh" => {
+                    return Err(
+                        "the scores pass through a Tanh that is not a soft-cap (÷ c, Tanh, × c)"
+                            .into(),
+                    )
+                }
                 "Mul" | "Div" => {
-                    if scale.is_some() || !terms.is_empty() {
-                        return Err("a second scale, or a scale after a mask".into());
+                    if scale.is_some() || softcap.is_some() || !terms.is_empty() {
+                        return Err("a second scale, or a scale after a soft-cap or a mask".into());
                     }
                     let s = other(1 - p);
                     let r = self.shaping(&s, rank)?;
@@ -318,6 +338,7 @@ impl Finder<'_, '_> {
                 v: v.clone(),
                 scale,
                 scale_divides,
+                softcap,
                 nan_to_zero,
                 terms,
                 q_rank,
@@ -330,6 +351,38 @@ impl Finder<'_, '_> {
                 fused: false,
                 same_batch: false,
             },
+        })
+    }
+
+    /// `into = s (÷ or ×) c`, `t = Tanh(into)`, `out = t (× or ÷) c'` with constant scalars `c`
+    /// and `c'` (`out` is None where the scores end at the `Tanh`).
+    fn softcap(
+        &self,
+        into: &NodeProto,
+        p: usize,
+        tanh: &NodeProto,
+        out: Option<(&NodeProto, usize)>,
+    ) -> Result<Softcap, String> {
+        let not_a_cap = || {
+            format!(
+                "the scores pass through Tanh node '{}', not as a soft-cap c·tanh(s / c) with a constant c",
+                tanh.name()
+            )
+        };
+        let constant = |node: &NodeProto, p: usize| -> Result<f32, String> {
+            match crate::ce::forms::constant_numbers(self.index, &node.input[1 - p]).as_deref() {
+                Some(&[c]) if c.is_finite() && c != 0.0 => Ok(c as f32),
+                _ => Err(not_a_cap()),
+            }
+        };
+        let Some((out, out_p)) = out.filter(|(n, _)| matches!(n.op_type(), "Mul" | "Div")) else {
+            return Err(not_a_cap());
+        };
+        Ok(Softcap {
+            into: constant(into, p)?,
+            into_divides: into.op_type() == "Div",
+            out: constant(out, out_p)?,
+            out_divides: out.op_type() == "Div",
         })
     }
 

@@ -52,6 +52,10 @@ pub fn check(
             }
         }
     }
+    if a.softcap.is_some() {
+        // the operator has `softcap`, but onnxruntime-gpu's kernel refuses it on every path
+        return Err("the scores are soft-capped (onnxruntime's CUDA Attention kernel does not implement the operator's softcap)".into());
+    }
     if !a.scale.is_empty() && a.scale_rank != 0 {
         return Err(format!(
             "the scores' scale '{}' has axes (the operator's scale is one number)",

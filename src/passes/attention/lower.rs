@@ -8,7 +8,7 @@
 //!
 //! Forward: `p = softmax(s)`, `o = p·v`. Backward: the same `p` again, `dv += pᵀ·do`,
 //! `ds = p ∘ (dp − δ)` with `dp = do·vᵀ` and `δ = Σ p ∘ dp = do·o` (`centred`: one product),
-//! through the masks' `Where`s (none for a fill of −∞) and the scale, `dq = ds·k`,
+//! through the masks' `Where`s (none for a fill of −∞), the soft-cap (`1 − t²`) and the scale, `dq = ds·k`,
 //! `dkt += qᵀ·ds`. A scalar scale multiplies the query once instead of every block's scores
 //! (and `dq` once after the blocks).
 //!
@@ -424,7 +424,8 @@ fn unmasked_rows(b: &mut Builder, kind: TermKind, x: &str, inf: &str) -> String 
 }
 
 /// The block's probabilities (float32) from its query rows `q_b` and keys `kt_b`: the scores
-/// `q_b·kt_b`, scaled and masked as the export did, through the softmax.
+/// `q_b·kt_b`, scaled, soft-capped and masked as the export did, through the softmax. Also the
+/// soft-cap's `tanh`, where there is one.
 fn probabilities(
     b: &mut Builder,
     a: &Attn,
@@ -432,13 +433,18 @@ fn probabilities(
     q_b: &str,
     kt_b: &str,
     half: bool,
-) -> String {
+) -> (String, Option<String>) {
     let mut s = b.binary("MatMul", q_b, kt_b, "attention/scores");
     if half {
         s = b.cast(&s, FLOAT, "attention/scores_f");
     }
     if let Some(sc) = &bt.scale {
         s = b.binary(scale_op(a), &s, sc, "attention/scaled");
+    }
+    let mut tanh = None;
+    if let Some(cap) = &a.softcap {
+        let (capped, t) = cap.apply(b, &s);
+        (s, tanh) = (capped, Some(t));
     }
     for (t, x) in a.terms.iter().zip(&bt.terms) {
         s = match t.kind {
@@ -451,11 +457,11 @@ fn probabilities(
     let p = b.softmax(&s, -1, "attention/probs");
     // rows of −∞ found from the masks are unmasked: their output is zeroed instead
     if !a.nan_to_zero || bt.minus_inf_rows.is_some() {
-        return p;
+        return (p, tanh);
     }
     let nan = b.unary("IsNaN", &p, "attention/probs_nan");
     let zero = b.scalar_f32("attention/probs_zero", 0.0);
-    b.where_(&nan, &zero, &p, "attention/probs_kept")
+    (b.where_(&nan, &zero, &p, "attention/probs_kept"), tanh)
 }
 
 /// `x` (`[.., C, n]` per block, stacked as `[S, .., C, n]`) back to `[.., Tq, n]` in `out`.
@@ -498,7 +504,7 @@ fn forward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     inputs.cast_in_body(b);
     let q_b = b.gather(&o.q, &rows.q, a.q_rank as i64 - 2, "attention/q_block");
     let bt = BlockTerms::of(b, &a, &o, &rows);
-    let p = probabilities(b, &a, &bt, &q_b, &o.kt, half.is_some());
+    let (p, _) = probabilities(b, &a, &bt, &q_b, &o.kt, half.is_some());
     let p = match half {
         Some(h) => b.cast(&p, h, "attention/probs_h"),
         None => p,
@@ -587,7 +593,7 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>, minus_inf: &[b
     let k_b = bt.keys(b, &k, a.kt_rank - 2);
     let v_b = bt.keys(b, &o.v, a.v_rank - 2);
     let vt_b = bt.keys(b, &widened.vt, a.v_rank - 1);
-    let p = probabilities(b, &a, &bt, &q_b, &kt_b, half.is_some());
+    let (p, tanh) = probabilities(b, &a, &bt, &q_b, &kt_b, half.is_some());
     let zero = b.scalar_f32("attention/zero_f", 0.0);
     let mut g_b = b.gather(&g_padded, &g_rows, r as i64 - 2, "attention/g_block");
     if let Some(inf) = &bt.minus_inf_rows {
@@ -620,6 +626,9 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>, minus_inf: &[b
             TermKind::Keep => b.where_(cond, &ds, &zero, "attention/ds_kept"),
             _ => b.where_(cond, &zero, &ds, "attention/ds_kept"),
         };
+    }
+    if let (Some(cap), Some(t)) = (&a.softcap, &tanh) {
+        ds = cap.gradient(b, &ds, t);
     }
     if let Some(sc) = &bt.scale {
         ds = b.binary(scale_op(&a), &ds, sc, "attention/ds_scaled");

@@ -149,6 +149,7 @@ pub fn onnx_attention(
         v: v_rep.clone(),
         scale,
         scale_divides: false,
+        softcap: None,
         terms,
         nan_to_zero: true,
         q_rank: 4,
