@@ -70,7 +70,27 @@ ACTIVATIONS = {
     "tile": (lambda z: 1e-3 * (z.repeat(1, 2, 3).pow(2) * torch.linspace(0, 1, 144)).mean(), "Tile"),
     "einsum_ellipsis": (lambda z: 1e-3 * torch.einsum("...v,...v->...", z, z).mean(), "Einsum"),
     "einsum_summed": (lambda z: 1e-3 * torch.einsum("btv,v->b", z.tanh(), z[0, 0]).mean(), "Einsum"),
+    # selections and scatters (a MoE layer's router and its index_add_): the data's gradient is 0
+    # where an update overwrote it, the updates' is gathered back, the top values' scattered
+    "scatter": (lambda z: 1e-2 * (z.scatter(2, _picks(z), z[..., :4].tanh()).pow(2) * _ramp(z)).mean(),
+                "ScatterElements", ("torchscript",)),  # torch 2.7's dynamo exporter cannot write it
+    "scatter_add": (lambda z: 1e-2 * (z.scatter_add(2, _picks(z), z[..., :4].tanh()).pow(2) * _ramp(z)).mean(),
+                    "ScatterElements"),
+    "index_put": (lambda z: 1e-2 * (z.index_put((torch.tensor([1]),), z[:1].tanh()).pow(2) * _ramp(z)).mean(),
+                  "ScatterND", ("torchscript",)),
+    "top_k": (lambda z: 1e-2 * torch.topk(z, 3, -1).values.pow(2).mean(), "TopK"),
 }
+
+
+def _picks(z):
+    """Distinct classes per position (a scatter without reduction writes each once)."""
+    return torch.tensor([3, 17, 5, 40]).expand(*z.shape[:2], 4)
+
+
+def _ramp(z):
+    """Weights that tell the classes apart (a plain mean would make overwritten and written
+    positions look alike)."""
+    return torch.linspace(0.5, 1.5, z.shape[-1])
 
 
 def _aux_loss(aux):

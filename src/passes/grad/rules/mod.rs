@@ -99,6 +99,7 @@ pub fn rule(op: &str) -> Option<Rule> {
         "ReduceSum" | "ReduceMean" | "ReduceSumSquare" | "ReduceL1" | "ReduceL2"
         | "ReduceLogSumExp" | "ReduceMax" | "ReduceMin" => r(first, reduce::reduce),
         "CumSum" => r(first, reduce::cumsum),
+        "TopK" => r(first, reduce::top_k),
         "GlobalAveragePool" => r(first, reduce::global_average_pool),
         "Reshape" | "Squeeze" | "Unsqueeze" | "Flatten" => r(first, shape::reshape),
         "Transpose" => r(first, shape::transpose),
@@ -109,6 +110,7 @@ pub fn rule(op: &str) -> Option<Rule> {
         "Split" => r(first, shape::split),
         "Gather" | "GatherElements" => r(first, shape::gather),
         "GatherND" => r(first, shape::gather_nd),
+        "ScatterElements" | "ScatterND" => r(|_| vec![0, 2], shape::scatter),
         "Pad" => r(first, shape::pad),
         crate::passes::fused_head::node::FORWARD => r(fused::inputs, fused::fused_head),
         crate::passes::attention::node::FORWARD => r(attention::inputs, attention::attention),

@@ -162,3 +162,24 @@ pub fn global_average_pool(
     let gx = ctx.op("Div", &[&spread, &n], "grad/gap");
     like(ctx, gx, x)
 }
+
+/// TopK (a MoE router's choice of experts): the values' gradient goes back to the positions
+/// they were taken from, zeros elsewhere (the indices of one row are distinct: no reduction).
+pub fn top_k(
+    ctx: &mut Ctx,
+    node: &NodeProto,
+    gy: &[Option<String>],
+    _: &[bool],
+) -> Result<Grads, Error> {
+    let g = g0(node, gy)?;
+    let x = node.input[0].as_str();
+    let zeros = ctx.zeros_like(x);
+    let axis = attr_i(node, "axis").unwrap_or(-1);
+    let gx = ctx.b.node(
+        "ScatterElements",
+        &[&zeros, &node.output[1], g],
+        "grad/top_k",
+        vec![int_attr("axis", axis)],
+    );
+    like(ctx, gx, x)
+}

@@ -227,6 +227,64 @@ pub fn split(
     like(ctx, gx, &node.input[0])
 }
 
+/// ScatterElements / ScatterND (a MoE layer's `index_add_` into zeros, as Mixtral's TorchScript
+/// export writes it): each update's gradient is the output's where it was written
+/// (GatherElements / GatherND); the data's is the output's, but 0 where an update overwrote it
+/// (reduction `none`; with `add` the data passes through). `mul`, `max` and `min` have no rule.
+pub fn scatter(
+    ctx: &mut Ctx,
+    node: &NodeProto,
+    gy: &[Option<String>],
+    wants: &[bool],
+) -> Result<Grads, Error> {
+    let g = g0(node, gy)?.to_string();
+    let (data, idx, updates) = (&node.input[0], &node.input[1], &node.input[2]);
+    let reduction = crate::onnx::attr_s(node, "reduction").unwrap_or_else(|| "none".into());
+    if !matches!(reduction.as_str(), "none" | "add") {
+        return Err(Error::Usage(format!(
+            "{} node '{}' scatters with reduction '{reduction}': ntl-patch differentiates reduction none and add only; freeze the parameters before it with --freeze PREFIX or re-export the model without it",
+            node.op_type(),
+            node.name()
+        )));
+    }
+    let elements = node.op_type() == "ScatterElements";
+    let axis = || vec![int_attr("axis", attr_i(node, "axis").unwrap_or(0))];
+    let attrs = || if elements { axis() } else { vec![] };
+    let mut gx: Grads = vec![None; node.input.len()];
+    if wants.first().copied().unwrap_or(false) {
+        let g_data = if reduction == "add" {
+            g.clone()
+        } else {
+            let zeros = ctx.zeros_like(updates);
+            ctx.b.node(
+                node.op_type(),
+                &[&g, idx, &zeros],
+                "grad/scatter_data",
+                attrs(),
+            )
+        };
+        if let Some(r) = ctx.ranks.get(data) {
+            ctx.ranks.set(&g_data, r);
+        }
+        gx[0] = Some(g_data);
+    }
+    if wants.get(2).copied().unwrap_or(false) {
+        let gather = if elements {
+            "GatherElements"
+        } else {
+            "GatherND"
+        };
+        let g_updates = ctx
+            .b
+            .node(gather, &[&g, idx], "grad/scatter_updates", attrs());
+        if let Some(r) = ctx.ranks.get(updates) {
+            ctx.ranks.set(&g_updates, r);
+        }
+        gx[2] = Some(g_updates);
+    }
+    Ok(gx)
+}
+
 /// Gather / GatherElements: the gradient is scattered back with addition (repeated indices
 /// add up). Gather along axis a works on the data with axis a moved to the front, so an
 /// embedding (a = 0) needs no transpose and its gradient costs one ScatterND over the batch's
