@@ -627,7 +627,9 @@ impl Shapes {
             }
             "Neg" | "Exp" | "Log" | "Sqrt" | "Tanh" | "Sigmoid" | "Erf" | "Relu" | "Abs"
             | "Reciprocal" | "Identity" | "Cast" | "CastLike" | "Softmax" | "LogSoftmax"
-            | "Dropout" | "LayerNormalization" | "Clip" | "Not" | "Sin" | "Cos" | "Sign" => {
+            | "Dropout" | "LayerNormalization" | "Clip" | "Not" | "Sin" | "Cos" | "Sign"
+            // a scatter writes into a copy of its data (T5's and BART's labels shifted right)
+            | "ScatterND" | "ScatterElements" => {
                 if matches!(op, "Cast" | "Identity" | "CastLike") {
                     if let Some(v) = value(0) {
                         self.value.insert(out.clone(), v);
@@ -782,6 +784,32 @@ mod tests {
         assert_eq!(s.get("mid"), Some(&vec![Dim::Known(2)]));
         assert_eq!(s.get("c"), Some(&vec![Dim::Known(3)]));
         assert_eq!(s.known_ints("c"), Some(vec![7, 8, 9]));
+    }
+
+    /// A scatter's output is its data's shape: T5's labels shifted right (a `ScatterND` into
+    /// zeros of the labels' shape) keep `[B, T]`, and with it the logits' width that
+    /// `logits.view(-1, logits.size(-1))` reads.
+    #[test]
+    fn a_scatter_has_its_datas_shape() {
+        use crate::graph::test_node as node;
+        use crate::onnx::GraphProto;
+        let graph = GraphProto {
+            node: vec![
+                node("Reshape", &["x", "dims"], "x2", vec![]),
+                node("ScatterND", &["x2", "at", "u"], "nd", vec![]),
+                node("ScatterElements", &["x2", "at", "u"], "el", vec![]),
+            ],
+            initializer: vec![crate::onnx::i64_tensor("dims", &[2], &[3, 5])],
+            ..Default::default()
+        };
+        let s = Shapes::infer(&GraphIndex::new(&graph));
+        for out in ["nd", "el"] {
+            assert_eq!(
+                s.get(out),
+                Some(&vec![Dim::Known(3), Dim::Known(5)]),
+                "{out}"
+            );
+        }
     }
 
     #[test]

@@ -49,8 +49,9 @@ def build(arch: str, vocab: int = VOCAB, tied: bool = False, attn: str = "eager"
     cfg_name, cls_name, kwargs, causal = ARCHS[arch]
     base = getattr(transformers, cls_name)
     extra = dict(bos_token_id=2, eos_token_id=3, use_cache=False) if causal else {}
-    cfg = getattr(transformers, cfg_name)(vocab_size=vocab, pad_token_id=None, tie_word_embeddings=tied,
-                                          attn_implementation=attn, **extra, **kwargs)
+    # an encoder-decoder's own arguments may set pad_token_id: it shifts the labels right
+    cfg = getattr(transformers, cfg_name)(vocab_size=vocab, tie_word_embeddings=tied, attn_implementation=attn,
+                                          **{"pad_token_id": None, **extra, **kwargs})
 
     class WithLoss(base):
         def forward(self, input_ids, labels, attention_mask=None):
@@ -112,7 +113,9 @@ def reference(model, base, causal: bool, ids, labels, attention_mask=None):
 
     m = copy.deepcopy(model).double()
     params = dict(m.named_parameters())
-    logits = base.forward(m, input_ids=ids, attention_mask=attention_mask).logits
+    # an encoder-decoder's decoder reads the labels shifted right, as under the model's own loss
+    decoder = dict(labels=labels) if m.config.is_encoder_decoder else {}
+    logits = base.forward(m, input_ids=ids, attention_mask=attention_mask, **decoder).logits
     y = F.pad(labels, (0, 1), value=-100)[..., 1:] if causal else labels
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
     with torch.no_grad():  # HF's loss casts the logits to float32 first

@@ -14,10 +14,12 @@ frequencies) stay constant.
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import onnx
 import pytest
+import torch
 
 from conftest import TOKENIZER, run_patch
 from hf_architectures import ARCHS, CASES, WEIGHT, batch, build, export, reference
@@ -57,8 +59,9 @@ def test_a_soft_capped_attention_matches_torch(exporter, tmp_path, monkeypatch):
     """Gemma 2: its scores are soft-capped, `50·tanh(s / 50)` between the scale and the mask,
     which the blockwise attention applies per block (and `1 − t²` in its backward). Its logits
     are soft-capped too, which the fused head does not take (`--fused-head on` is refused with
-    the reason; `auto` keeps the logits). Can fail: without the `1 − t²` the keys' gradients
-    are 8.1e-4 apart."""
+    the reason; `auto` keeps the logits), and `--attention onnx` keeps its forward blockwise
+    (onnxruntime-gpu's kernel refuses the operator's `softcap`). Can fail: without the `1 − t²`
+    the keys' gradients are 8.1e-4 apart."""
     monkeypatch.setitem(ARCHS, "gemma2", ("Gemma2Config", "Gemma2ForCausalLM",
                                           dict(ARCHS["gemma3"][2], attn_logit_softcapping=50.0,
                                                final_logit_softcapping=30.0), True))
@@ -67,6 +70,16 @@ def test_a_soft_capped_attention_matches_torch(exporter, tmp_path, monkeypatch):
     r = run_patch(["step", tmp_path / "m.onnx", "--tokenizer", TOKENIZER, "--fused-head", "on",
                    "-o", tmp_path / "fused.onnx"])
     assert r.returncode == 1 and "cannot be fused" in r.stderr and "soft-cap" in r.stderr, r.stderr
+    if exporter == "dynamo":
+        # `--attention onnx` keeps the forward blockwise, and says why
+        model, _ = build("gemma2")
+        export(model, exporter, tmp_path / "m23.onnx", opset=23)
+        r = run_patch(["step", tmp_path / "m23.onnx", "--tokenizer", TOKENIZER, "--attention", "onnx", "--json",
+                       "-o", tmp_path / "m23.step.onnx"])
+        assert r.returncode == 0, r.stderr
+        a = json.loads(r.stdout)["attention"]
+        assert a["replaced"] == 2 and a["fused"] == 0, a
+        assert all("soft-capped" in x["why"] for x in a["blockwise_forward"]) and len(a["blockwise_forward"]) == 2, a
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
@@ -78,6 +91,46 @@ def test_a_rotary_split_in_two_matches_torch(exporter, tmp_path, monkeypatch):
     monkeypatch.setitem(ARCHS, "codegen", ("CodeGenConfig", "CodeGenForCausalLM",
                                            dict(ARCHS["gptj"][2]), True))
     _gradients_match_torch("codegen", exporter, "eager", tmp_path)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_an_encoder_decoder_matches_torch(exporter, tmp_path, monkeypatch):
+    """BART, one layer each side: the encoder's bidirectional attention, the decoder's causal
+    one and its cross-attention (queries of the decoder, keys and values of the encoder) made
+    blockwise; the decoder reads the labels shifted right. Also: `final_logits_bias`, a buffer
+    torch never trains, stays constant under TorchScript's export too (its initializers say
+    nothing of buffers: the name says it), and the fused head takes it as the head's bias behind
+    the `Cast` TorchScript puts before it. Can fail: before, TorchScript's step trained it (and
+    `--fused-head on` refused the bias).
+    The shift needs a pad id, which makes it the embeddings' `padding_idx`, a row torch never
+    trains and an export does not record: cleared here, as `pad_token_id=None` does for the
+    other architectures."""
+    def build_unpadded(arch, build=build, **kwargs):
+        model, base = build(arch, **kwargs)
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                module.padding_idx = None
+        return model, base
+
+    monkeypatch.setattr(sys.modules[__name__], "build", build_unpadded)
+    bart = dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+                dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1,
+                decoder_start_token_id=2, forced_eos_token_id=None)
+    monkeypatch.setitem(ARCHS, "bart", ("BartConfig", "BartForConditionalGeneration", bart, False))
+    _gradients_match_torch("bart", exporter, "eager", tmp_path, attentions=3)
+
+
+def test_a_mixture_of_experts_matches_torch(tmp_path, monkeypatch):
+    """Mixtral, 4 experts, 2 per token: the router's `TopK` and each expert's `index_add_`
+    (TorchScript writes `ScatterElements` into zeros) are differentiated (`grad/rules`), the
+    attention made blockwise. TorchScript only: torch 2.7's torch.export cannot export the
+    experts' data-dependent loop. Can fail: before, `step` stopped at "no gradient rule for
+    ScatterElements" (and then TopK)."""
+    monkeypatch.setitem(ARCHS, "mixtral", ("MixtralConfig", "MixtralForCausalLM",
+                                           dict(ARCHS["qwen2"][2], num_local_experts=4, num_experts_per_tok=2),
+                                           True))
+    _gradients_match_torch("mixtral", "torchscript", "eager", tmp_path)
 
 
 # the TorchScript exporter cannot write SDPA with grouped keys (`enable_gqa`): Qwen2 by dynamo only
@@ -104,7 +157,7 @@ def test_sdpa_exports_match_torch(arch, exporter, tmp_path):
         onnx.shape_inference.infer_shapes(m, check_type=True, strict_mode=True)
 
 
-def _gradients_match_torch(arch, exporter, attn, tmp_path, variants=VARIANTS):
+def _gradients_match_torch(arch, exporter, attn, tmp_path, variants=VARIANTS, attentions=2):
     model, base = build(arch, attn=attn)
     src = tmp_path / "m.onnx"
     export(model, exporter, src)
@@ -124,7 +177,7 @@ def _gradients_match_torch(arch, exporter, attn, tmp_path, variants=VARIANTS):
             assert att["replaced"] == 0 and len(att["left"]) == 2, att
             assert "Reshape" in att["left"][0]["why"], att
         else:
-            replaced = 0 if variant == "dense" else 2
+            replaced = 0 if variant == "dense" else attentions
             assert summary["attention"]["replaced"] == replaced and not summary["attention"]["left"], summary
         params = summary["parameters"]
         sess = quiet_ort().InferenceSession(str(out), providers=["CPUExecutionProvider"])

@@ -466,8 +466,16 @@ fn find_projection(index: &GraphIndex, logits: &str) -> Result<Projection, Strin
         .ok_or("the logits are no node's output")?;
     let only_reader = |t: &str, reader: usize| index.consumers(t) == [reader];
     let rank1 = |t: &str| static_rank(index, t) == Some(1);
-    // a bias that broadcasts along the classes only: [V] or [1, .., 1, V] (jax2onnx)
+    // a bias that broadcasts along the classes only: [V] or [1, .., 1, V] (jax2onnx; BART's
+    // `final_logits_bias`, behind a `Cast` to its own type in TorchScript's export)
     let bias_like = |t: &str| {
+        let mut t = t;
+        while let Some((_, n)) = index.producer(t) {
+            match n.op_type() {
+                "Cast" | "Identity" => t = &n.input[0],
+                _ => break,
+            }
+        }
         rank1(t)
             || index.declared_shape(t).is_some_and(|(_, dims)| {
                 dims.len() >= 2 && dims[..dims.len() - 1].iter().all(|d| *d == Some(1))

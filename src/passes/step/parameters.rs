@@ -13,7 +13,8 @@ use super::copies;
 use super::precision::frozen_half::WidenedSet;
 
 /// Float initializers whose names end like these are buffers torch never trains (rotary
-/// frequencies, batch-norm statistics, position ids): kept constant.
+/// frequencies, batch-norm statistics, position ids, the zero logit bias of BART and its kin):
+/// kept constant.
 const BUFFER_SUFFIXES: &[&str] = &[
     "inv_freq",
     "running_mean",
@@ -21,6 +22,7 @@ const BUFFER_SUFFIXES: &[&str] = &[
     "num_batches_tracked",
     "position_ids",
     "masked_bias",
+    "final_logits_bias",
 ];
 
 /// What torch.export's graph signature says each lifted input is, as the dynamo exporter
