@@ -198,15 +198,21 @@ fn a_scan_body_op_without_a_kernel_is_reported() {
     );
 }
 
-/// A head that cannot be fused: `--fused-head on` is one line naming the node and the way out;
+/// A head that cannot be fused (a `Relu` of the logits: no pointwise map the fused head takes,
+/// where a `Tanh` is one): `--fused-head on` is one line naming the node and the way out;
 /// `auto` (the logits are wide) keeps the dense head and warns, naming it.
 #[test]
 fn a_head_that_cannot_be_fused_is_named() {
     let tmp = tempfile::tempdir().unwrap();
+    let tanh = write(tmp.path(), "tanh.onnx", &head_model(48, 17, Some("Tanh")));
+    let fused = tmp.path().join("tanh.step.onnx");
+    assert!(step(&tanh, &fused, &["--fused-head", "on"])
+        .status
+        .success());
     let src = write(
         tmp.path(),
         "capped.onnx",
-        &head_model(16384, 17, Some("Tanh")),
+        &head_model(16384, 17, Some("Relu")),
     );
     let out = tmp.path().join("s.onnx");
     let o = step(&src, &out, &["--fused-head", "on"]);
@@ -214,7 +220,7 @@ fn a_head_that_cannot_be_fused_is_named() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(
-        err.contains("Tanh") && err.contains("--fused-head"),
+        err.contains("Relu") && err.contains("--fused-head"),
         "{err}"
     );
     assert!(!out.exists(), "no output on error");
@@ -223,7 +229,7 @@ fn a_head_that_cannot_be_fused_is_named() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
-        err.contains("warning: the LM head is not fused") && err.contains("Tanh"),
+        err.contains("warning: the LM head is not fused") && err.contains("Relu"),
         "{err}"
     );
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();

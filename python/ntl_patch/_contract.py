@@ -108,13 +108,21 @@ class FusedHead:
     bias: str
     labels: str
     class_weights: str | None
+    # the steps from the projection to the logits, in order: "Tanh", {"Mul": c} or {"Div": c}
+    logit_map: list | None
 
     @classmethod
     def parse(cls, d: dict) -> FusedHead:
         w = "fused_head."
+        logit_map = _get(d, "logit_map", list, w, None)
+        for step in logit_map or []:
+            ok = step == "Tanh" or (isinstance(step, dict) and len(step) == 1 and set(step) <= {"Mul", "Div"}
+                                    and isinstance(next(iter(step.values())), (int, float)))
+            if not ok:
+                raise ValueError(f"'{METADATA_KEY}' metadata: {w}logit_map has the step {step!r}")
         return cls(_get(d, "chunk_tokens", int, w), _get(d, "hidden", str, w), _get(d, "weight", str, w),
                    _get(d, "trans_weight", bool, w), _get(d, "bias", str, w), _get(d, "labels", str, w),
-                   _get(d, "class_weights", str, w, None))
+                   _get(d, "class_weights", str, w, None), logit_map)
 
 
 @dataclass(frozen=True)

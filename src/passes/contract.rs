@@ -117,7 +117,7 @@ pub struct LossScale {
 }
 
 /// The fused LM head: what it reads, so a tool can compute the logits the graph no longer
-/// holds (`Gemm(hidden, weight, bias, transB=trans_weight)`).
+/// holds (`Gemm(hidden, weight, bias, transB=trans_weight)`, then `logit_map`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FusedHead {
     pub chunk_tokens: i64,
@@ -130,6 +130,18 @@ pub struct FusedHead {
     /// The cross-entropy's labels as the graph feeds them, and its class weights.
     pub labels: String,
     pub class_weights: Option<String>,
+    /// What the graph did to the projection's output before the losses read it, in order
+    /// (Gemma 2's soft-cap, Granite's scale): the logits are these steps of the `Gemm`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub logit_map: Vec<LogitStep>,
+}
+
+/// One pointwise step of the logits after the projection: `z · c`, `z / c`, `tanh(z)`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub enum LogitStep {
+    Mul(f32),
+    Div(f32),
+    Tanh,
 }
 
 /// LoRA's options as PEFT names them, and the adapted layers.

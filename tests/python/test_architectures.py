@@ -21,7 +21,7 @@ import onnx
 import pytest
 import torch
 
-from conftest import TOKENIZER, run_patch
+from conftest import REPO, TOKENIZER, run_patch
 from hf_architectures import ARCHS, CASES, WEIGHT, batch, build, export, reference
 from ort_helpers import norm_rel, quiet_ort
 from step_helpers import zero_grad_mask
@@ -55,23 +55,29 @@ def test_a_head_size_off_a_multiple_of_8_matches_torch(exporter, tmp_path, monke
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
-def test_a_soft_capped_attention_matches_torch(exporter, tmp_path, monkeypatch):
+def test_soft_capped_scores_and_logits_match_torch(exporter, tmp_path, monkeypatch):
     """Gemma 2: its scores are soft-capped, `50·tanh(s / 50)` between the scale and the mask,
-    which the blockwise attention applies per block (and `1 − t²` in its backward). Its logits
-    are soft-capped too, which the fused head does not take (`--fused-head on` is refused with
-    the reason; `auto` keeps the logits), and `--attention onnx` keeps its forward blockwise
+    which the blockwise attention applies per block (and `1 − t²` in its backward), and so are
+    its logits, `30·tanh(z / 30)`, which the fused head applies per chunk
+    (`fused_head/logit_map.rs`); `validate` computes the logits the fused graph no longer holds
+    through the same map. `--attention onnx` keeps the attention's forward blockwise
     (onnxruntime-gpu's kernel refuses the operator's `softcap`). Can fail: without the `1 − t²`
-    the keys' gradients are 8.1e-4 apart."""
+    the keys' gradients are 8.1e-4 apart; without the map `validate` fails the losses."""
     monkeypatch.setitem(ARCHS, "gemma2", ("Gemma2Config", "Gemma2ForCausalLM",
                                           dict(ARCHS["gemma3"][2], attn_logit_softcapping=50.0,
                                                final_logit_softcapping=30.0), True))
-    _gradients_match_torch("gemma2", exporter, "eager", tmp_path,
-                           variants={k: v for k, v in VARIANTS.items() if k != "fused"})
+    _gradients_match_torch("gemma2", exporter, "eager", tmp_path)
+    out = tmp_path / "fused.step.onnx"
     r = run_patch(["step", tmp_path / "m.onnx", "--tokenizer", TOKENIZER, "--fused-head", "on",
-                   "-o", tmp_path / "fused.onnx"])
-    assert r.returncode == 1 and "cannot be fused" in r.stderr and "soft-cap" in r.stderr, r.stderr
+                   "--head-chunk-tokens", "5", "-o", out])
+    assert r.returncode == 0, r.stderr
+    sys.path.insert(0, str(REPO / "python"))
+    from ntl_patch import _contract
+
+    assert _contract.read(out).fused_head.logit_map == [{"Div": 30.0}, "Tanh", {"Mul": 30.0}]
+    r = run_patch(["validate", out, "--tokenizer", TOKENIZER])
+    assert r.returncode == 0, r.stdout + r.stderr
     if exporter == "dynamo":
-        # `--attention onnx` keeps the forward blockwise, and says why
         model, _ = build("gemma2")
         export(model, exporter, tmp_path / "m23.onnx", opset=23)
         r = run_patch(["step", tmp_path / "m23.onnx", "--tokenizer", TOKENIZER, "--attention", "onnx", "--json",
@@ -80,6 +86,24 @@ def test_a_soft_capped_attention_matches_torch(exporter, tmp_path, monkeypatch):
         a = json.loads(r.stdout)["attention"]
         assert a["replaced"] == 2 and a["fused"] == 0, a
         assert all("soft-capped" in x["why"] for x in a["blockwise_forward"]) and len(a["blockwise_forward"]) == 2, a
+
+
+# Granite divides its logits by `logits_scaling`, Cohere multiplies them by `logit_scale` (its
+# TorchScript export fails in onnxruntime itself, before ntl-patch)
+SCALED_LOGITS = {
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(ARCHS["qwen2"][2], logits_scaling=4.0), True),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(ARCHS["qwen2"][2], logit_scale=0.25), True),
+}
+SCALED_CASES = [("granite", "torchscript"), ("granite", "dynamo"), ("cohere", "dynamo")]
+
+
+@pytest.mark.parametrize("arch,exporter", SCALED_CASES, ids=[f"{a}-{e}" for a, e in SCALED_CASES])
+def test_scaled_logits_fuse_the_head(arch, exporter, tmp_path, monkeypatch):
+    """The logits scaled by a constant after the projection: the fused head scales each chunk
+    and its gradient. Can fail: before, `--fused-head on` refused ("a logit soft-cap or scale
+    is not fused")."""
+    monkeypatch.setitem(ARCHS, arch, SCALED_LOGITS[arch])
+    _gradients_match_torch(arch, exporter, "eager", tmp_path)
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])

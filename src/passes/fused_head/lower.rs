@@ -147,12 +147,28 @@ fn forward_and_backward(b: &mut Builder, fwd: &NodeProto, node: &NodeProto, half
     let p = b.binary("Div", &f.exp, &f.exp_sum, "fused/p");
     let g_mean = head.mean_logit.then(|| slices[4].as_str());
     let dz = dense_dz(b, &head, &p, &slices[2], &slices[3], g_mean, &f.label_col);
+    let dz = head.logit_map.slope(b, &dz, f.tanh.as_deref());
     let (mut outs, dh) = accumulate(b, &head, &proj, h, &dz, &acc, grads.want_hidden());
+    // the map's tanh at the columns the losses read: their gradients join after the Scan
+    let tanh_cols: Vec<String> = match &f.tanh {
+        Some(t) => head
+            .ids
+            .iter()
+            .map(|ids| b.gather(t, ids, 1, "fused/tanh_cols"))
+            .collect(),
+        None => Vec::new(),
+    };
     let mut ins = acc.typed();
     ins.extend(typed_slices(&slices, &[]));
     // Scan outputs: the state first, then the stacked per-chunk values
     outs.extend(f.outs);
     outs.extend(dh.iter().map(|d| (d.clone(), FLOAT, vec![None, None])));
+    outs.extend(
+        tanh_cols
+            .iter()
+            .zip(&head.id_counts)
+            .map(|(t, &k)| (t.clone(), FLOAT, vec![None, Some(k)])),
+    );
     let body_graph = body(b, &ins, &outs, "fused_head_forward_backward");
 
     b.nodes = outer;
@@ -165,17 +181,32 @@ fn forward_and_backward(b: &mut Builder, fwd: &NodeProto, node: &NodeProto, half
         .map(|_| b.fresh("fused/stacked"))
         .collect();
     let dh_stacked = dh.as_ref().map(|_| b.fresh("fused/dh_stacked"));
+    let tanh_stacked: Vec<String> = tanh_cols
+        .iter()
+        .map(|_| b.fresh("fused/tanh_cols_stacked"))
+        .collect();
     let outputs: Vec<&str> = w_total
         .iter()
         .chain(&b_total)
         .chain(&stacked)
         .chain(&dh_stacked)
+        .chain(&tanh_stacked)
         .map(String::as_str)
         .collect();
     scan(b, &state_in, &scan_in, &outputs, body_graph);
     for (s, out) in stacked.iter().zip(&fwd.output) {
         from_chunks(b, s, &ch, out);
     }
+    let tanh_at_cols: Vec<Option<String>> = tanh_stacked
+        .iter()
+        .map(|s| {
+            let t = b.fresh("fused/tanh_cols_dense");
+            from_chunks(b, s, &ch, &t);
+            Some(t)
+        })
+        .chain(std::iter::repeat(None))
+        .take(head.ids.len())
+        .collect();
 
     // the columns' gradients, after the forward's readers computed them
     let mut dh_total = dh_stacked.map(|s| {
@@ -185,7 +216,9 @@ fn forward_and_backward(b: &mut Builder, fwd: &NodeProto, node: &NodeProto, half
     });
     // the weight's columns (rows of a [V, d] weight) the ids pick
     let axis = if head.trans_weight { 0 } else { 1 };
-    for (ids, gc) in head.ids.iter().zip(&grads.column_grads) {
+    for ((ids, gc), t) in head.ids.iter().zip(&grads.column_grads).zip(&tanh_at_cols) {
+        // the columns' gradients through the logit map
+        let gc = &head.logit_map.slope(b, gc, t.as_deref());
         if let Some(w) = &w_total {
             // hᵀ·g_cols [d, K], or g_colsᵀ·h [K, d] for a [V, d] weight
             let (a, bb) = if head.trans_weight {
@@ -608,15 +641,18 @@ pub(crate) fn body(b: &mut Builder, inputs: &[Typed], outputs: &[Typed], name: &
 /// A body input or output: name, element type, dims (None: not known statically).
 pub(crate) type Typed = (String, i32, Vec<Option<i64>>);
 
-/// The chunk's logits `z = h·W (+ b)` `[C, V]` (float32; computed in the half type under
-/// `--precision`), and its labels with the ignore index as 0.
-fn chunk_logits(
-    b: &mut Builder,
-    head: &Head,
-    proj: &Projection,
-    h: &str,
-    y: &str,
-) -> (String, String) {
+/// A chunk's logits, its labels and the logit map's `tanh`.
+struct ChunkLogits {
+    /// `[C, V]` float32, through the graph's logit map.
+    z: String,
+    /// The labels with the ignore index as 0.
+    y: String,
+    tanh: Option<String>,
+}
+
+/// The chunk's logits `z = h·W (+ b)` `[C, V]` (float32; the product in the half type under
+/// `--precision`) through the logit map, and its labels with the ignore index as 0.
+fn chunk_logits(b: &mut Builder, head: &Head, proj: &Projection, h: &str, y: &str) -> ChunkLogits {
     let z = if proj.half.is_none() {
         let mut inputs = vec![h, head.weight.as_str()];
         if !head.bias.is_empty() {
@@ -642,7 +678,8 @@ fn chunk_logits(
         }
         None => y.to_string(),
     };
-    (z, y)
+    let (z, tanh) = head.logit_map.apply(b, &z);
+    ChunkLogits { z, y, tanh }
 }
 
 /// What a chunk's forward computes inside a body.
@@ -652,6 +689,8 @@ struct ChunkForward {
     exp_sum: String,
     /// The labels as `[C, 1]` indices (the ignore index as 0).
     label_col: String,
+    /// The logit map's `tanh` of the chunk.
+    tanh: Option<String>,
     /// The forward's outputs: lse, the label's logit, the column sets, the row mean.
     outs: Vec<Typed>,
 }
@@ -665,7 +704,7 @@ fn chunk_forward(
     h: &str,
     y: &str,
 ) -> ChunkForward {
-    let (z, y_safe) = chunk_logits(b, head, proj, h, y);
+    let ChunkLogits { z, y: y_safe, tanh } = chunk_logits(b, head, proj, h, y);
     let (max, _) = b.top1(&z, "fused/row_max");
     let shifted = b.binary("Sub", &z, &max, "fused/shifted");
     let exp = b.unary("Exp", &shifted, "fused/exp");
@@ -695,6 +734,7 @@ fn chunk_forward(
         exp,
         exp_sum,
         label_col,
+        tanh,
         outs,
     }
 }
@@ -751,7 +791,7 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
     let acc = Accumulators::fresh(b, &grads);
     let slices: Vec<String> = scan_in.iter().map(|_| b.fresh("fused/slice")).collect();
     let (h, y, lse_c) = (&slices[0], &slices[1], &slices[2]);
-    let (z, y_safe) = chunk_logits(b, &head, &proj, h, y);
+    let ChunkLogits { z, y: y_safe, tanh } = chunk_logits(b, &head, &proj, h, y);
     let lse_col = b.unsqueeze(lse_c, &[1], "fused/lse_col");
     let shifted = b.binary("Sub", &z, &lse_col, "fused/log_p");
     let p = b.unary("Exp", &shifted, "fused/p");
@@ -763,6 +803,7 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>) {
         let idx = ids_along(b, ids, g_cols, 1);
         dz = scatter_add(b, &dz, &idx, g_cols, 1);
     }
+    let dz = head.logit_map.slope(b, &dz, tanh.as_deref());
     let (mut outs, dh) = accumulate(b, &head, &proj, h, &dz, &acc, grads.want_hidden());
     outs.extend(dh.iter().map(|d| (d.clone(), FLOAT, vec![None, None])));
     let mut ins = acc.typed();

@@ -5,7 +5,7 @@
 //!
 //! [`fuse`] runs on the patched forward graph before it is differentiated. It finds the
 //! projection (`MatMul`, `Gemm` or `MatMul` + `Add`, the weight as is or a tied embedding
-//! through a `Transpose`), the layout ops between it and the cross-entropy (reshapes, slices
+//! through a `Transpose`; then a pointwise map by constants, [`logit_map`]), the layout ops between it and the cross-entropy (reshapes, slices
 //! on position axes, the transpose that puts the classes on axis 1), and what reads the logits:
 //! the `SoftmaxCrossEntropyLoss` ntl-patch wrote, label smoothing's row mean (or sum) of the
 //! scores' `LogSoftmax`, and the number loss's column gathers (and `--reweigh`'s full softmax).
@@ -13,6 +13,7 @@
 //! cross-entropy becomes `lse − z[label]` per position, reduced as the node reduced it.
 //! [`lower::lower`] expands the node and its gradient into `Scan`s after differentiation.
 
+pub mod logit_map;
 pub mod lower;
 pub mod node;
 
@@ -113,6 +114,7 @@ pub fn fuse(model: &mut ModelProto, opts: &FusedHeadOptions) -> Result<Outcome, 
         bias,
         labels: ce.input[1].clone(),
         class_weights: ce.input.get(2).filter(|w| !w.is_empty()).cloned(),
+        logit_map: region.logit_map.steps.clone(),
     };
     let dropped: BTreeSet<String> = region.tensors.clone();
     drop(index);
@@ -166,9 +168,10 @@ struct Region {
     ce: usize,
     /// The number loss reads log-probabilities (a LogSoftmax before it), not logits.
     flat_log_probs: bool,
-    /// Node indices of the projection: the producer of the logits first (`Add`/`Gemm`/
-    /// `MatMul`), then a `MatMul` under an `Add`, then an absorbed `Transpose` of the weight.
+    /// Node indices of the projection and the logits' map: the producer of the logits first
+    /// ([`Projection::nodes`]).
     projection: Vec<usize>,
+    logit_map: logit_map::LogitMap,
     hidden: String,
     /// The `Reshape` between a `[N, d] × [d, V]` MatMul and the bias `Add` (tf2onnx's
     /// Tensordot), replayed on `hidden` to lay the hidden states out like the logits.
@@ -347,11 +350,13 @@ fn find_region(index: &GraphIndex, meta: &PatchMeta) -> Result<Region, String> {
         trans_weight,
         bias,
         nodes: projection_nodes,
+        map: logit_map,
     } = projection;
     Ok(Region {
         ce,
         flat_log_probs,
         projection: projection_nodes,
+        logit_map,
         hidden,
         hidden_reshape,
         weight,
@@ -451,9 +456,12 @@ struct Projection {
     trans_weight: bool,
     /// Empty without one.
     bias: String,
-    /// The producer of the logits first (`Add`/`Gemm`/`MatMul`), then a `MatMul` under an
-    /// `Add`, then an absorbed `Transpose` of the weight.
+    /// The producer of the logits first (the last step of `map`, else `Add`/`Gemm`/`MatMul`),
+    /// the map's other steps, the projection's (a `MatMul` under an `Add`), then an absorbed
+    /// `Transpose` of the weight.
     nodes: Vec<usize>,
+    /// The steps between the projection and the logits.
+    map: logit_map::LogitMap,
 }
 
 /// `z = h·W (+ b)` producing the logits: `MatMul`, `Gemm` (α = β = 1), or `MatMul` + a bias
@@ -461,8 +469,9 @@ struct Projection {
 /// reshaped to `[B, T, V]`).
 fn find_projection(index: &GraphIndex, logits: &str) -> Result<Projection, String> {
     let graph = index.graph;
+    let (map, logits, map_nodes) = logit_map::LogitMap::find(index, logits)?;
     let (p, node) = index
-        .producer(logits)
+        .producer(&logits)
         .ok_or("the logits are no node's output")?;
     let only_reader = |t: &str, reader: usize| index.consumers(t) == [reader];
     let rank1 = |t: &str| static_rank(index, t) == Some(1);
@@ -523,7 +532,8 @@ fn find_projection(index: &GraphIndex, logits: &str) -> Result<Projection, Strin
                 weight: node.input[1].clone(),
                 trans_weight: attr_i(node, "transB").unwrap_or(0) != 0,
                 bias,
-                nodes: vec![p],
+                nodes: [map_nodes, vec![p]].concat(),
+                map,
             });
         }
         op => {
@@ -531,7 +541,7 @@ fn find_projection(index: &GraphIndex, logits: &str) -> Result<Projection, Strin
                 "the logits come from {op} node '{}', not a MatMul/Gemm projection{}",
                 node.name(),
                 if op == "Tanh" || op == "Mul" || op == "Div" {
-                    " (a logit soft-cap or scale is not fused)"
+                    " (after the projection the fused head takes products and quotients by constants and one Tanh)"
                 } else {
                     ""
                 }
@@ -543,7 +553,8 @@ fn find_projection(index: &GraphIndex, logits: &str) -> Result<Projection, Strin
     if static_rank(index, &w) != Some(2) || static_rank(index, &h).is_none_or(|r| r < 2) {
         return Err("the LM head's MatMul is not hidden [.., d] × weight [d, V]".into());
     }
-    let mut nodes = vec![p];
+    let mut nodes = map_nodes;
+    nodes.push(p);
     if matmul != p {
         nodes.push(matmul);
     }
@@ -554,6 +565,7 @@ fn find_projection(index: &GraphIndex, logits: &str) -> Result<Projection, Strin
         trans_weight: false,
         bias,
         nodes,
+        map,
     };
     // a tied embedding read through a Transpose: read the embedding itself, transposed
     if let Some((t, tn)) = index.producer(&w) {
@@ -665,6 +677,7 @@ fn replacement(
         mean_logit: !r.log_prob_means.is_empty(),
         chunk_tokens,
         width: meta.width,
+        logit_map: r.logit_map.clone(),
     };
     let lse = b.fresh("fused/lse");
     let label_logit = b.fresh("fused/label_logit");

@@ -5,7 +5,7 @@
 //! into standard ONNX (`Scan` over token chunks) before the graph is written.
 //!
 //! `FusedHeadLoss(h [N, d], weight, bias?, labels [N], ids_1 [K_1], …)` with `z = h·W + b`
-//! (`W` = weight, or weightᵀ with `trans_weight`) → `lse [N]` (log-sum-exp of each row),
+//! (`W` = weight, or weightᵀ with `trans_weight`) through the graph's `logit_map` → `lse [N]` (log-sum-exp of each row),
 //! `label_logit [N]` (`z[n, labels[n]]`, 0 where the label is the ignore index), one
 //! `[N, K_j]` gather `z[:, ids_j]` per id set, and with `mean_logit` the row mean `[N]`.
 //!
@@ -44,6 +44,8 @@ pub struct Head {
     pub chunk_tokens: i64,
     /// The logits width V.
     pub width: i64,
+    /// What the graph does to `z` before the losses read it.
+    pub logit_map: super::logit_map::LogitMap,
 }
 
 impl Head {
@@ -70,6 +72,7 @@ impl Head {
         if let Some(i) = self.ignore_index {
             a.push(int_attr("ignore_index", i));
         }
+        a.extend(self.logit_map.attributes());
         a
     }
 
@@ -88,6 +91,7 @@ impl Head {
             mean_logit: attr_i(node, "mean_logit") == Some(1),
             chunk_tokens: attr_i(node, "chunk_tokens").unwrap_or(256),
             width: attr_i(node, "width").unwrap_or(0),
+            logit_map: super::logit_map::LogitMap::of(node),
         }
     }
 

@@ -115,7 +115,25 @@ pub fn build(
                 inputs.push(&f.bias);
             }
             let attrs = vec![crate::onnx::int_attr("transB", f.trans_weight as i64)];
-            e.node("Gemm", &inputs, attrs, Out::Fresh("flat_logits"))
+            let mut z = e.node("Gemm", &inputs, attrs, Out::Fresh("flat_logits"));
+            // the steps the graph took from the projection to the logits
+            for step in &f.logit_map {
+                use crate::passes::contract::LogitStep;
+                z = match *step {
+                    LogitStep::Mul(c) | LogitStep::Div(c) => {
+                        let k =
+                            e.constant("logit_map_c", |n| crate::onnx::f32_tensor(n, &[], &[c]));
+                        let op = if matches!(step, LogitStep::Div(_)) {
+                            "Div"
+                        } else {
+                            "Mul"
+                        };
+                        e.node(op, &[&z, &k], vec![], Out::Fresh("flat_logits"))
+                    }
+                    LogitStep::Tanh => e.node("Tanh", &[&z], vec![], Out::Fresh("flat_logits")),
+                };
+            }
+            z
         }
         None => export(&mut e, &meta.flat_logits, "flat_logits"),
     };
