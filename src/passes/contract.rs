@@ -133,12 +133,12 @@ pub struct FusedHead {
     /// What the graph did to the projection's output before the losses read it, in order
     /// (Gemma 2's soft-cap, Granite's scale): the logits are these steps of the `Gemm`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub logit_map: Vec<LogitStep>,
+    pub logit_map: Vec<MapStep>,
 }
 
-/// One pointwise step of the logits after the projection: `z · c`, `z / c`, `tanh(z)`.
+/// One step of a pointwise map (`passes::pointwise_map`): `z · c`, `z / c`, `tanh(z)`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub enum LogitStep {
+pub enum MapStep {
     Mul(f32),
     Div(f32),
     Tanh,

@@ -12,6 +12,7 @@ pub mod grad;
 pub mod lora;
 pub mod loss_inputs;
 pub mod pipeline;
+pub mod pointwise_map;
 pub mod quantize_base;
 pub mod recompute;
 pub mod rewrite;

@@ -15,7 +15,9 @@ use crate::graph::GraphIndex;
 use crate::onnx::{attr_i, NodeProto};
 use ntl_ops::names::PREFIX;
 
-use super::node::{Attn, Softcap, Term, TermKind};
+use super::node::{Attn, Term, TermKind};
+use crate::passes::contract::MapStep;
+use crate::passes::pointwise_map::{self, PointwiseMap};
 
 /// One recognised attention.
 pub struct Site {
@@ -223,7 +225,7 @@ impl Finder<'_, '_> {
         }
         // the scores' steps, in the graph's order
         let mut scale: Option<(String, bool, usize)> = None;
-        let mut softcap: Option<Softcap> = None;
+        let mut softcap: Option<PointwiseMap> = None;
         let mut terms: Vec<Term> = Vec::new();
         let mut steps = path[1..].iter().peekable();
         while let Some(&(at, p)) = steps.next() {
@@ -338,7 +340,7 @@ impl Finder<'_, '_> {
                 v: v.clone(),
                 scale,
                 scale_divides,
-                softcap,
+                score_map: softcap.unwrap_or_default(),
                 nan_to_zero,
                 terms,
                 q_rank,
@@ -355,34 +357,34 @@ impl Finder<'_, '_> {
     }
 
     /// `into = s (÷ or ×) c`, `t = Tanh(into)`, `out = t (× or ÷) c'` with constant scalars `c`
-    /// and `c'` (`out` is None where the scores end at the `Tanh`).
+    /// and `c'` (`out` is None where the scores end at the `Tanh`), `p`: the scores' input of
+    /// `into`.
     fn softcap(
         &self,
         into: &NodeProto,
         p: usize,
         tanh: &NodeProto,
         out: Option<(&NodeProto, usize)>,
-    ) -> Result<Softcap, String> {
+    ) -> Result<PointwiseMap, String> {
         let not_a_cap = || {
             format!(
                 "the scores pass through Tanh node '{}', not as a soft-cap c·tanh(s / c) with a constant c",
                 tanh.name()
             )
         };
-        let constant = |node: &NodeProto, p: usize| -> Result<f32, String> {
-            match crate::ce::forms::constant_numbers(self.index, &node.input[1 - p]).as_deref() {
-                Some(&[c]) if c.is_finite() && c != 0.0 => Ok(c as f32),
+        // a product or quotient by a constant, whose other input is the scores
+        let by_constant =
+            |node: &NodeProto, p: usize| match pointwise_map::step_of(self.index, node) {
+                Some((step, x)) if x == p && node.op_type() != "Tanh" => Ok(step),
                 _ => Err(not_a_cap()),
-            }
-        };
-        let Some((out, out_p)) = out.filter(|(n, _)| matches!(n.op_type(), "Mul" | "Div")) else {
-            return Err(not_a_cap());
-        };
-        Ok(Softcap {
-            into: constant(into, p)?,
-            into_divides: into.op_type() == "Div",
-            out: constant(out, out_p)?,
-            out_divides: out.op_type() == "Div",
+            };
+        let (out, out_p) = out.ok_or_else(not_a_cap)?;
+        Ok(PointwiseMap {
+            steps: vec![
+                by_constant(into, p)?,
+                MapStep::Tanh,
+                by_constant(out, out_p)?,
+            ],
         })
     }
 

@@ -52,7 +52,7 @@ pub fn check(
             }
         }
     }
-    if a.softcap.is_some() {
+    if !a.score_map.is_empty() {
         // the operator has `softcap`, but onnxruntime-gpu's kernel refuses it on every path
         return Err("the scores are soft-capped (onnxruntime's CUDA Attention kernel does not implement the operator's softcap)".into());
     }

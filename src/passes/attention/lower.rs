@@ -441,11 +441,7 @@ fn probabilities(
     if let Some(sc) = &bt.scale {
         s = b.binary(scale_op(a), &s, sc, "attention/scaled");
     }
-    let mut tanh = None;
-    if let Some(cap) = &a.softcap {
-        let (capped, t) = cap.apply(b, &s);
-        (s, tanh) = (capped, Some(t));
-    }
+    let (mut s, tanh) = a.score_map.apply(b, &s);
     for (t, x) in a.terms.iter().zip(&bt.terms) {
         s = match t.kind {
             TermKind::Add => b.binary("Add", &s, &x[0], "attention/masked"),
@@ -627,9 +623,7 @@ fn backward(b: &mut Builder, node: &NodeProto, half: Option<i32>, minus_inf: &[b
             _ => b.where_(cond, &zero, &ds, "attention/ds_kept"),
         };
     }
-    if let (Some(cap), Some(t)) = (&a.softcap, &tanh) {
-        ds = cap.gradient(b, &ds, t);
-    }
+    ds = a.score_map.slope(b, &ds, tanh.as_deref());
     if let Some(sc) = &bt.scale {
         ds = b.binary(scale_op(&a), &ds, sc, "attention/ds_scaled");
     }

@@ -7,9 +7,10 @@
 //!
 //! `BlockAttention(q [.., Tq, D], kt [.., D, Tk], v [.., Tk, Dv], scale?, term inputs…)` →
 //! `o [.., Tq, Dv]`, with the scores
-//! `s = q·kt (× or ÷ scale) (soft-cap) (+ bias | − bias | where(cond, s, value) | where(cond, value, s))…`,
-//! each term applied in the graph's order, the soft-cap `c·tanh(s / c)` (Gemma 2's) before them, `p = softmax(s)` (with `nan_to_zero`,
-//! `where(isnan(p), 0, p)`, as optimum's SDPA export writes it) and `o = p·v`.
+//! `s = q·kt (× or ÷ scale) (map) (+ bias | − bias | where(cond, s, value) | where(cond, value,
+//! s))…`, the map a soft-cap `c·tanh(s / c)` (Gemma 2's) and each term applied in the graph's
+//! order, `p = softmax(s)` (with `nan_to_zero`, `where(isnan(p), 0, p)`, as optimum's SDPA
+//! export writes it) and `o = p·v`.
 //!
 //! `BlockAttentionGrad(q, kt, v, scale?, term inputs…, g_o)` → `(g_q, g_kt, g_v)`, each in the
 //! broadcast shape of the scores' batch axes (the rule sums them down to the inputs').
@@ -17,7 +18,8 @@
 use ntl_ops::Builder;
 
 use crate::graph::GraphIndex;
-use crate::onnx::{attr, attr_i, attr_ints, float_attr, int_attr, ints_attr, NodeProto};
+use crate::onnx::{attr_i, attr_ints, int_attr, ints_attr, NodeProto};
+use crate::passes::pointwise_map::PointwiseMap;
 
 pub use crate::passes::fused_head::node::DOMAIN;
 pub const FORWARD: &str = "BlockAttention";
@@ -80,45 +82,6 @@ impl Term {
     }
 }
 
-/// `s (÷ or ×) into`, `Tanh`, `(× or ÷) out` on the scaled scores, before any mask: a soft-cap
-/// `c·tanh(s / c)` (Gemma 2's `attn_logit_softcapping`), with the export's two constants.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Softcap {
-    pub into: f32,
-    pub into_divides: bool,
-    pub out: f32,
-    pub out_divides: bool,
-}
-
-impl Softcap {
-    /// `c·tanh(s / c)` of the scores `s`; also returns the `tanh` (the backward's `1 − t²`).
-    pub fn apply(&self, b: &mut Builder, s: &str) -> (String, String) {
-        let op = |divides: bool| if divides { "Div" } else { "Mul" };
-        let into = b.scalar_f32("attention/softcap_in", self.into);
-        let s = b.binary(op(self.into_divides), s, &into, "attention/capped_in");
-        let t = b.unary("Tanh", &s, "attention/capped_tanh");
-        let out = b.scalar_f32("attention/softcap_out", self.out);
-        let s = b.binary(op(self.out_divides), &t, &out, "attention/capped");
-        (s, t)
-    }
-
-    /// The gradient of the capped scores `ds` back to the scores before the cap: `ds·(1 − t²)`
-    /// times the two constants' factors (1 for a cap `c·tanh(s / c)`: no pass for them).
-    pub fn gradient(&self, b: &mut Builder, ds: &str, t: &str) -> String {
-        let factor = |x: f32, divides: bool| if divides { 1.0 / x as f64 } else { x as f64 };
-        let k = (factor(self.into, self.into_divides) * factor(self.out, self.out_divides)) as f32;
-        let t2 = b.binary("Mul", t, t, "attention/capped_t2");
-        let one = b.scalar_f32("attention/capped_one", 1.0);
-        let slope = b.binary("Sub", &one, &t2, "attention/capped_slope");
-        let ds = b.binary("Mul", ds, &slope, "attention/ds_uncapped");
-        if k == 1.0 {
-            return ds;
-        }
-        let k = b.scalar_f32("attention/capped_factor", k);
-        b.binary("Mul", &ds, &k, "attention/ds_uncapped")
-    }
-}
-
 /// What both nodes share.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Attn {
@@ -129,8 +92,8 @@ pub struct Attn {
     pub scale: String,
     /// The scale divides (`s / scale`) rather than multiplies.
     pub scale_divides: bool,
-    /// A soft-cap between the scale and the masks.
-    pub softcap: Option<Softcap>,
+    /// A soft-cap between the scale and the masks (empty without one).
+    pub score_map: PointwiseMap,
     pub terms: Vec<Term>,
     /// `where(isnan(p), 0, p)` on the probabilities.
     pub nan_to_zero: bool,
@@ -196,16 +159,7 @@ impl Attn {
             int_attr("fused", self.fused as i64),
             int_attr("same_batch", self.same_batch as i64),
         ];
-        if let Some(c) = &self.softcap {
-            attrs.extend([
-                float_attr("softcap_in", c.into),
-                float_attr("softcap_out", c.out),
-                ints_attr(
-                    "softcap_divides",
-                    &[c.into_divides as i64, c.out_divides as i64],
-                ),
-            ]);
-        }
+        attrs.extend(self.score_map.attributes());
         attrs
     }
 
@@ -237,15 +191,7 @@ impl Attn {
             v: node.input[2].clone(),
             scale: node.input[3].clone(),
             scale_divides: attr_i(node, "scale_divides") == Some(1),
-            softcap: attr(node, "softcap_in").map(|into| {
-                let divides = attr_ints(node, "softcap_divides").unwrap_or_default();
-                Softcap {
-                    into: into.f(),
-                    into_divides: divides.first() == Some(&1),
-                    out: attr(node, "softcap_out").map_or(1.0, |a| a.f()),
-                    out_divides: divides.get(1) == Some(&1),
-                }
-            }),
+            score_map: PointwiseMap::of(node),
             nan_to_zero: attr_i(node, "nan_to_zero") == Some(1),
             terms,
             q_rank: rank(0),

@@ -5,7 +5,7 @@
 //!
 //! [`fuse`] runs on the patched forward graph before it is differentiated. It finds the
 //! projection (`MatMul`, `Gemm` or `MatMul` + `Add`, the weight as is or a tied embedding
-//! through a `Transpose`; then a pointwise map by constants, [`logit_map`]), the layout ops between it and the cross-entropy (reshapes, slices
+//! through a `Transpose`; then a pointwise map by constants, `passes::pointwise_map`), the layout ops between it and the cross-entropy (reshapes, slices
 //! on position axes, the transpose that puts the classes on axis 1), and what reads the logits:
 //! the `SoftmaxCrossEntropyLoss` ntl-patch wrote, label smoothing's row mean (or sum) of the
 //! scores' `LogSoftmax`, and the number loss's column gathers (and `--reweigh`'s full softmax).
@@ -13,7 +13,6 @@
 //! cross-entropy becomes `lse − z[label]` per position, reduced as the node reduced it.
 //! [`lower::lower`] expands the node and its gradient into `Scan`s after differentiation.
 
-pub mod logit_map;
 pub mod lower;
 pub mod node;
 
@@ -29,6 +28,7 @@ use crate::graph::{normalize_axis, static_rank, GraphIndex};
 use crate::onnx::{
     attr, attr_i, attr_ints, default_opset, ModelProto, NodeProto, ValueInfoProto, FLOAT, INT64,
 };
+use crate::passes::pointwise_map::PointwiseMap;
 use node::Head;
 
 /// When the step graph fuses the LM head.
@@ -171,7 +171,7 @@ struct Region {
     /// Node indices of the projection and the logits' map: the producer of the logits first
     /// ([`Projection::nodes`]).
     projection: Vec<usize>,
-    logit_map: logit_map::LogitMap,
+    logit_map: PointwiseMap,
     hidden: String,
     /// The `Reshape` between a `[N, d] × [d, V]` MatMul and the bias `Add` (tf2onnx's
     /// Tensordot), replayed on `hidden` to lay the hidden states out like the logits.
@@ -461,7 +461,7 @@ struct Projection {
     /// `Transpose` of the weight.
     nodes: Vec<usize>,
     /// The steps between the projection and the logits.
-    map: logit_map::LogitMap,
+    map: PointwiseMap,
 }
 
 /// `z = h·W (+ b)` producing the logits: `MatMul`, `Gemm` (α = β = 1), or `MatMul` + a bias
@@ -469,7 +469,7 @@ struct Projection {
 /// reshaped to `[B, T, V]`).
 fn find_projection(index: &GraphIndex, logits: &str) -> Result<Projection, String> {
     let graph = index.graph;
-    let (map, logits, map_nodes) = logit_map::LogitMap::find(index, logits)?;
+    let (map, logits, map_nodes) = PointwiseMap::find(index, logits)?;
     let (p, node) = index
         .producer(&logits)
         .ok_or("the logits are no node's output")?;

@@ -45,7 +45,7 @@ pub struct Head {
     /// The logits width V.
     pub width: i64,
     /// What the graph does to `z` before the losses read it.
-    pub logit_map: super::logit_map::LogitMap,
+    pub logit_map: crate::passes::pointwise_map::PointwiseMap,
 }
 
 impl Head {
@@ -91,7 +91,7 @@ impl Head {
             mean_logit: attr_i(node, "mean_logit") == Some(1),
             chunk_tokens: attr_i(node, "chunk_tokens").unwrap_or(256),
             width: attr_i(node, "width").unwrap_or(0),
-            logit_map: super::logit_map::LogitMap::of(node),
+            logit_map: crate::passes::pointwise_map::PointwiseMap::of(node),
         }
     }
 

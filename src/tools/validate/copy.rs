@@ -118,19 +118,19 @@ pub fn build(
             let mut z = e.node("Gemm", &inputs, attrs, Out::Fresh("flat_logits"));
             // the steps the graph took from the projection to the logits
             for step in &f.logit_map {
-                use crate::passes::contract::LogitStep;
+                use crate::passes::contract::MapStep;
                 z = match *step {
-                    LogitStep::Mul(c) | LogitStep::Div(c) => {
+                    MapStep::Mul(c) | MapStep::Div(c) => {
                         let k =
                             e.constant("logit_map_c", |n| crate::onnx::f32_tensor(n, &[], &[c]));
-                        let op = if matches!(step, LogitStep::Div(_)) {
+                        let op = if matches!(step, MapStep::Div(_)) {
                             "Div"
                         } else {
                             "Mul"
                         };
                         e.node(op, &[&z, &k], vec![], Out::Fresh("flat_logits"))
                     }
-                    LogitStep::Tanh => e.node("Tanh", &[&z], vec![], Out::Fresh("flat_logits")),
+                    MapStep::Tanh => e.node("Tanh", &[&z], vec![], Out::Fresh("flat_logits")),
                 };
             }
             z

@@ -149,7 +149,7 @@ pub fn onnx_attention(
         v: v_rep.clone(),
         scale,
         scale_divides: false,
-        softcap: None,
+        score_map: Default::default(),
         terms,
         nan_to_zero: true,
         q_rank: 4,
