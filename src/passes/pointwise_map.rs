@@ -10,7 +10,7 @@ use crate::graph::GraphIndex;
 use crate::onnx::{attr, attr_ints, ints_attr, AttributeProto, NodeProto};
 use crate::passes::contract::MapStep;
 
-/// The steps, in the graph's order (empty: the logits are the projection's).
+/// The steps, in the graph's order (empty: no map).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PointwiseMap {
     pub steps: Vec<MapStep>,
@@ -41,7 +41,7 @@ pub fn step_of(index: &GraphIndex, n: &NodeProto) -> Option<(MapStep, usize)> {
 impl PointwiseMap {
     /// Walks back from the logits through `Mul`/`Div` by a constant scalar and one `Tanh`, each
     /// read only by the next step: the map, the tensor it starts from (the projection's output)
-    /// and its nodes.
+    /// and its nodes, the last step's first.
     pub fn find(
         index: &GraphIndex,
         logits: &str,

@@ -5,8 +5,9 @@
 //!
 //! [`fuse`] runs on the patched forward graph before it is differentiated. It finds the
 //! projection (`MatMul`, `Gemm` or `MatMul` + `Add`, the weight as is or a tied embedding
-//! through a `Transpose`; then a pointwise map by constants, `passes::pointwise_map`), the layout ops between it and the cross-entropy (reshapes, slices
-//! on position axes, the transpose that puts the classes on axis 1), and what reads the logits:
+//! through a `Transpose`; then a pointwise map by constants, `passes::pointwise_map`), the
+//! layout ops between it and the cross-entropy (reshapes, slices on position axes, the
+//! transpose that puts the classes on axis 1), and what reads the logits:
 //! the `SoftmaxCrossEntropyLoss` ntl-patch wrote, label smoothing's row mean (or sum) of the
 //! scores' `LogSoftmax`, and the number loss's column gathers (and `--reweigh`'s full softmax).
 //! Everything else that follows the cross-entropy stays as the graph wrote it; the
