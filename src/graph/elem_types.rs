@@ -18,7 +18,7 @@ use crate::graph::hash::HashMap;
 use crate::onnx::proto::tensor_proto::DataType;
 use crate::onnx::proto::type_proto;
 use crate::onnx::{attr, attr_i, GraphProto, NodeProto, TypeProto, BOOL, INT32, INT64};
-use ntl_ops::schema::{canonical_domain, Schemas};
+use ntl_ops::schema::{canonical_domain, Param, Schema, Schemas};
 
 const UINT8: i32 = DataType::Uint8 as i32;
 
@@ -152,15 +152,25 @@ fn type_of_bound_inputs(node: &NodeProto, k: usize, types: &HashMap<String, i32>
             .then(|| node.input.iter().find_map(typed))
             .flatten();
     };
-    let param = schema
+    let param = output_param(schema, k)?;
+    inputs_bound_to(schema, node, &param.type_str).find_map(|i| typed(&node.input[i]))
+}
+
+/// Output `k`'s formal parameter (a variadic last output stands for the rest).
+fn output_param(schema: &Schema, k: usize) -> Option<&Param> {
+    schema
         .outputs
         .get(k)
-        .or_else(|| schema.outputs.last().filter(|p| p.variadic))?;
-    node.input
-        .iter()
-        .enumerate()
-        .filter(|&(i, _)| schema.input_param(i).as_deref() == Some(param.type_str.as_str()))
-        .find_map(|(_, input)| typed(input))
+        .or_else(|| schema.outputs.last().filter(|p| p.variadic))
+}
+
+/// The positions of `node`'s inputs that `schema` binds to the type parameter `param`.
+fn inputs_bound_to<'a>(
+    schema: &'a Schema,
+    node: &NodeProto,
+    param: &'a str,
+) -> impl Iterator<Item = usize> + 'a {
+    (0..node.input.len()).filter(move |&i| schema.input_param(i).as_deref() == Some(param))
 }
 
 /// The ONNX name of a tensor element type (`float`, `int64`, ...).
@@ -294,10 +304,7 @@ fn schema_output_type(
         }
     }
     let schema = schemas.schema(node.domain(), node.op_type(), opset)?;
-    let param = schema
-        .outputs
-        .get(k)
-        .or_else(|| schema.outputs.last().filter(|p| p.variadic))?;
+    let param = output_param(schema, k)?;
     if let Some(inner) = param
         .type_str
         .strip_prefix("tensor(")
@@ -309,22 +316,7 @@ fn schema_output_type(
         return Some(t.to_string());
     }
     // the first present input bound to the same type parameter
-    for (i, p) in schema.inputs.iter().enumerate() {
-        if p.type_str != param.type_str {
-            continue;
-        }
-        let n = if p.variadic {
-            node.input.len().saturating_sub(i)
-        } else {
-            1
-        };
-        for j in i..i + n {
-            if let Some(t) = input_type(j) {
-                return Some(t);
-            }
-        }
-    }
-    None
+    inputs_bound_to(schema, node, &param.type_str).find_map(input_type)
 }
 
 /// For the default-domain ops whose output type an attribute (or the type of a "like" input)
@@ -385,9 +377,9 @@ mod tests {
     #[test]
     fn the_two_rule_sets_differ_where_the_schemas_say_more() {
         // TopK's second output is int64 by its schema; the passes' rule types only outputs
-        // whose type an input binds. The Neg is listed before the node that makes its input: the schemas' walk types
-        // it on its second pass, the passes' one-pass walk (nodes in order) not at all. Cast's
-        // type is its attribute's in both.
+        // whose type an input binds. The Neg is listed before the node that makes its input:
+        // the schemas' walk types it on its second pass, the passes' one-pass walk (nodes in
+        // order) not at all. Cast's type is its attribute's in both.
         let mut cast = node("Cast", &["x_abs"], &["y"]);
         cast.attribute.push(int_attr("to", INT32 as i64));
         let graph = GraphProto {
