@@ -55,10 +55,15 @@ fn internal(node: &NodeProto, domain: &str, what: &str) -> Result<(), Error> {
 
 /// Records that `out` has the rank of `like` and returns it as the input's gradient.
 fn like(ctx: &mut Ctx, out: String, like: &str) -> Result<Grads, Error> {
+    Ok(vec![Some(ranked_like(ctx, out, like))])
+}
+
+/// Records that `out` has the rank of `like` (one of several inputs' gradients).
+fn ranked_like(ctx: &mut Ctx, out: String, like: &str) -> String {
     if let Some(r) = ctx.ranks.get(like) {
         ctx.ranks.set(&out, r);
     }
-    Ok(vec![Some(out)])
+    out
 }
 
 fn first(_: &NodeProto) -> Vec<usize> {

@@ -1,7 +1,7 @@
 //! Layout ops: the gradient is the forward's layout change undone (reshape, transpose,
 //! slice, concat, split), summed where the forward copied (expand, tile, gather).
 
-use super::{g0, like, Grads};
+use super::{g0, like, ranked_like, Grads};
 use crate::error::Error;
 use crate::onnx::{attr_i, attr_ints, int_attr, string_attr, NodeProto};
 use crate::passes::grad::Ctx;
@@ -263,10 +263,7 @@ pub fn scatter(
                 attrs(),
             )
         };
-        if let Some(r) = ctx.ranks.get(data) {
-            ctx.ranks.set(&g_data, r);
-        }
-        gx[0] = Some(g_data);
+        gx[0] = Some(ranked_like(ctx, g_data, data));
     }
     if wants.get(2).copied().unwrap_or(false) {
         let gather = if elements {
@@ -277,10 +274,7 @@ pub fn scatter(
         let g_updates = ctx
             .b
             .node(gather, &[&g, idx], "grad/scatter_updates", attrs());
-        if let Some(r) = ctx.ranks.get(updates) {
-            ctx.ranks.set(&g_updates, r);
-        }
-        gx[2] = Some(g_updates);
+        gx[2] = Some(ranked_like(ctx, g_updates, updates));
     }
     Ok(gx)
 }
