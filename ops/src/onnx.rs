@@ -62,6 +62,15 @@ pub fn ints_attr(name: &str, values: &[i64]) -> AttributeProto {
     }
 }
 
+pub fn floats_attr(name: &str, values: &[f32]) -> AttributeProto {
+    AttributeProto {
+        name: Some(name.into()),
+        r#type: Some(AttributeType::Floats as i32),
+        floats: values.to_vec(),
+        ..Default::default()
+    }
+}
+
 pub fn float_attr(name: &str, value: f32) -> AttributeProto {
     AttributeProto {
         name: Some(name.into()),

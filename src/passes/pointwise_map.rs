@@ -7,7 +7,7 @@
 use ntl_ops::Builder;
 
 use crate::graph::GraphIndex;
-use crate::onnx::{attr, attr_ints, ints_attr, AttributeProto, NodeProto};
+use crate::onnx::{attr, attr_ints, floats_attr, ints_attr, AttributeProto, NodeProto};
 use crate::passes::contract::MapStep;
 
 /// The steps, in the graph's order (empty: no map).
@@ -89,12 +89,10 @@ impl PointwiseMap {
                 MapStep::Tanh => (TANH, 0.0),
             })
             .unzip();
-        let mut values_attr = crate::onnx::float_attr("map_values", 0.0);
-        values_attr.r#type =
-            Some(crate::onnx::proto::attribute_proto::AttributeType::Floats as i32);
-        values_attr.f = None;
-        values_attr.floats = values;
-        vec![ints_attr("map_ops", &ops), values_attr]
+        vec![
+            ints_attr("map_ops", &ops),
+            floats_attr("map_values", &values),
+        ]
     }
 
     /// Reads the map back from a node's attributes.
@@ -121,18 +119,13 @@ impl PointwiseMap {
         let mut z = z.to_string();
         let mut tanh = None;
         for s in &self.steps {
-            z = match *s {
-                MapStep::Mul(c) | MapStep::Div(c) => {
+            z = match s.constant() {
+                Some(c) => {
                     let k = b.scalar_f32("map/c", c);
-                    let op = if matches!(s, MapStep::Div(_)) {
-                        "Div"
-                    } else {
-                        "Mul"
-                    };
-                    b.binary(op, &z, &k, "map/mapped")
+                    b.binary(s.op(), &z, &k, "map/mapped")
                 }
-                MapStep::Tanh => {
-                    let t = b.unary("Tanh", &z, "map/tanh");
+                None => {
+                    let t = b.unary(s.op(), &z, "map/tanh");
                     tanh = Some(t.clone());
                     t
                 }
@@ -151,19 +144,39 @@ impl PointwiseMap {
             let slope = b.binary("Sub", &one, &t2, "map/slope");
             dz = b.binary("Mul", &dz, &slope, "map/unmapped");
         }
-        let k: f64 = self
-            .steps
-            .iter()
-            .map(|s| match *s {
-                MapStep::Mul(c) => c as f64,
-                MapStep::Div(c) => 1.0 / c as f64,
-                MapStep::Tanh => 1.0,
-            })
-            .product();
+        let k: f64 = self.steps.iter().map(|s| s.factor()).product();
         if k as f32 == 1.0 {
             return dz;
         }
         let k = b.scalar_f32("map/k", k as f32);
         b.binary("Mul", &dz, &k, "map/unmapped")
+    }
+}
+
+impl MapStep {
+    /// The ONNX op that computes the step.
+    pub fn op(self) -> &'static str {
+        match self {
+            MapStep::Mul(_) => "Mul",
+            MapStep::Div(_) => "Div",
+            MapStep::Tanh => "Tanh",
+        }
+    }
+
+    /// The constant a product or quotient takes (none for `Tanh`).
+    pub fn constant(self) -> Option<f32> {
+        match self {
+            MapStep::Mul(c) | MapStep::Div(c) => Some(c),
+            MapStep::Tanh => None,
+        }
+    }
+
+    /// The step's derivative where it is a constant (1 for `Tanh`, whose `1 − t²` is not).
+    fn factor(self) -> f64 {
+        match self {
+            MapStep::Mul(c) => c as f64,
+            MapStep::Div(c) => 1.0 / c as f64,
+            MapStep::Tanh => 1.0,
+        }
     }
 }

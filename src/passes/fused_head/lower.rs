@@ -197,15 +197,14 @@ fn forward_and_backward(b: &mut Builder, fwd: &NodeProto, node: &NodeProto, half
     for (s, out) in stacked.iter().zip(&fwd.output) {
         from_chunks(b, s, &ch, out);
     }
-    let tanh_at_cols: Vec<Option<String>> = tanh_stacked
-        .iter()
-        .map(|s| {
+    // per column set, its tanh (none without a Tanh in the map)
+    let tanh_at_cols: Vec<Option<String>> = (0..head.ids.len())
+        .map(|j| {
+            let s = tanh_stacked.get(j)?;
             let t = b.fresh("fused/tanh_cols_dense");
             from_chunks(b, s, &ch, &t);
             Some(t)
         })
-        .chain(std::iter::repeat(None))
-        .take(head.ids.len())
         .collect();
 
     // the columns' gradients, after the forward's readers computed them

@@ -118,20 +118,11 @@ pub fn build(
             let mut z = e.node("Gemm", &inputs, attrs, Out::Fresh("flat_logits"));
             // the steps the graph took from the projection to the logits
             for step in &f.logit_map {
-                use crate::passes::contract::MapStep;
-                z = match *step {
-                    MapStep::Mul(c) | MapStep::Div(c) => {
-                        let k =
-                            e.constant("logit_map_c", |n| crate::onnx::f32_tensor(n, &[], &[c]));
-                        let op = if matches!(step, MapStep::Div(_)) {
-                            "Div"
-                        } else {
-                            "Mul"
-                        };
-                        e.node(op, &[&z, &k], vec![], Out::Fresh("flat_logits"))
-                    }
-                    MapStep::Tanh => e.node("Tanh", &[&z], vec![], Out::Fresh("flat_logits")),
-                };
+                let k = step
+                    .constant()
+                    .map(|c| e.constant("logit_map_c", |n| crate::onnx::f32_tensor(n, &[], &[c])));
+                let inputs: Vec<&str> = std::iter::once(z.as_str()).chain(k.as_deref()).collect();
+                z = e.node(step.op(), &inputs, vec![], Out::Fresh("flat_logits"));
             }
             z
         }
