@@ -167,9 +167,9 @@ fn no_stage_imports_a_higher_one() {
 /// The folders (and single-file modules) inside `src/passes/`, lowest first: each imports only
 /// itself and the ones before it. `contract` (the step graph's metadata, plain data) is below
 /// every pass that describes its part of it; `pointwise_map` (a soft-cap or scale that the fused
-/// head and attention apply per chunk) below both. The internal nodes of the fused head and of attention sit
-/// below `grad`, whose rules differentiate them; `step` drives them all; `artifacts` is the
-/// other top (ORT's training graph).
+/// head and attention apply per chunk) below both. The internal nodes of the fused head and of
+/// attention sit below `grad`, whose rules differentiate them; `step` drives them all;
+/// `artifacts` is the other top (ORT's training graph).
 const PASSES: [&str; 13] = [
     "contract",
     "pointwise_map",

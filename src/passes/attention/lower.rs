@@ -8,9 +8,9 @@
 //!
 //! Forward: `p = softmax(s)`, `o = p·v`. Backward: the same `p` again, `dv += pᵀ·do`,
 //! `ds = p ∘ (dp − δ)` with `dp = do·vᵀ` and `δ = Σ p ∘ dp = do·o` (`centred`: one product),
-//! through the masks' `Where`s (none for a fill of −∞), the soft-cap (`1 − t²`) and the scale, `dq = ds·k`,
-//! `dkt += qᵀ·ds`. A scalar scale multiplies the query once instead of every block's scores
-//! (and `dq` once after the blocks).
+//! through the masks' `Where`s (none for a fill of −∞), the soft-cap (`1 − t²`) and the scale,
+//! `dq = ds·k`, `dkt += qᵀ·ds`. A scalar scale multiplies the query once instead of every
+//! block's scores (and `dq` once after the blocks).
 //!
 //! Under `--precision` the products run in the half type (the scores, the softmax and the
 //! accumulators stay float32), as torch's autocast runs eager attention. Where the masks leave

@@ -5,9 +5,10 @@
 //! into standard ONNX (`Scan` over token chunks) before the graph is written.
 //!
 //! `FusedHeadLoss(h [N, d], weight, bias?, labels [N], ids_1 [K_1], …)` with `z = h·W + b`
-//! (`W` = weight, or weightᵀ with `trans_weight`) through the graph's `logit_map` → `lse [N]` (log-sum-exp of each row),
-//! `label_logit [N]` (`z[n, labels[n]]`, 0 where the label is the ignore index), one
-//! `[N, K_j]` gather `z[:, ids_j]` per id set, and with `mean_logit` the row mean `[N]`.
+//! (`W` = weight, or weightᵀ with `trans_weight`) through the graph's `logit_map` → `lse [N]`
+//! (log-sum-exp of each row), `label_logit [N]` (`z[n, labels[n]]`, 0 where the label is the
+//! ignore index), one `[N, K_j]` gather `z[:, ids_j]` per id set, and with `mean_logit` the row
+//! mean `[N]`.
 //!
 //! `FusedHeadLossGrad(h, weight, bias?, labels, ids…, lse, g_lse, g_label_logit, g_cols…,
 //! g_mean?)` → `(g_h, g_weight, g_bias?)`.
