@@ -59,7 +59,7 @@ def test_soft_capped_scores_and_logits_match_torch(exporter, tmp_path, monkeypat
     """Gemma 2: its scores are soft-capped, `50·tanh(s / 50)` between the scale and the mask,
     which the blockwise attention applies per block (and `1 − t²` in its backward), and so are
     its logits, `30·tanh(z / 30)`, which the fused head applies per chunk
-    (`fused_head/logit_map.rs`); `validate` computes the logits the fused graph no longer holds
+    (`passes/pointwise_map.rs`); `validate` computes the logits the fused graph no longer holds
     through the same map. `--attention onnx` keeps the attention's forward blockwise
     (onnxruntime-gpu's kernel refuses the operator's `softcap`). Can fail: without the `1 − t²`
     the keys' gradients are 8.1e-4 apart; without the map `validate` fails the losses."""
@@ -181,13 +181,13 @@ def test_sdpa_exports_match_torch(arch, exporter, tmp_path):
         onnx.shape_inference.infer_shapes(m, check_type=True, strict_mode=True)
 
 
-def _gradients_match_torch(arch, exporter, attn, tmp_path, variants=VARIANTS, attentions=2):
+def _gradients_match_torch(arch, exporter, attn, tmp_path, attentions=2):
     model, base = build(arch, attn=attn)
     src = tmp_path / "m.onnx"
     export(model, exporter, src)
     ids, labels = batch()
     total, ce, ntl, want = reference(model, base, ARCHS[arch][3], ids, labels)
-    for variant, flags in variants.items():
+    for variant, flags in VARIANTS.items():
         out = tmp_path / f"m.{variant}.grad.onnx"
         r = run_patch(["step", src, "--tokenizer", TOKENIZER, "--weight", str(WEIGHT), "--split", "-o", out,
                        "--json", *flags])
